@@ -1,0 +1,351 @@
+"""Typed run configuration: dataclasses, loaded from TOML and overridden from the command line.
+
+Resolution order: defaults → model preset → TOML file → command-line flags and `--set key=value`.
+Unknown keys, wrong types and impossible values raise `UserError` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from ndtrain.errors import UserError
+
+# Named model sizes. `tiny` keeps tests fast, `small` is the default run (≈3 M parameters),
+# `bench` (≈13 M parameters) is what `ndtrain bench` measures.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=32),
+    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, seq_len=256),
+    "bench": dict(dim=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_dim=1024, seq_len=256),
+}
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
+
+    preset: str = "small"
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 688
+    vocab_size: int = 256
+    seq_len: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        _positive(self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")
+        _positive(self, "norm_eps", "rope_theta", "init_std")
+        if self.dim % self.n_heads:
+            raise UserError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise UserError(f"model head size dim/n_heads={self.dim // self.n_heads} must be even for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}"
+            )
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from. `path=None` is the Python standard library's own source."""
+
+    path: str | None = None
+    val_fraction: float = 0.02
+    eval_samples: int = 256
+
+    def validate(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise UserError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.eval_samples < 0:
+            raise UserError(f"data.eval_samples must be >= 0 (0 = whole validation set), got {self.eval_samples}")
+        if self.path is not None and not Path(self.path).exists():
+            raise UserError(f"data.path {self.path!r} does not exist: give a text file, a folder or a .jsonl file")
+
+
+@dataclass
+class ParallelConfig:
+    """The layout: world = dp × cp × pp × tp (tp fastest). `dp=0` means "whatever the world leaves"."""
+
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    backend: str = "auto"
+    device: str = "auto"
+    bucket_mb: float = 25.0
+    comm_dtype: str = "fp32"
+    allow_unused_params: bool = False
+    timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        if self.dp < 0:
+            raise UserError(f"parallel.dp must be >= 1 (or 0 to fill the world), got {self.dp}")
+        _positive(self, "tp", "pp", "cp", "bucket_mb", "timeout_s")
+        _choice(self, "backend", ("auto", "gloo", "nccl", "mpi"))
+        _choice(self, "device", ("auto", "cpu", "cuda"))
+        _choice(self, "comm_dtype", ("fp32", "bf16"))
+        if self.zero not in (0, 1, 2, 3):
+            raise UserError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
+
+    def check_implemented(self) -> None:
+        """Reject the axes whose strategies do not exist yet, before any process is started."""
+        for axis in ("tp", "pp", "cp"):
+            if getattr(self, axis) != 1:
+                raise UserError(
+                    f"parallel.{axis}={getattr(self, axis)}: this axis is not implemented yet; use {axis}=1"
+                )
+        if self.zero:
+            raise UserError(f"parallel.zero={self.zero}: ZeRO is not implemented yet; use zero=0")
+
+    def resolve_dp(self, world_size: int) -> int:
+        """The dp degree for this world, checking that the axes multiply to it exactly."""
+        model_parallel = self.tp * self.pp * self.cp
+        dp = self.dp or world_size // model_parallel
+        if dp < 1 or dp * model_parallel != world_size:
+            raise UserError(
+                f"layout dp={self.dp or '?'} × cp={self.cp} × pp={self.pp} × tp={self.tp} does not equal "
+                f"the world size {world_size}: change the axes or the number of processes"
+            )
+        return dp
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with global-norm gradient clipping (`grad_clip=0` disables clipping)."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        _positive(self, "lr", "eps")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise UserError("optim.weight_decay and optim.grad_clip must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduleConfig:
+    """Steps, batch and learning-rate schedule (linear warmup, cosine decay to min_lr_ratio·lr).
+
+    `global_batch` sequences per optimizer step are split over the dp ranks and then into
+    micro-batches of `micro_batch` sequences; gradient accumulation covers the rest.
+    """
+
+    steps: int = 1000
+    global_batch: int = 32
+    micro_batch: int = 16
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+
+    def validate(self) -> None:
+        _positive(self, "steps", "global_batch", "micro_batch")
+        if self.warmup_steps < 0:
+            raise UserError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def accumulation_steps(self, dp: int) -> int:
+        """Micro-steps per optimizer step on each rank; the batch must split evenly."""
+        per_rank, rest = divmod(self.global_batch, dp)
+        if rest or per_rank % self.micro_batch:
+            raise UserError(
+                f"schedule.global_batch={self.global_batch} is not divisible by dp={dp} × "
+                f"schedule.micro_batch={self.micro_batch}: change one of them"
+            )
+        return per_rank // self.micro_batch
+
+
+@dataclass
+class CheckpointConfig:
+    """DCP checkpoints in RUN_DIR/checkpoints every `save_every` steps (0 = only at the end)."""
+
+    save_every: int = 0
+    keep: int = 2
+    resume: bool = False
+
+    def validate(self) -> None:
+        if self.save_every < 0:
+            raise UserError(f"checkpoint.save_every must be >= 0, got {self.save_every}")
+        _positive(self, "keep")
+
+
+@dataclass
+class LogConfig:
+    """Run directory, evaluation cadence and progress display."""
+
+    out: str = "runs/default"
+    eval_every: int = 100
+    log_every: int = 10
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.eval_every < 0:
+            raise UserError(f"log.eval_every must be >= 0 (0 = only at the end), got {self.eval_every}")
+        _positive(self, "log_every")
+
+
+@dataclass
+class LaunchConfig:
+    """Local processes started by `ndtrain train` (ignored when an external torchrun started us)."""
+
+    nproc: int = 2
+    threads: int = 0
+
+    def validate(self) -> None:
+        _positive(self, "nproc")
+        if self.threads < 0:
+            raise UserError(f"launch.threads must be >= 0 (0 = cores / nproc), got {self.threads}")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                section.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Build a validated `TrainConfig` from an optional TOML file and dotted-key overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_toml(path)
+    for key, value in (overrides or {}).items():
+        _set_dotted(raw, key, value)
+    cfg = config_from_dict(raw)
+    cfg.validate()
+    return cfg
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
+    """Typed config from a nested dict; a model preset is applied before explicit model keys."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    model_raw = raw.get("model", {})
+    if not isinstance(model_raw, dict):
+        raise UserError("config key 'model' must be a table")
+    preset = model_raw.get("preset", ModelConfig.preset)
+    if preset not in MODEL_PRESETS:
+        raise UserError(f"model.preset={preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)}")
+    raw["model"] = {**MODEL_PRESETS[preset], **model_raw, "preset": preset}
+    return _build(TrainConfig, raw, prefix="")
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key=value` from `--set`; the value is read as TOML (numbers, booleans, quoted strings) or a bare string."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise UserError(f"--set expects key=value, got {item!r}")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return key.strip(), value
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"config key {key!r}: {part!r} is not a section")
+    node[leaf] = value
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            where = f"in section [{prefix[:-1]}]" if prefix else "at top level"
+            raise UserError(f"unknown config key {prefix + key!r} {where}: valid keys are {', '.join(sorted(names))}")
+    kwargs = {}
+    for key, value in raw.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise UserError(f"config key {prefix + key!r} must be a table")
+            kwargs[key] = _build(hint, value, prefix + key + ".")
+        else:
+            kwargs[key] = _check_type(prefix + key, value, hint)
+    return cls(**kwargs)
+
+
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+    names = " or ".join("none" if o is type(None) else o.__name__ for o in options)
+    raise UserError(f"config key {key!r} must be {names}, got {value!r} ({type(value).__name__})")
+
+
+def _positive(section: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value <= 0:
+            raise UserError(f"{_section_name(section)}.{name} must be > 0, got {value}")
+
+
+def _choice(section: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(section, name)
+    if value not in choices:
+        raise UserError(f"{_section_name(section)}.{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _section_name(section: Any) -> str:
+    return type(section).__name__.removesuffix("Config").lower()
