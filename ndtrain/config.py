@@ -179,15 +179,20 @@ class ScheduleConfig:
 
 @dataclass
 class CheckpointConfig:
-    """DCP checkpoints in RUN_DIR/checkpoints every `save_every` steps (0 = only at the end)."""
+    """DCP checkpoints in RUN_DIR/checkpoints every `save_every` steps (0 = only at the end).
+
+    `exit_after` > 0 stops this invocation after that many steps with a checkpoint, for jobs
+    with a time limit; running the same command again continues the run.
+    """
 
     save_every: int = 0
     keep: int = 2
     resume: bool = False
+    exit_after: int = 0
 
     def validate(self) -> None:
-        if self.save_every < 0:
-            raise UserError(f"checkpoint.save_every must be >= 0, got {self.save_every}")
+        if self.save_every < 0 or self.exit_after < 0:
+            raise UserError("checkpoint.save_every and checkpoint.exit_after must be >= 0")
         _positive(self, "keep")
 
 
@@ -349,3 +354,27 @@ def _choice(section: Any, name: str, choices: tuple[str, ...]) -> None:
 
 def _section_name(section: Any) -> str:
     return type(section).__name__.removesuffix("Config").lower()
+
+
+def dump_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML that `load_config` reads back to an equal config (None keys omitted)."""
+    lines: list[str] = []
+    sections = []
+    for key, value in cfg.to_dict().items():
+        if isinstance(value, dict):
+            sections.append((key, value))
+        elif value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for name, table in sections:
+        lines.append(f"\n[{name}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

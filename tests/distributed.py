@@ -6,6 +6,7 @@ one thread, and return picklable results to the parent, which re-raises a worker
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -13,17 +14,19 @@ import tempfile
 import traceback
 from typing import Any, Callable
 
+import torch
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, results: Any, args: tuple) -> None:
-    import torch
-
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     os.environ["NDTRAIN_TEST_INIT_METHOD"] = f"file://{store}"
     torch.set_num_threads(1)
     try:
-        results.put((rank, True, fn(*args)))
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)  # plain bytes: tensors must not travel through shared memory
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -55,7 +58,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     missing = sorted(set(range(world_size)) - set(collected))
                     raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
                 if ok:
-                    collected[rank] = value
+                    collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
                 else:
                     failures.append(f"--- rank {rank} ---\n{value}")
                     break

@@ -1,0 +1,14 @@
+"""ndtrain: one PyTorch model trained across many processes with parallel strategies of our own.
+
+Public surface:
+    ctx = ndtrain.init(ndtrain.ParallelConfig(dp=2))     # joins torchrun's world, builds groups
+    engine = ndtrain.Engine(model_fn, optimizer_fn, ctx)
+    result = engine.train_step(micro_batches)
+"""
+
+from ndtrain.config import ParallelConfig, TrainConfig, load_config
+from ndtrain.engine import Engine, StepResult
+from ndtrain.errors import UserError
+from ndtrain.mesh import ParallelContext, init
+
+__all__ = ["Engine", "ParallelConfig", "ParallelContext", "StepResult", "TrainConfig", "UserError", "init", "load_config"]

@@ -1,0 +1,124 @@
+"""The `ndtrain` command: train, generate, bench.
+
+`ndtrain train` validates the whole configuration in the launching process (so mistakes end in
+one line and exit status 2 before any worker starts), then either runs as a worker (when
+torchrun started this process) or launches `--nproc` local workers through torchrun's elastic
+agent, each re-running the same command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ndtrain.config import MODEL_PRESETS, TrainConfig, load_config, parse_override
+from ndtrain.errors import UserError
+
+# Everyday flags and the config key each one sets.
+TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--nproc": ("launch.nproc", int, "local worker processes to start (default 2)"),
+    "--dp": ("parallel.dp", int, "data-parallel degree (default: what the world leaves)"),
+    "--tp": ("parallel.tp", int, "tensor-parallel degree"),
+    "--pp": ("parallel.pp", int, "pipeline-parallel degree"),
+    "--cp": ("parallel.cp", int, "context-parallel degree"),
+    "--zero": ("parallel.zero", int, "ZeRO stage 0-3"),
+    "--model": ("model.preset", str, f"model size preset: {', '.join(MODEL_PRESETS)}"),
+    "--steps": ("schedule.steps", int, "optimizer steps"),
+    "--out": ("log.out", str, "run directory (default runs/default)"),
+    "--seed": ("seed", int, "seed of init and data order"),
+    "--save-every": ("checkpoint.save_every", int, "checkpoint every N steps (0 = only at the end)"),
+    "--data": ("data.path", str, "text file, folder of text files, or .jsonl with a 'text' field"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ndtrain", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train a model (no arguments: the embedded default run)")
+    train.add_argument("config", nargs="?", help="TOML config file (optional)")
+    for flag, (key, kind, help_text) in TRAIN_FLAGS.items():
+        train.add_argument(flag, type=kind, help=f"{help_text} [{key}]")
+    train.add_argument("--resume", action="store_true", help="continue from the run directory's newest checkpoint")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override any config key, e.g. --set optim.lr=3e-4 (repeatable)")
+
+    gen = commands.add_parser("generate", help="sample text from a trained run")
+    gen.add_argument("run_dir", type=Path)
+    gen.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
+    gen.add_argument("--max-new-tokens", type=int, default=300)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--seed", type=int, default=0)
+
+    from ndtrain.bench import cli as bench_cli
+
+    bench = commands.add_parser("bench", help="ours vs the PyTorch-native equivalent, alternating runs")
+    bench_cli.add_arguments(bench)
+    return parser
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    overrides: dict[str, Any] = {}
+    for flag, (key, _, _) in TRAIN_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            overrides[key] = value
+    if args.resume:
+        overrides["checkpoint.resume"] = True
+    overrides.update(parse_override(item) for item in args.set)
+    cfg = load_config(args.config, overrides)
+    cfg.parallel.check_implemented()
+    return cfg
+
+
+def run_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from ndtrain.launch import in_worker, launch_local
+
+    cfg = train_config(args)
+    if in_worker():
+        return train_worker(cfg)
+    dp = cfg.parallel.resolve_dp(cfg.launch.nproc)
+    cfg.schedule.accumulation_steps(dp)
+    if cfg.launch.nproc == 1:
+        return train_worker(cfg)
+    return launch_local(argv, cfg.launch.nproc)
+
+
+def train_worker(cfg: TrainConfig) -> int:
+    from ndtrain.launch import set_worker_threads
+    from ndtrain.mesh import init
+    from ndtrain.trainer import Trainer
+
+    set_worker_threads(cfg.launch.threads)
+    ctx = init(cfg.parallel)
+    try:
+        Trainer(cfg, ctx).run()
+    except UserError as e:
+        if ctx.is_main:
+            print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        ctx.destroy()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(args, argv)
+        if args.command == "generate":
+            from ndtrain.generate import generate_text
+
+            print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+            return 0
+        from ndtrain.bench import cli as bench_cli
+
+        return bench_cli.main(args)
+    except UserError as e:
+        print(f"ndtrain: error: {e}", file=sys.stderr)
+        return 2

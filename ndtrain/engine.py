@@ -1,0 +1,118 @@
+"""`Engine`: one model + optimizer trained under a `ParallelContext`.
+
+The engine places the model on the context's device, wraps it in the data-parallel strategy
+(our `DataParallel`: gradients all-reduced over dp×cp during backward), and runs one optimizer
+step per `train_step` over the micro-batches it is given: forward/backward of each (gradient
+sync only on the last, via `no_sync`), global gradient norm and clipping, optimizer and LR
+schedule step. Per step it communicates the gradient all-reduce (2(N−1)/N · 4Ψ bytes for Ψ fp32
+parameters) plus one 8-byte all-reduce of the loss and token count for reporting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ndtrain.mesh import ParallelContext
+from ndtrain.parallel.ddp import DataParallel
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
+
+_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class StepResult:
+    loss: float          # mean loss over the global batch
+    tokens: int          # tokens in the global batch
+    grad_norm: float     # global gradient norm before clipping
+    lr: float            # learning rate used for this step
+    comm_bytes: int      # wire bytes this rank sent during the step
+
+
+class Engine:
+    """Builds and drives one model replica of the data-parallel group."""
+
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer],
+        ctx: ParallelContext,
+        *,
+        scheduler_fn: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
+        grad_clip: float = 0.0,
+    ) -> None:
+        ctx.config.check_implemented()
+        self.ctx = ctx
+        self.model = model_fn().to(ctx.device)
+        self.wrapped = DataParallel(
+            self.model, ctx,
+            bucket_mb=ctx.config.bucket_mb,
+            comm_dtype=_COMM_DTYPES[ctx.config.comm_dtype],
+            allow_unused=ctx.config.allow_unused_params,
+        )
+        self.optimizer = optimizer_fn(self.model)
+        self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
+        self.grad_clip = grad_clip
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
+        """One optimizer step over this rank's micro-batches (equal sizes, full-length samples)."""
+        comm_before = self.ctx.comm.stats.total_wire_bytes()
+        self.model.train()
+        self.wrapped.zero_grad()
+        lr = self.optimizer.param_groups[0]["lr"]
+        count = len(micro_batches)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        tokens = 0
+        for i, (x, y) in enumerate(micro_batches):
+            sync = i == count - 1
+            with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+                loss = self.wrapped(x.to(self.ctx.device), y.to(self.ctx.device))
+                (loss / count).backward()
+            loss_sum += loss.detach()
+            tokens += y.numel()
+        grad_norm = self.clip_gradients()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        totals = torch.stack([loss_sum / count, torch.tensor(float(tokens), device=self.ctx.device)])
+        self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))
+        dp = self.ctx.group("dp_cp").size
+        return StepResult(
+            loss=totals[0].item() / dp,
+            tokens=int(totals[1].item()),
+            grad_norm=grad_norm,
+            lr=lr,
+            comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before,
+        )
+
+    def clip_gradients(self) -> float:
+        """Global L2 norm of all gradients (summed over the model-parallel group); clip if configured.
+
+        Same formula as `torch.nn.utils.clip_grad_norm_`: scale by max_norm / (norm + 1e-6) when < 1.
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+        self.ctx.comm.all_reduce(squares, self.ctx.group("mp"))
+        norm = squares.sqrt()
+        if self.grad_clip > 0:
+            scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, scale)
+        return norm.item()
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
+        """Mean loss and token count over every rank's batches, each token counted exactly once."""
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for x, y in batches:
+            loss = self.model(x.to(self.ctx.device), y.to(self.ctx.device))
+            totals[0] += loss.double() * y.numel()
+            totals[1] += y.numel()
+        self.ctx.comm.all_reduce(totals, self.ctx.group("dp"))
+        tokens = int(totals[1].item())
+        return (totals[0].item() / tokens if tokens else float("nan")), tokens

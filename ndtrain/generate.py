@@ -1,0 +1,68 @@
+"""Sampling text from a trained run: temperature and top-k sampling, one process, no KV cache.
+
+Each new token re-runs the model on the last seq_len tokens: O(n · seq_len²) work for n tokens,
+which is fine for the small models trained here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ndtrain.checkpoint import latest_checkpoint, load_model_weights
+from ndtrain.config import TrainConfig, load_config
+from ndtrain.data.tokenizer import ByteTokenizer
+from ndtrain.errors import UserError
+from ndtrain.models.llama import build_model
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, seq_len: int,
+    temperature: float, top_k: int, generator: torch.Generator,
+) -> torch.Tensor:
+    """Extend the 1-D token tensor `prompt` by `max_new_tokens` sampled tokens."""
+    tokens = prompt.long()
+    for _ in range(max_new_tokens):
+        logits = model(tokens[-seq_len:].unsqueeze(0))[0, -1].float()
+        if temperature == 0:
+            next_token = logits.argmax()
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.numel():
+                cutoff = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < cutoff, float("-inf"))
+            next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
+        tokens = torch.cat([tokens, next_token.view(1)])
+    return tokens
+
+
+def load_run(run_dir: Path) -> tuple[TrainConfig, nn.Module]:
+    """The config and final weights of a run directory, as a single-process model in eval mode."""
+    config_file = run_dir / "config.toml"
+    if not config_file.exists():
+        raise UserError(f"{str(run_dir)!r} is not an ndtrain run directory (no config.toml): give the --out of a run")
+    cfg = load_config(config_file)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is None:
+        raise UserError(f"run directory {str(run_dir)!r} has no checkpoint yet: train it first")
+    model = build_model(cfg.model, cfg.seed)
+    load_model_weights(checkpoint, model)
+    return cfg, model.eval()
+
+
+def generate_text(
+    run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int
+) -> str:
+    if temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {temperature}")
+    if max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    cfg, model = load_run(run_dir)
+    tokenizer = ByteTokenizer()
+    prompt_ids = tokenizer.encode(prompt) if prompt else torch.tensor([ord("\n")], dtype=torch.uint8)
+    generator = torch.Generator().manual_seed(seed)
+    out = sample(model, prompt_ids, max_new_tokens, cfg.model.seq_len, temperature, top_k, generator)
+    return tokenizer.decode(out)

@@ -1,0 +1,55 @@
+"""Peak memory of this process: device allocator peak on CUDA, peak resident set (VmHWM) on CPU.
+
+On Linux the CPU peak can be reset by writing 5 to /proc/self/clear_refs, so a peak can be
+measured per phase (per training step, per benchmark run). The CPU figure includes the
+process's own baseline (interpreter, torch libraries), reported separately by `baseline_bytes`.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        pass  # not Linux: the peak stays the process lifetime peak
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Peak bytes since the last `reset_peak` (CUDA allocator, or CPU resident set)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def current_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    kib = _status_kib("VmRSS")
+    return (kib or 0) * 1024

@@ -1,0 +1,149 @@
+"""A Llama-style decoder-only language model: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Symbols: V vocabulary, d = dim, L layers, H query heads, K kv heads, h = d / H head size,
+f = ffn_dim. Parameters (weights only, no biases):
+
+    embedding V·d  +  L · (2·d² + 2·d·K·h  [wq, wo, wk, wv]  +  3·d·f  [w1, w2, w3]  +  2·d  [norms])
+    +  d  [final norm]  +  V·d  [output head, absent when tied to the embedding]
+
+Attention projections infer the head count from their output width (`view(..., -1, h)`), so a
+tensor-parallel shard of wq/wk/wv holding a subset of heads runs this code unchanged. RoPE tables
+are computed per forward from the positions, so nothing position-dependent is in the state_dict.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndtrain.config import ModelConfig
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, each [len(positions), head_dim / 2], in fp32."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the last dim of x [B, heads, T, h] by the angles for its T positions."""
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention: H query heads share K key/value heads (H/K each)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) · w3 x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then + feed_forward(norm(·))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Token embedding → n_layers `Block`s (in `self.layers`) → RMSNorm → output head to the vocabulary."""
+
+    # Output projections of each block; their init std is scaled by 1/sqrt(2·n_layers).
+    RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """normal(0, init_std) matrices (block outputs scaled down), norm weights one; uses the global RNG."""
+        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if param.ndim == 1:
+                    param.fill_(1.0)
+                elif name.endswith(self.RESIDUAL_OUTPUTS):
+                    param.normal_(0.0, residual_std)
+                else:
+                    param.normal_(0.0, self.cfg.init_std)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V], or with targets the mean cross-entropy over all B·T tokens (fp32 scalar)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = rotary_tables(positions, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.output(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Llama:
+    """The model initialised from `seed`: bit-identical in every process; the caller's RNG is untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Llama(cfg)
+    return model.to(device)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameter elements, a tied (shared) tensor counted once."""
+    return sum(p.numel() for p in model.parameters())

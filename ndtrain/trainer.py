@@ -1,0 +1,232 @@
+"""The training loop: data order, LR schedule, evaluation, checkpoints, metrics and progress.
+
+Data: the corpus is cut into windows of seq_len+1 bytes; each epoch is a seeded permutation and
+global step s trains on its windows [s·G, (s+1)·G) (G = global batch), dealt round-robin to the dp
+ranks, so the data order is a pure function of (seed, epoch, step) and resuming needs only the
+step. Each rank splits its G/dp windows into micro-batches (gradient accumulation).
+Evaluation: a fixed, evenly spaced subset of validation windows, split into uneven contiguous
+shards (no padding), loss and token counts summed with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ndtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ndtrain.config import TrainConfig, dump_toml
+from ndtrain.data.corpus import TokenWindows, load_corpus
+from ndtrain.data.sampler import DistributedSampler, eval_shard
+from ndtrain.engine import Batch, Engine, StepResult
+from ndtrain.errors import UserError
+from ndtrain.memory import peak_bytes, reset_peak
+from ndtrain.mesh import ParallelContext
+from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
+from ndtrain.models.llama import build_model, count_parameters
+
+
+def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and other vectors are not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    o = cfg.optim
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def build_engine(cfg: TrainConfig, ctx: ParallelContext) -> Engine:
+    s = cfg.schedule
+    return Engine(
+        lambda: build_model(cfg.model, cfg.seed),
+        lambda model: adamw(model, cfg),
+        ctx,
+        scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_multiplier(step, s.warmup_steps, s.steps, s.min_lr_ratio)
+        ),
+        grad_clip=cfg.optim.grad_clip,
+    )
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.run_dir = Path(cfg.log.out)
+        self.checkpoints = self.run_dir / "checkpoints"
+        corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
+        self.corpus_description = corpus.description
+        self.train_set = TokenWindows(corpus.train, cfg.model.seq_len, name="train")
+        self.val_set = TokenWindows(corpus.val, cfg.model.seq_len, name="validation")
+        dp, dp_rank = ctx.size("dp"), ctx.coord("dp")
+        self.accumulation = cfg.schedule.accumulation_steps(dp)
+        self.rank_batch = cfg.schedule.global_batch // dp
+        self.sampler = DistributedSampler(len(self.train_set), dp, dp_rank, seed=cfg.seed)
+        self.steps_per_epoch = len(self.sampler) // self.rank_batch
+        self._epoch_cache: tuple[int, list[int]] = (-1, [])
+        if self.steps_per_epoch == 0:
+            raise UserError(
+                f"the training data has {len(self.train_set)} windows of {cfg.model.seq_len + 1} bytes, fewer than "
+                f"one global batch of {cfg.schedule.global_batch}: use more data or a smaller schedule.global_batch"
+            )
+        self.engine = build_engine(cfg, ctx)
+
+    # ---- data -------------------------------------------------------------------------------
+    def _epoch_indices(self, epoch: int) -> list[int]:
+        if self._epoch_cache[0] != epoch:
+            self._epoch_cache = (epoch, self.sampler.epoch_indices(epoch))
+        return self._epoch_cache[1]
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        """This rank's micro-batches for global step `step` (0-based)."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        indices = self._epoch_indices(epoch)[position * self.rank_batch : (position + 1) * self.rank_batch]
+        xs, ys = zip(*(self.train_set[i] for i in indices))
+        x, y = torch.stack(xs), torch.stack(ys)
+        size = self.cfg.schedule.micro_batch
+        return [(x[i : i + size], y[i : i + size]) for i in range(0, len(indices), size)]
+
+    @cached_property
+    def eval_indices(self) -> list[int]:
+        """Evenly spaced validation windows (all when data.eval_samples is 0), this rank's shard."""
+        total = len(self.val_set)
+        wanted = total if self.cfg.data.eval_samples == 0 else min(total, self.cfg.data.eval_samples)
+        chosen = [i * total // wanted for i in range(wanted)]
+        shard = eval_shard(len(chosen), self.ctx.size("dp"), self.ctx.coord("dp"))
+        return [chosen[i] for i in shard]
+
+    def eval_batches(self) -> Iterator[Batch]:
+        size = self.cfg.schedule.micro_batch
+        for start in range(0, len(self.eval_indices), size):
+            xs, ys = zip(*(self.val_set[i] for i in self.eval_indices[start : start + size]))
+            yield torch.stack(xs), torch.stack(ys)
+
+    # ---- loop -------------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Load the newest checkpoint of the run directory; return the step to continue from."""
+        path = latest_checkpoint(self.checkpoints)
+        if path is None:
+            if self.cfg.checkpoint.resume:
+                raise UserError(f"--resume: no checkpoint in {str(self.checkpoints)!r}; drop --resume to start a new run")
+            return 0
+        progress = load_checkpoint(path, self.engine.model, self.engine.optimizer, self.ctx)
+        self.engine.scheduler.load_state_dict(progress["scheduler"])
+        return int(progress["step"])
+
+    def save(self, step: int) -> None:
+        progress = {"step": step, "scheduler": self.engine.scheduler.state_dict(), "world_size": self.ctx.world_size}
+        save_checkpoint(
+            self.checkpoints, step, self.engine.model, self.engine.optimizer, progress, self.ctx,
+            keep=self.cfg.checkpoint.keep,
+        )
+
+    def run(self) -> dict[str, Any]:
+        cfg, ctx = self.cfg, self.ctx
+        main = ctx.is_main
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        ctx.comm.barrier(ctx.group("world"))
+        start = self.resume()
+        if start >= cfg.schedule.steps:
+            raise UserError(
+                f"the run in {str(self.run_dir)!r} is already complete at step {start}: "
+                f"use a new --out directory, or --steps N > {start} to continue it"
+            )
+        metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=start) if main else None
+        if main:
+            (self.run_dir / "config.toml").write_text(dump_toml(cfg))
+            print(self.describe(start), flush=True)
+        bar = tqdm(total=cfg.schedule.steps, initial=start, disable=not (main and cfg.log.progress),
+                   unit="step", dynamic_ncols=True)
+        started = time.perf_counter()
+        tokens_seen, last_val, step_peak, result = 0, float("nan"), 0, None
+        stop = cfg.schedule.steps
+        if cfg.checkpoint.exit_after:
+            stop = min(stop, start + cfg.checkpoint.exit_after)
+        for step in range(start, stop):
+            reset_peak(ctx.device)
+            t0 = time.perf_counter()
+            result = self.engine.train_step(self.micro_batches(step))
+            elapsed = time.perf_counter() - t0
+            step_peak = max(step_peak, peak_bytes(ctx.device))
+            tokens_seen += result.tokens
+            done = step + 1
+            record: dict[str, Any] = {}
+            if done % cfg.log.log_every == 0 or done == cfg.schedule.steps:
+                record.update(self.step_record(done, result, elapsed, peak_bytes(ctx.device)))
+            evaluate_now = (cfg.log.eval_every and done % cfg.log.eval_every == 0) or done == cfg.schedule.steps
+            if evaluate_now:
+                last_val, _ = self.engine.evaluate(self.eval_batches())
+                record.update(step=done, val_loss=last_val)
+            if (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == stop:
+                self.save(done)
+            if metrics and record:
+                metrics.write(record)
+            bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{last_val:.3f}", tok_s=f"{result.tokens / elapsed:,.0f}")
+            bar.update(1)
+        bar.close()
+        wall = time.perf_counter() - started
+        peak = torch.tensor(float(step_peak), device=ctx.device)
+        ctx.comm.all_reduce(peak, ctx.group("world"), op=torch.distributed.ReduceOp.MAX)
+        summary = {
+            "steps": stop, "resumed_from": start, "final_loss": result.loss, "val_loss": last_val,
+            "tokens": tokens_seen, "seconds": wall, "tokens_per_s": tokens_seen / wall,
+            "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes_max_rank": int(peak.item()),
+            "world_size": ctx.world_size, "parameters": count_parameters(self.engine.model),
+        }
+        if main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            plot_loss_curve(metrics.read(), self.run_dir / "loss.png", f"{cfg.model.preset} on {ctx.world_size} ranks")
+            print(self.summary_table(summary), flush=True)
+        return summary
+
+    def step_record(self, step: int, result: StepResult, elapsed: float, peak: int) -> dict[str, Any]:
+        return {
+            "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            "tokens_per_s": result.tokens / elapsed, "step_time_s": elapsed,
+            "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes": peak,
+        }
+
+    def describe(self, start: int) -> str:
+        cfg, ctx = self.cfg, self.ctx
+        layout = " × ".join(f"{a}={ctx.size(a)}" for a in ("dp", "cp", "pp", "tp"))
+        action = f"resuming at step {start}" if start else "starting"
+        return (
+            f"ndtrain: {action}: model {cfg.model.preset} ({count_parameters(self.engine.model) / 1e6:.2f} M params), "
+            f"{layout} on {ctx.world_size} {ctx.device.type} process(es), backend {ctx.backend}, "
+            f"{torch.get_num_threads()} thread(s)/process\n"
+            f"ndtrain: data {self.corpus_description}: {len(self.train_set)} train / {len(self.val_set)} val windows "
+            f"of {cfg.model.seq_len} tokens; global batch {cfg.schedule.global_batch} = dp {ctx.size('dp')} × "
+            f"micro {cfg.schedule.micro_batch} × accumulation {self.accumulation}; run dir {self.run_dir}"
+        )
+
+    def summary_table(self, s: dict[str, Any]) -> str:
+        rows = [
+            ("steps", f"{s['steps']} (resumed from {s['resumed_from']})" if s["resumed_from"] else str(s["steps"])),
+            ("final train loss", f"{s['final_loss']:.4f} nats/byte"),
+            ("validation loss", f"{s['val_loss']:.4f} nats/byte"),
+            ("tokens", f"{s['tokens']:,}"),
+            ("wall time", f"{s['seconds']:.1f} s"),
+            ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
+            ("comm per step", f"{human_bytes(s['comm_bytes_per_step'])} sent per rank"),
+            ("peak memory", f"{human_bytes(s['peak_memory_bytes_max_rank'])} (max over ranks)"),
+            ("run directory", str(self.run_dir)),
+        ]
+        return format_table(rows, "ndtrain: summary")
