@@ -1,4 +1,4 @@
-"""The `ndtrain` command: train, generate, bench.
+"""The `ndtrain` command: train, generate, bench, plan.
 
 `ndtrain train` validates the whole configuration in the launching process (so mistakes end in
 one line and exit status 2 before any worker starts), then either runs as a worker (when
@@ -54,9 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
 
     from ndtrain.bench import cli as bench_cli
+    from ndtrain.plan import cli as plan_cli
 
     bench = commands.add_parser("bench", help="ours vs the PyTorch-native equivalent, alternating runs")
     bench_cli.add_arguments(bench)
+    plan = commands.add_parser("plan", help="predict memory and step time of every layout; recommend one")
+    plan_cli.add_arguments(plan)
     return parser
 
 
@@ -116,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
             return 0
+        if args.command == "plan":
+            from ndtrain.plan import cli as plan_cli
+
+            return plan_cli.main(args)
         from ndtrain.bench import cli as bench_cli
 
         return bench_cli.main(args)

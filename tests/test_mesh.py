@@ -47,3 +47,15 @@ def test_groups_and_counts_on_four_ranks() -> None:
     stats = out[0]["stats"]
     assert stats["all_reduce/dp"] == {"calls": 1, "payload_bytes": 4000, "wire_bytes": 4000}
     assert stats["all_reduce/tp"] == {"calls": 1, "payload_bytes": 40, "wire_bytes": 40}
+
+
+def test_backend_choice() -> None:
+    from ndtrain.mesh import resolve_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "gloo"
+    with pytest.raises(UserError, match="'nccl' needs CUDA devices"):
+        resolve_backend("nccl", cpu)
+    if not torch.distributed.is_mpi_available():
+        with pytest.raises(UserError, match="this torch build has no MPI support"):
+            resolve_backend("mpi", cpu)

@@ -1,0 +1,134 @@
+"""`ndtrain plan`: predict memory and step time of every layout of a model on a cluster; recommend one.
+
+    ndtrain plan --model llama3-70b --gpus 64 --gpu h100-sxm --global-batch 512
+    ndtrain plan --arch gpt --layers 48 --hidden 6144 --heads 48 --vocab 51200 --seq 2048 ...
+    ndtrain plan ... --tp 8 --pp 4 --dp 2 --cp 1 --zero 1 --mbs 1 --recompute selective --sp on
+                 --schedule 1f1b      (every layout flag given: that one layout is evaluated)
+    ndtrain plan --calibrate [--out PATH]        measure this machine into a CPU profile
+    ndtrain plan --profile PATH --gpus 4 ...     plan local CPU processes with that profile
+    ndtrain plan --published                     the cluster-scale check against published runs
+
+Public API: `add_arguments(parser)` declares the flags, `main(args) -> int` runs them (0 done,
+1 nothing fits, 2 a user mistake, printed as one line `ndtrain: error: ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ndtrain.errors import UserError
+from ndtrain.plan import arch, calibrate, report
+from ndtrain.plan.hardware import Cluster, gpu, load_profile
+from ndtrain.plan.search import Fixed, search
+
+DEFAULT_PROFILE = Path("plan-profile.json")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (a preset, or --arch and its sizes)")
+    model.add_argument("--model", help=f"preset: {', '.join(arch.PRESETS)}")
+    model.add_argument("--arch", help="gpt or llama, with --layers --hidden --heads [--kv-heads] [--ffn] --vocab --seq")
+    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab", "--seq"):
+        model.add_argument(flag, type=int)
+
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--gpus", type=int, help="number of GPUs (or local processes with --profile)")
+    cluster.add_argument("--gpu", help="a100-40gb, a100-80gb, h100-sxm or h200")
+    cluster.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    cluster.add_argument("--intra-bw", type=float, help="intra-node bandwidth per GPU, GB/s")
+    cluster.add_argument("--inter-bw", type=float, help="inter-node bandwidth per GPU, GB/s")
+    cluster.add_argument("--profile", type=Path, help="calibrated CPU profile (from --calibrate) instead of --gpu")
+    cluster.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+
+    fixed = parser.add_argument_group("layout (each one given is fixed; all given = one layout)")
+    for flag in ("--tp", "--pp", "--dp", "--cp", "--zero", "--mbs", "--vpp"):
+        fixed.add_argument(flag, type=int)
+    fixed.add_argument("--recompute", help="none, selective or full")
+    fixed.add_argument("--sp", help="sequence parallelism: on or off")
+    fixed.add_argument("--schedule", help="gpipe, 1f1b, interleaved or zb")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    out.add_argument("--json", action="store_true", help='print {"candidates": [...]} best first')
+    out.add_argument("--explain", action="store_true", help="why rejected layouts fail: counts and examples")
+    out.add_argument("--published", action="store_true", help="compare with published large-scale runs")
+    out.add_argument("--calibrate", action="store_true", help="measure this machine into a CPU profile")
+    out.add_argument("--out", type=Path, default=DEFAULT_PROFILE, help=f"profile path (default {DEFAULT_PROFILE})")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except UserError as e:
+        print(f"ndtrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        profile = calibrate.run(args.out)
+        print(calibrate.summary(profile))
+        print(f"written {args.out}")
+        return 0
+    if args.published:
+        print(report.published_table())
+        return 0
+    model = _model(args)
+    cluster = _cluster(args)
+    if args.global_batch is None:
+        raise UserError("--global-batch is required: the number of sequences per optimizer step")
+    if args.top <= 0:
+        raise UserError(f"--top {args.top} must be > 0")
+    result = search(model, cluster, args.global_batch, _fixed(args))
+    fits = any(c.fits for c in result.candidates)
+    if args.json:
+        print(report.to_json(result, args.top))
+    else:
+        print(report.header(model, cluster, args.global_batch))
+        print(report.table(result, args.top))
+        if args.explain or not fits:
+            print(report.explain(result))
+    if not fits:
+        print("ndtrain: no layout fits in memory: the smallest are shown; add GPUs, recompute or ZeRO",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _model(args: argparse.Namespace) -> arch.ModelSpec:
+    if args.model and args.arch:
+        raise UserError("give either --model PRESET or --arch with sizes, not both")
+    if args.model:
+        return arch.preset(args.model, args.seq)
+    if args.arch:
+        return arch.explicit(args.arch, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn,
+                             args.vocab, args.seq)
+    raise UserError("no model: give --model PRESET (e.g. llama3-8b) or --arch gpt|llama with its sizes")
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    if args.gpus is None:
+        raise UserError("--gpus is required: the number of GPUs (or local processes with --profile)")
+    if args.profile is not None:
+        if args.gpu:
+            raise UserError("give either --gpu NAME or --profile PATH, not both")
+        if args.gpus <= 0:
+            raise UserError(f"--gpus {args.gpus} must be > 0")
+        return Cluster(load_profile(args.profile, args.gpus), args.gpus, args.gpus)
+    if not args.gpu:
+        raise UserError("--gpu is required: a100-40gb, a100-80gb, h100-sxm or h200 (or --profile PATH)")
+    return Cluster(gpu(args.gpu, args.intra_bw, args.inter_bw), args.gpus, args.gpus_per_node)
+
+
+def _fixed(args: argparse.Namespace) -> Fixed:
+    sp = None
+    if args.sp is not None:
+        if args.sp not in ("on", "off"):
+            raise UserError(f"--sp {args.sp!r}: use --sp on or --sp off")
+        sp = args.sp == "on"
+    if args.schedule is not None and args.schedule not in ("gpipe", "1f1b", "interleaved", "zb", "none"):
+        raise UserError(f"--schedule {args.schedule!r} is unknown: choose gpipe, 1f1b, interleaved or zb")
+    return Fixed(args.tp, args.pp, args.dp, args.cp, args.zero, args.mbs, args.vpp, args.recompute, sp,
+                 args.schedule)

@@ -1,0 +1,158 @@
+"""Device and cluster specs: peak compute, memory, links; GPU presets and calibrated CPU profiles.
+
+A device is described by
+    peak        dense matmul FLOP/s in the training precision (bf16 on GPUs, fp32 on CPU)
+    η           achievable fraction of that peak for transformer matmuls (the one fitted constant
+                per GPU type; see docs/planner.md for the published run that set each)
+    HBM         memory bandwidth, which prices the memory-bound element-wise work
+    links       intra-node and inter-node (bandwidth B per GPU, latency α), used by the α–β
+                collective model in `collectives.py`
+
+GPU figures: NVIDIA A100 and H100/H200 datasheets (bf16 dense 312 / 989 / 989 TFLOP/s; HBM
+1.555 / 2.039 / 3.35 / 4.8 TB/s). Link defaults are achievable bus bandwidths of NCCL ring
+collectives on large messages (≈ 80 % of the NVLink per-direction rate, ≈ 95 % of one
+200 Gb/s HDR or 400 Gb/s NDR NIC per GPU), overridable with --intra-bw / --inter-bw.
+
+A CPU profile (JSON written by `ndtrain plan --calibrate`) replaces all of these by what was
+measured on this machine for a given number of local processes (η = 1: the measured matmul rate
+is already what is achieved), and its communication never overlaps compute: gloo runs on the
+same cores.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ndtrain.errors import UserError
+
+GIB = 1024**3
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s per rank, one direction
+    latency: float  # seconds per message step (α)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state and per stored activation value."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+
+# Rajbhandari 2020 (ZeRO), §3.1: bf16/fp16 weights and gradients, fp32 master weights + Adam
+# moments = 2 + 2 + 12 bytes per parameter. Pure fp32 Adam (what CPU processes run): 4 + 4 + 8.
+MIXED_BF16 = Precision("bf16-mixed", 2, 2, 12, 2)
+FP32 = Precision("fp32", 4, 4, 8, 4)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    kind: str  # "gpu" or "cpu"
+    peak_flops: float
+    matmul_efficiency: float
+    memory_bytes: float
+    reserved_bytes: float  # runtime context, communication buffers, allocator workspace
+    hbm_bandwidth: float
+    intra: Link
+    inter: Link
+    precision: Precision
+    overlaps_comm: bool  # GPUs communicate beside compute; CPU collectives run on the computing cores
+
+
+def _gpu(name: str, peak_tflops: float, eta: float, memory_gib: float, hbm_tbs: float, intra_gbs: float,
+         inter_gbs: float) -> Hardware:
+    return Hardware(
+        name, "gpu", peak_tflops * 1e12, eta, memory_gib * GIB, 2 * GIB, hbm_tbs * 1e12,
+        Link(intra_gbs * GB, 5e-6), Link(inter_gbs * GB, 10e-6), MIXED_BF16, True,
+    )
+
+
+# η: A100 from Korthikanti 2022 Table 5 (GPT-3 175B, selective recompute + SP: 13.75 s/iteration),
+# H100 from Llama Team 2024 Table 4 (405B on 8,192 GPUs: 430 TFLOP/s/GPU); H200 shares the H100's
+# compute die, so its η. Each value is the one for which the planner reproduces that run.
+A100_ETA = 0.73
+H100_ETA = 0.65
+
+GPUS: dict[str, Hardware] = {
+    hw.name: hw
+    for hw in (
+        _gpu("a100-40gb", 312, A100_ETA, 40, 1.555, 240, 24),
+        _gpu("a100-80gb", 312, A100_ETA, 80, 2.039, 240, 24),
+        _gpu("h100-sxm", 989, H100_ETA, 80, 3.35, 360, 48),
+        _gpu("h200", 989, H100_ETA, 140, 4.8, 360, 48),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    hardware: Hardware
+    gpus: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.gpus <= 0:
+            raise UserError(f"--gpus {self.gpus} must be > 0")
+        if self.gpus_per_node <= 0:
+            raise UserError(f"--gpus-per-node {self.gpus_per_node} must be > 0")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise UserError(
+                f"--gpus {self.gpus} is not a multiple of --gpus-per-node {self.gpus_per_node}: use whole nodes"
+            )
+
+    def link(self, stride: int, size: int) -> Link:
+        """The slowest link a group of `size` ranks spaced `stride` apart spans (ranks fill nodes in order)."""
+        within_node = stride * size <= self.gpus_per_node
+        return self.hardware.intra if within_node else self.hardware.inter
+
+
+def gpu(name: str, intra_bw_gbs: float | None = None, inter_bw_gbs: float | None = None) -> Hardware:
+    if name not in GPUS:
+        raise UserError(f"--gpu {name!r} is unknown: choose one of {', '.join(GPUS)} (or --profile PATH)")
+    hw = GPUS[name]
+    for flag, value in (("--intra-bw", intra_bw_gbs), ("--inter-bw", inter_bw_gbs)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} {value} must be > 0 (GB/s per GPU)")
+    if intra_bw_gbs is not None:
+        hw = replace(hw, intra=Link(intra_bw_gbs * GB, hw.intra.latency))
+    if inter_bw_gbs is not None:
+        hw = replace(hw, inter=Link(inter_bw_gbs * GB, hw.inter.latency))
+    return hw
+
+
+def load_profile(path: Path, processes: int) -> Hardware:
+    """The "cpu" device of a calibrated profile, for `processes` local ranks sharing the machine."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"--profile {path}: cannot read a calibration profile ({e}); run `ndtrain plan --calibrate`")
+    if data.get("kind") != "ndtrain-cpu-profile":
+        raise UserError(f"--profile {path} is not an ndtrain CPU profile: write one with `ndtrain plan --calibrate`")
+    flops = _per_process(data["matmul_gflops"]["fp32"], processes) * GB
+    memory_bw = _per_process(data["memory_gbs"], processes) * GB
+    fit = data["collectives"]["all_reduce"]
+    nearest = str(min((int(n) for n in fit), key=lambda n: (abs(n - processes), -n)))
+    link = Link(fit[nearest]["bandwidth_gbs"] * GB, fit[nearest]["latency_us"] * 1e-6)
+    ram = data["memory_total_gib"] * GIB / processes
+    reserved = data["process_baseline_mib"] * 1024**2
+    return Hardware("cpu", "cpu", flops, 1.0, ram, reserved, memory_bw, link, link, FP32, False)
+
+
+def _per_process(rates: dict[str, float], processes: int) -> float:
+    """The measured per-process rate at this concurrency; beyond the measured counts, the machine's
+    best total rate shared evenly (more processes than cores only split the same cores)."""
+    if str(processes) in rates:
+        return rates[str(processes)]
+    best_total = max(int(n) * rate for n, rate in rates.items())
+    below = [int(n) for n in rates if int(n) < processes]
+    return min(best_total / processes, rates[str(max(below))]) if below else rates[min(rates, key=int)]

@@ -1,0 +1,152 @@
+"""Memory per rank: model states (ZeRO stages 0–3) and activations (Korthikanti 2022), per stage.
+
+Model states (Rajbhandari 2020, §3 and Figure 1). Ψ = parameters held by the rank's stage / tp,
+N = dp·cp (context-parallel ranks hold the same parameters, so they shard ZeRO state too), and
+per-parameter bytes 2 + 2 + K with K = 12 (bf16 weights, bf16 gradients, fp32 master + Adam):
+    stage 0   2Ψ + 2Ψ + KΨ
+    stage 1   2Ψ + 2Ψ + KΨ/N
+    stage 2   2Ψ + 2Ψ/N + KΨ/N
+    stage 3   (2 + 2 + K)Ψ/N  +  the gathered working set of two layers (current + prefetch)
+Ψ of the first stage includes the embedding, of the last the output head (a second copy of
+the tied embedding for gpt when pp > 1).
+
+Activations of one layer for one micro-batch of b sequences, s' = s/cp local tokens, in
+bytes with value size β (Korthikanti 2022 §4, eq. 1–2, for β = 2 and gpt: 34·s·b·h + 5·a·s²·b):
+    sbh·(R/t_R + S/t) + a·s'·s·b·Z/t     t_R = t with sequence parallelism, else 1
+where R (values and masks replicated across tp: norms' inputs, the inputs of QKV and of the
+MLP, dropout masks), S (tp-sharded: Q, K, V, the attention projection's input, the MLP's
+intermediates) and Z (the score matrix: softmax output, dropout mask and output) are, per arch:
+    gpt     R = 4β + 2,   S = β·(2 + 2k/a + 2f/h),   Z = 2β + 1     (34 and 5 for k=a, f=4h, β=2)
+    llama   R = 4β,       S = β·(2 + 2k/a + 3f/h),   Z = 0          (no dropout; fused SwiGLU keeps
+                                                                      w1·x, w3·x and the product;
+                                                                      flash attention stores no scores)
+k/a is the GQA adjustment: K and V are k/a the size of Q. Recompute (Korthikanti §5):
+    selective  drops the Z term (scores are recomputed in the backward)
+    full       keeps only each layer's input, β·sbh/t_R, plus one layer's full activations as
+               the working set of the layer being recomputed
+Per stage: (layers of the stage) × (micro-batches in flight, `schedules.py`) × one layer, plus
+Korthikanti eq. 5's extras: the embedding dropout mask sbh/t_R per micro-batch in flight on
+the first stage (gpt), and the output layer and loss 2β·sb(h + V)/t on the last (4sbh/t·(1+V/h)).
+
+Overhead: the sum × (1 + FRAGMENTATION) plus the device's reserved bytes (runtime context,
+communication buffers). FRAGMENTATION = 0.10 is a stated allowance for the caching allocator's
+fragmentation, not a fitted value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ndtrain.plan import schedules
+from ndtrain.plan.arch import ModelSpec
+from ndtrain.plan.hardware import Cluster, Precision
+from ndtrain.plan.layout import Layout
+
+FRAGMENTATION = 0.10
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    overhead: float
+    stage: str  # which stage is the largest: "first", "last" or "only"
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.overhead
+
+    def gib(self) -> dict[str, float]:
+        parts = ("params", "grads", "optimizer", "activations", "overhead", "total")
+        return {name: round(getattr(self, name) / GIB, 3) for name in parts}
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, recompute: str) -> float:
+    """Bytes one layer keeps for the backward of one micro-batch on one rank."""
+    beta = precision.activation_bytes
+    t, t_r = layout.tp, (layout.tp if layout.sp else 1)
+    s_local = model.seq / layout.cp
+    sbh = s_local * layout.mbs * model.hidden
+    if recompute == "full":
+        return beta * sbh / t_r
+    replicated, sharded, scores = activation_coefficients(model, beta)
+    total = sbh * (replicated / t_r + sharded / t)
+    if recompute == "none":
+        total += model.heads * s_local * model.seq * layout.mbs * scores / t
+    return total
+
+
+def activation_coefficients(model: ModelSpec, beta: int) -> tuple[float, float, float]:
+    """(R, S, Z) of the module docstring, in bytes per s·b·h (R, S) and per a·s²·b (Z)."""
+    kv, ffn = model.kv_ratio, model.ffn / model.hidden
+    if model.arch == "gpt":
+        return 4 * beta + 2, beta * (2 + 2 * kv + 2 * ffn), 2 * beta + 1
+    return 4 * beta, beta * (2 + 2 * kv + 3 * ffn), 0
+
+
+def stage_params(model: ModelSpec, layout: Layout, stage: str) -> float:
+    """Ψ: parameters one rank of this stage holds before ZeRO sharding."""
+    layers = model.layers if layout.pp == 1 else layout.stage_layers(model.layers)
+    total = layers * model.layer_params
+    if stage in ("first", "only"):
+        total += model.embedding_params
+    if stage in ("last", "only"):
+        total += model.head_params
+        if model.arch == "gpt" and stage == "last":
+            total += model.output_matrix_params
+    return total / layout.tp
+
+
+def model_states(model: ModelSpec, layout: Layout, precision: Precision, stage: str) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per rank for the layout's ZeRO stage."""
+    psi = stage_params(model, layout, stage)
+    n = layout.dp * layout.cp
+    params, grads, optimizer = psi * precision.param_bytes, psi * precision.grad_bytes, psi * precision.optimizer_bytes
+    if layout.zero >= 1:
+        optimizer /= n
+    if layout.zero >= 2:
+        grads /= n
+    if layout.zero >= 3:
+        params /= n
+        gathered = 2 * model.layer_params / layout.tp  # the layer computing + the one prefetched
+        params += gathered * precision.param_bytes
+        grads += gathered * precision.grad_bytes
+    return params, grads, optimizer
+
+
+def stage_activations(model: ModelSpec, layout: Layout, precision: Precision, micro_batches: int, stage: str) -> float:
+    p, v, m = layout.pp, layout.vpp, micro_batches
+    layers = model.layers if p == 1 else layout.stage_layers(model.layers)
+    if stage == "last":
+        in_flight = schedules.last_stage_in_flight(layout.schedule, p, m)
+    else:
+        in_flight = schedules.first_stage_in_flight(layout.schedule, p, m, v)
+    per_layer = layer_activation_bytes(model, layout, precision, layout.recompute)
+    total = in_flight * layers * per_layer
+    if layout.recompute == "full":
+        total += layer_activation_bytes(model, layout, precision, "none")
+    beta = precision.activation_bytes
+    tokens = model.seq / layout.cp * layout.mbs
+    t_r = layout.tp if layout.sp else 1
+    if stage in ("first", "only") and model.arch == "gpt":
+        total += in_flight * tokens * model.hidden / t_r  # embedding dropout mask, 1 byte per value
+    if stage in ("last", "only"):
+        total += 2 * beta * tokens * (model.hidden + model.vocab) / layout.tp
+    return total
+
+
+def memory(model: ModelSpec, layout: Layout, cluster: Cluster, micro_batches: int) -> Memory:
+    """The rank with the most memory: the first or the last pipeline stage."""
+    precision = cluster.hardware.precision
+    stages = ("only",) if layout.pp == 1 else ("first", "last")
+    candidates = []
+    for stage in stages:
+        params, grads, optimizer = model_states(model, layout, precision, stage)
+        activations = stage_activations(model, layout, precision, micro_batches, stage)
+        subtotal = params + grads + optimizer + activations
+        overhead = FRAGMENTATION * subtotal + cluster.hardware.reserved_bytes
+        candidates.append(Memory(params, grads, optimizer, activations, overhead, stage))
+    return max(candidates, key=lambda mem: mem.total)

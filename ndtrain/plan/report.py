@@ -1,0 +1,91 @@
+"""What the planner prints: the top layouts as a table, their JSON, and the rejection summary.
+
+JSON (`--json`): {"candidates": [...]} best first, each with its layout, whether it fits, the
+memory breakdown in GiB, the step time and its breakdown in seconds, tokens/s, model and
+hardware TFLOP/s per GPU (hardware includes recompute) and MFU = model FLOP/s ÷ peak.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ndtrain.plan.arch import ModelSpec
+from ndtrain.plan.hardware import Cluster
+from ndtrain.plan.published import RUNS
+from ndtrain.plan.search import Candidate, Rejections, SearchResult
+
+GIB = 1024**3
+TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
+
+
+def candidate_dict(candidate: Candidate) -> dict[str, Any]:
+    timing = candidate.timing
+    return {
+        "layout": candidate.layout.as_dict(),
+        "fits": candidate.fits,
+        "memory_gib": candidate.memory.gib(),
+        "step_time_s": round(timing.step, 6),
+        "time_s": {part: round(getattr(timing, part), 6) for part in TIME_PARTS},
+        "tokens_per_s": round(candidate.tokens_per_s, 3),
+        "model_tflops_per_gpu": round(candidate.model_tflops_per_gpu, 4),
+        "hardware_tflops_per_gpu": round(candidate.hardware_tflops_per_gpu, 4),
+        "mfu": round(candidate.mfu, 4),
+    }
+
+
+def to_json(result: SearchResult, top: int) -> str:
+    return json.dumps({"candidates": [candidate_dict(c) for c in result.candidates[:top]]}, indent=2)
+
+
+def header(model: ModelSpec, cluster: Cluster, global_batch: int) -> str:
+    hw = cluster.hardware
+    return (f"{model.name}: {model.total_params / 1e9:.3f} B parameters, {model.layers} layers, h={model.hidden}, "
+            f"seq {model.seq}; {cluster.gpus} × {hw.name} ({cluster.gpus_per_node} per node, "
+            f"{hw.memory_bytes / GIB:.0f} GiB, peak {hw.peak_flops / 1e12:.4g} TFLOP/s); "
+            f"global batch {global_batch} sequences")
+
+
+def table(result: SearchResult, top: int) -> str:
+    columns = ("#", "tp", "pp", "dp", "cp", "zero", "mbs", "schedule", "recompute", "sp",
+               "mem GiB", "params/grads/opt/act", "step s", "compute/tp/cp/pp/bubble/dp/opt s",
+               "tokens/s", "TFLOP/s", "MFU", "fits")
+    rows = [columns]
+    for rank, c in enumerate(result.candidates[:top], 1):
+        lay, mem, tm = c.layout, c.memory, c.timing
+        schedule = lay.schedule + (f"×{lay.vpp}" if lay.vpp > 1 else "")
+        states = "/".join(f"{getattr(mem, part) / GIB:.1f}" for part in ("params", "grads", "optimizer", "activations"))
+        parts = "/".join(_short(getattr(tm, part)) for part in TIME_PARTS)
+        rows.append((str(rank), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.cp), str(lay.zero), str(lay.mbs),
+                     schedule, lay.recompute, "on" if lay.sp else "off", f"{mem.total / GIB:.1f}", states,
+                     f"{tm.step:.3g}", parts, f"{c.tokens_per_s:,.0f}", f"{c.model_tflops_per_gpu:.4g}",
+                     f"{100 * c.mfu:.1f}%", "yes" if c.fits else "NO"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows)
+
+
+def _short(seconds: float) -> str:
+    return "0" if seconds == 0 else f"{seconds:.3g}"
+
+
+def explain(result: SearchResult) -> str:
+    rejections: Rejections = result.rejections
+    fitting = sum(c.fits for c in result.candidates)
+    lines = [f"{result.considered} layouts considered, {fitting} fit, {sum(rejections.counts.values())} rejected:"]
+    for kind, count in rejections.counts.most_common():
+        lines.append(f"  {count:6d}  {kind}")
+        lines.extend(f"          e.g. {example}" for example in rejections.examples[kind])
+    return "\n".join(lines)
+
+
+def published_table() -> str:
+    """The cluster-scale check: published runs, reported vs predicted TFLOP/s per GPU."""
+    rows = [("source", "layout", "metric", "reported", "predicted", "error", "role")]
+    for run in RUNS:
+        lay = run.layout
+        layout = f"tp{lay.tp} pp{lay.pp} dp{lay.dp} cp{lay.cp} mbs{lay.mbs} B={run.global_batch} {lay.recompute}"
+        role = "calibration" if run.calibrates else ("outlier" if run.outlier else "held out")
+        rows.append((run.source, layout, run.metric, f"{run.reported_tflops:.1f}", f"{run.predicted_tflops():.1f}",
+                     f"{100 * run.error():+.1f}%", role))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)

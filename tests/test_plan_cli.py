@@ -1,0 +1,108 @@
+"""`ndtrain plan` end to end through its argparse surface: output formats, exit codes, error lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from ndtrain.plan import cli
+
+LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "2", "--cp", "1", "--zero", "1", "--mbs", "1", "--vpp", "1",
+          "--recompute", "selective", "--sp", "on", "--schedule", "1f1b"]
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ndtrain plan")
+    cli.add_arguments(parser)
+    return cli.main(parser.parse_args(argv))
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ndtrain: error: "), err
+    return err
+
+
+def test_json_candidates_best_first(capsys: pytest.CaptureFixture[str]) -> None:
+    code = run(["--model", "llama3-8b", "--gpus", "16", "--gpu", "h100-sxm", "--global-batch", "64",
+                "--zero", "1", "--mbs", "1", "--json", "--top", "5"])
+    assert code == 0
+    candidates = json.loads(capsys.readouterr().out)["candidates"]
+    assert 1 <= len(candidates) <= 5
+    speeds = [c["tokens_per_s"] for c in candidates]
+    assert speeds == sorted(speeds, reverse=True) and all(c["fits"] for c in candidates)
+    assert all(c["layout"]["tp"] * c["layout"]["pp"] * c["layout"]["dp"] * c["layout"]["cp"] == 16 for c in candidates)
+
+
+def test_table_with_explain(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--model", "gpt3-1.3b", "--gpus", "8", "--gpu", "a100-40gb", "--global-batch", "32",
+                "--mbs", "2", "--explain", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt3-1.3b: 1.316 B parameters" in out and "tokens/s" in out
+    assert "layouts considered" in out and "e.g." in out
+
+
+def test_one_explicit_model_and_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    code = run(["--arch", "gpt", "--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "51200",
+                "--seq", "2048", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16", "--json", *LAYOUT])
+    assert code == 0
+    (only,) = json.loads(capsys.readouterr().out)["candidates"]
+    assert only["layout"] == {"tp": 2, "pp": 2, "dp": 2, "cp": 1, "zero": 1, "mbs": 1, "vpp": 1,
+                              "recompute": "selective", "sp": True, "schedule": "1f1b"}
+
+
+def test_nothing_fits_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-40gb", "--global-batch", "8",
+                "--mbs", "1", "--zero", "3"]) == 1
+    captured = capsys.readouterr()
+    assert "NO" in captured.out and "no layout fits" in captured.err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16", "--tp", "3"],
+     "--tp 3 does not divide --gpus 8"),
+    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16", "--tp", "8",
+      "--pp", "1", "--dp", "1", "--cp", "1", "--zero", "0", "--mbs", "1", "--recompute", "none", "--sp", "on"],
+     "tp=8 does not divide the 12 attention heads"),
+    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "9", *LAYOUT],
+     "global batch 9 is not divisible by dp×mbs = 2×1"),
+    (["--model", "gpt9", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16"], "--model 'gpt9' is unknown"),
+    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "v100", "--global-batch", "16"], "--gpu 'v100' is unknown"),
+    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb"], "--global-batch is required"),
+    (["--arch", "gpt", "--layers", "2", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8"],
+     "--arch gpt needs --hidden, --heads, --vocab, --seq"),
+    (["--model", "gpt3-125m", "--gpus", "12", "--gpu", "a100-80gb", "--global-batch", "16"],
+     "--gpus 12 is not a multiple of --gpus-per-node 8"),
+    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16", "--sp", "yes"],
+     "--sp 'yes'"),
+    (["--model", "gpt3-125m", "--gpus", "8", "--profile", "/nonexistent/p.json", "--global-batch", "16"],
+     "cannot read a calibration profile"),
+])
+def test_user_errors_are_one_line_and_exit_2(argv: list[str], fragment: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(argv) == 2
+    assert fragment in one_error_line(capsys)
+
+
+def test_cpu_profile_plans_local_processes(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = {
+        "kind": "ndtrain-cpu-profile", "matmul_gflops": {"fp32": {"1": 100.0, "2": 60.0}, "bf16": {"1": 2.0}},
+        "memory_gbs": {"1": 20.0, "2": 12.0}, "memory_total_gib": 16.0, "process_baseline_mib": 300.0,
+        "collectives": {"all_reduce": {"2": {"latency_us": 400.0, "bandwidth_gbs": 0.8},
+                                       "4": {"latency_us": 1500.0, "bandwidth_gbs": 0.5}}},
+    }
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    assert run(["--model", "ndtrain-bench", "--profile", str(path), "--gpus", "4", "--global-batch", "8",
+                "--json", "--top", "20"]) == 0
+    candidates = json.loads(capsys.readouterr().out)["candidates"]
+    assert len(candidates) == 20 and candidates[0]["step_time_s"] > 0
+    assert all(c["mfu"] <= 1.0 for c in candidates)
+
+
+def test_published_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--published"]) == 0
+    out = capsys.readouterr().out
+    assert "Llama Team 2024" in out and "calibration" in out and "held out" in out
