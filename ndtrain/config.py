@@ -25,7 +25,7 @@ from ndtrain.errors import UserError
 # `bench` (≈13 M parameters) is what `ndtrain bench` measures.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=32),
-    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, seq_len=256),
+    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, seq_len=128),
     "bench": dict(dim=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_dim=1024, seq_len=256),
 }
 
@@ -41,7 +41,7 @@ class ModelConfig:
     n_kv_heads: int = 4
     ffn_dim: int = 688
     vocab_size: int = 256
-    seq_len: int = 256
+    seq_len: int = 128
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
@@ -153,10 +153,10 @@ class ScheduleConfig:
     micro-batches of `micro_batch` sequences; gradient accumulation covers the rest.
     """
 
-    steps: int = 1000
+    steps: int = 200
     global_batch: int = 32
     micro_batch: int = 16
-    warmup_steps: int = 50
+    warmup_steps: int = 30
     min_lr_ratio: float = 0.1
 
     def validate(self) -> None:
@@ -201,7 +201,7 @@ class LogConfig:
     """Run directory, evaluation cadence and progress display."""
 
     out: str = "runs/default"
-    eval_every: int = 100
+    eval_every: int = 50
     log_every: int = 10
     progress: bool = True
 
