@@ -1,0 +1,1 @@
+"""`ndtrain bench`: ours against PyTorch's equivalent, same model, data and seed, alternating runs."""

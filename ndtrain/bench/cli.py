@@ -1,0 +1,74 @@
+"""`ndtrain bench SCENARIO`: launch local workers, run the scenario on each, report from rank 0.
+
+The parent process re-runs the command on `--nproc` workers (torchrun's agent); a worker sets its
+thread count (the cores shared evenly, so 2 ranks on 2 cores get one each), joins the world,
+runs the scenario, and rank 0 prints the table and writes the JSON result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from ndtrain.bench import ddp
+from ndtrain.bench.harness import BenchOptions, ContestResult
+from ndtrain.config import ParallelConfig
+from ndtrain.errors import UserError
+from ndtrain.launch import in_worker, launch_local, set_worker_threads
+from ndtrain.mesh import ParallelContext, init
+
+SCENARIOS: dict[str, Callable[[ParallelContext, BenchOptions], ContestResult]] = {"ddp": ddp.run}
+DEFAULTS = BenchOptions()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", choices=sorted(SCENARIOS), help="what to compare with PyTorch's own")
+    parser.add_argument("--nproc", type=int, default=2, help="local worker processes (default 2)")
+    parser.add_argument("--threads", type=int, default=0, help="threads per worker (default: cores / nproc)")
+    parser.add_argument("--steps", type=int, default=DEFAULTS.steps, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="untimed steps before each run")
+    parser.add_argument("--repeats", type=int, default=DEFAULTS.repeats, help="runs of each contestant, alternating")
+    parser.add_argument("--bucket-mb", type=float, default=DEFAULTS.bucket_mb, help="gradient bucket cap (MB)")
+    parser.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, help="tokens per sequence")
+    parser.add_argument("--preset", default=DEFAULTS.preset, help="model preset (default: bench)")
+    parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    parser.add_argument("--out", type=Path, default=None, help="JSON result (default bench-results/SCENARIO-nN.json)")
+
+
+def main(args: argparse.Namespace) -> int:
+    options = BenchOptions(
+        steps=args.steps, warmup=args.warmup, repeats=args.repeats, bucket_mb=args.bucket_mb,
+        micro_batch=args.micro_batch, seq_len=args.seq_len, preset=args.preset, seed=args.seed,
+    )
+    options.validate()
+    if not in_worker():
+        return launch_local(["bench", *_worker_argv(args)], args.nproc)
+    set_worker_threads(args.threads)
+    ctx = init(ParallelConfig())
+    try:
+        result = SCENARIOS[args.scenario](ctx, options)
+    except UserError as e:  # raised alike on every rank: say it once
+        if ctx.is_main:
+            print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        ctx.destroy()
+    if ctx.is_main:
+        out = args.out or Path("bench-results") / f"{args.scenario}-n{ctx.world_size}.json"
+        result.write_json(out)
+        print(result.table())
+        print(f"written {out}")
+    return 0
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    argv = [
+        args.scenario, "--nproc", str(args.nproc), "--threads", str(args.threads), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
+        "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--preset", args.preset,
+        "--seed", str(args.seed),
+    ]
+    return argv + (["--out", str(args.out)] if args.out is not None else [])

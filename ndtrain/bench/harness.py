@@ -1,0 +1,245 @@
+"""Benchmark harness: alternating timed runs of named contestants on every rank of a world.
+
+A scenario (ddp, later zero/tp/pp) names its contestants, ours and PyTorch's equivalent, each a
+`build()` that makes a fresh model and optimizer and returns `step(i)`, one training step on
+batch i. After one discarded one-step run of each (the process's one-time costs), the harness
+runs them in turns, R repeats (order reversed on every other repeat so neither side always runs
+first), each run W warmup steps then S timed steps:
+
+- step time: wall time of each timed step, the slowest rank's (ranks synchronise anyway, and a
+  step is only done when every rank is); the figure of merit is the median over all timed steps,
+  reported as the ratio contestant / reference;
+- counted comm bytes per step: the wire bytes `ctx.comm.stats` recorded during the timed steps
+  (for contestants whose collectives go through our comm layer);
+- loopback bytes per step and rank: the growth of the `lo` transmit counter of /proc/net/dev
+  during the timed steps (all local ranks plus any other loopback traffic on the machine, such
+  as the launcher's store heartbeats), divided by the world size: a real measurement of what the
+  process group sent, to set against the counted and textbook volumes;
+- peak memory per rank (`ndtrain.memory`): the peak since the start of the run (model build
+  included), and that peak minus the resident memory before the build (interpreter, libraries;
+  freed memory is returned to the system first); medians over runs.
+
+Bookkeeping costs one barrier per phase and one all-reduce of (S + 3) numbers per rank per run,
+outside the timed steps. Results are one JSON-ready dict and a printed table (rank 0).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ndtrain.config import MODEL_PRESETS
+from ndtrain.errors import UserError
+from ndtrain.memory import current_bytes, peak_bytes, reset_peak
+from ndtrain.mesh import ParallelContext
+
+MB = 1024 * 1024
+_NET_DEV = Path("/proc/net/dev")
+
+Step = Callable[[int], None]
+
+
+@dataclass
+class BenchOptions:
+    """What every scenario is run with (the command-line flags of `ndtrain bench`)."""
+
+    steps: int = 20
+    warmup: int = 3
+    repeats: int = 5
+    bucket_mb: float = 25.0
+    micro_batch: int = 2
+    seq_len: int = 256
+    preset: str = "bench"
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("steps", "repeats", "micro_batch", "seq_len", "bucket_mb"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"bench --{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise UserError(f"bench --warmup must be >= 0, got {self.warmup}")
+        if self.preset not in MODEL_PRESETS:
+            raise UserError(f"bench --preset {self.preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)}")
+
+
+@dataclass
+class Contestant:
+    name: str
+    build: Callable[[], Step]
+    counted: bool  # its collectives go through ctx.comm, so its bytes are counted
+
+
+@dataclass
+class RunRecord:
+    step_s: list[float]  # per timed step, the slowest rank
+    comm_bytes_per_step: float | None  # counted wire bytes of this rank
+    loopback_bytes_per_step: float | None  # per rank
+    peak_bytes: list[int]  # per rank
+    baseline_bytes: list[int]  # per rank, resident before the build
+
+
+@dataclass
+class ContestResult:
+    scenario: str
+    world_size: int
+    reference: str
+    options: dict[str, Any]
+    facts: dict[str, Any]
+    runs: dict[str, list[RunRecord]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        ref_median = statistics.median(s for r in self.runs[self.reference] for s in r.step_s)
+        out = {}
+        for name, runs in self.runs.items():
+            median = statistics.median(s for r in runs for s in r.step_s)
+            comm = [r.comm_bytes_per_step for r in runs if r.comm_bytes_per_step is not None]
+            loop = [r.loopback_bytes_per_step for r in runs if r.loopback_bytes_per_step is not None]
+            out[name] = {
+                "median_step_s": median,
+                "ratio": median / ref_median,
+                "run_median_step_s": [statistics.median(r.step_s) for r in runs],
+                "comm_bytes_per_step": statistics.median(comm) if comm else None,
+                "loopback_bytes_per_step": statistics.median(loop) if loop else None,
+                "peak_bytes": [_median_int(r.peak_bytes[k] for r in runs) for k in range(self.world_size)],
+                "peak_over_baseline_bytes": [
+                    _median_int(r.peak_bytes[k] - r.baseline_bytes[k] for r in runs) for k in range(self.world_size)
+                ],
+            }
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario, "world_size": self.world_size, "reference": self.reference,
+            "options": self.options, "facts": self.facts, "summary": self.summary(),
+            "runs": {name: [asdict(r) for r in runs] for name, runs in self.runs.items()},
+        }
+
+    def write_json(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    def table(self) -> str:
+        facts = ", ".join(f"{k}={_fmt_fact(k, v)}" for k, v in self.facts.items())
+        lines = [
+            f"{self.scenario} on {self.world_size} ranks — {facts}",
+            f"{'contestant':<12}{'median step':>13}{'ratio':>8}{'counted/step':>14}{'loopback/step':>15}"
+            f"{'peak/rank':>11}{'over base':>11}",
+        ]
+        for name, s in self.summary().items():
+            lines.append(
+                f"{name:<12}{s['median_step_s'] * 1e3:>10.1f} ms{s['ratio']:>8.3f}"
+                f"{_mb(s['comm_bytes_per_step']):>14}{_mb(s['loopback_bytes_per_step']):>15}"
+                f"{max(s['peak_bytes']) / MB:>8.0f} MB{max(s['peak_over_baseline_bytes']) / MB:>8.0f} MB"
+            )
+        lines.append(
+            f"ratio = median step / median step of {self.reference}; bytes per rank; peaks: median over runs "
+            "of the largest rank; MB = 2^20 bytes"
+        )
+        return "\n".join(lines)
+
+
+def run_contest(
+    ctx: ParallelContext, scenario: str, contestants: list[Contestant], options: BenchOptions,
+    *, reference: str, facts: dict[str, Any],
+) -> ContestResult:
+    """Every rank calls this with the same contestants; every rank gets the same result."""
+    result = ContestResult(scenario, ctx.world_size, reference, asdict(options), facts)
+    result.runs = {c.name: [] for c in contestants}
+    for contestant in contestants:  # discarded: one-time costs (lazy init, thread pools, heap growth)
+        _timed_run(ctx, contestant, BenchOptions(steps=1, warmup=0))
+    for repeat in range(options.repeats):
+        for contestant in contestants if repeat % 2 == 0 else contestants[::-1]:
+            result.runs[contestant.name].append(_timed_run(ctx, contestant, options))
+    return result
+
+
+def _timed_run(ctx: ParallelContext, contestant: Contestant, options: BenchOptions) -> RunRecord:
+    world = ctx.group("world")
+    _return_freed_memory()
+    ctx.comm.barrier(world)
+    baseline = current_bytes(ctx.device)
+    reset_peak(ctx.device)
+    step = contestant.build()
+    for i in range(options.warmup):
+        step(i)
+    _synchronize(ctx.device)
+    ctx.comm.barrier(world)
+    wire_before, loop_before = ctx.comm.stats.total_wire_bytes(), loopback_tx_bytes()
+    times = []
+    for i in range(options.steps):
+        start = time.perf_counter()
+        step(options.warmup + i)
+        _synchronize(ctx.device)
+        times.append(time.perf_counter() - start)
+    wire = ctx.comm.stats.total_wire_bytes() - wire_before
+    ctx.comm.barrier(world)
+    loop_after = loopback_tx_bytes()
+    peak = peak_bytes(ctx.device)
+    del step
+    loop = -1.0 if loop_before is None or loop_after is None else float(loop_after - loop_before)
+    per_rank = _gather(ctx, [*times, float(peak), float(baseline), loop])
+    loop_total = per_rank[0, -1].item()  # rank 0's reading, so that every rank reports the same
+    return RunRecord(
+        step_s=per_rank[:, : options.steps].max(dim=0).values.tolist(),
+        comm_bytes_per_step=wire / options.steps if contestant.counted else None,
+        loopback_bytes_per_step=None if loop_total < 0 else loop_total / options.steps / ctx.world_size,
+        peak_bytes=[int(v) for v in per_rank[:, -3].tolist()],
+        baseline_bytes=[int(v) for v in per_rank[:, -2].tolist()],
+    )
+
+
+def _gather(ctx: ParallelContext, values: list[float]) -> torch.Tensor:
+    """[world, len(values)]: every rank's values (an all-reduce of a tensor zero but for our row)."""
+    table = torch.zeros(ctx.world_size, len(values), dtype=torch.float64, device=ctx.device)
+    table[ctx.rank] = torch.tensor(values, dtype=torch.float64)
+    ctx.comm.all_reduce(table, ctx.group("world"))
+    return table.cpu()
+
+
+def loopback_tx_bytes() -> int | None:
+    """Bytes sent on the loopback interface since boot (Linux), or None where unavailable."""
+    try:
+        for line in _NET_DEV.read_text().splitlines():
+            name, sep, counters = line.partition(":")
+            if sep and name.strip() == "lo":
+                return int(counters.split()[8])
+    except OSError:
+        return None
+    return None
+
+
+def _return_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back (glibc), so each run's peak starts from its own floor."""
+    gc.collect()
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    libc = ctypes.CDLL(libc_name)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_int(values: Iterable[int]) -> int:
+    return int(statistics.median(values))
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value / MB:.2f} MB"
+
+
+def _fmt_fact(key: str, value: Any) -> str:
+    return f"{value / MB:.2f} MB" if key.endswith("_bytes") else str(value)

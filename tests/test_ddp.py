@@ -1,0 +1,289 @@
+"""DataParallel: parity with single-process training, bucketing, no_sync, exact bytes, unused parameters.
+
+Each multi-process run executes every scenario in one spawn (imports dominate the cost) and
+returns parameters; the parent trains the single-process reference on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import weakref
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndtrain.config import ParallelConfig, config_from_dict
+from ndtrain.errors import UserError
+from ndtrain.mesh import ParallelContext, init
+from ndtrain.models.llama import build_model
+from ndtrain.parallel.ddp import DataParallel, pack
+from tests.distributed import init_method, run_distributed
+
+STEPS = 5
+GLOBAL_BATCH = 16
+LR = 1e-2
+SEED = 100
+TINY_BUCKET_MB = 4500 / 2**20  # fc3 + fc2.bias | fc2.weight | fc1: three buckets
+# bf16 comm: unit roundoff 2^-8 ≈ 3.9e-3 per rounding, a few roundings per sum (seen: 6.3e-3 on 4 ranks).
+BF16_GRAD_TOLERANCE = 2e-2
+# AdamW divides each element by its own RMS, so where the ranks' contributions cancel the bf16 error
+# turns into a different direction of up to lr per step (seen: 9.3e-2 after 5 steps on 4 ranks).
+BF16_PARAM_TOLERANCE = 0.2
+
+State = dict[str, torch.Tensor]
+
+
+class Net(nn.Module):
+    """Three Linear layers and a buffer; `spare` is used only when asked, `never` never."""
+
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.fc2 = nn.Linear(32, 32)
+        self.fc3 = nn.Linear(32, 4)
+        self.register_buffer("shift", torch.randn(8))
+        if extra:
+            self.spare = nn.Linear(32, 32)
+            self.never = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, use_spare: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.fc2(torch.tanh(self.fc1(x + self.shift))))
+        if use_spare:
+            h = h + self.spare(h)
+        return F.mse_loss(self.fc3(h), y)
+
+
+def make_net(seed: int, extra: bool = False) -> Net:
+    torch.manual_seed(seed)
+    return Net(extra)
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+
+
+def spare_used_on(rank: int) -> bool:
+    return rank == 1
+
+
+def state(model: nn.Module) -> State:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference(world: int, extra: bool = False) -> State:
+    """Single process, whole batch: the loss is the mean of the per-rank losses (equal shards)."""
+    model = make_net(SEED, extra)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        shards = zip(x.chunk(world), y.chunk(world))
+        loss = sum(model(xs, ys, extra and spare_used_on(r)) for r, (xs, ys) in enumerate(shards)) / world
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return state(model)
+
+
+def reference_gradients() -> State:
+    model = make_net(SEED)
+    model(*global_batch(0)).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def max_relative_error(ours: State, ref: State) -> float:
+    assert ours.keys() == ref.keys()
+    return max(((ours[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
+
+
+# ------------------------------------------------------------------------------------ workers
+def _wrap(ctx: ParallelContext, extra: bool = False, **ddp_kwargs: Any) -> DataParallel:
+    """A DataParallel Net built from a rank-dependent seed: the broadcast must make the ranks equal."""
+    return DataParallel(make_net(SEED + ctx.rank, extra), ctx, **ddp_kwargs)
+
+
+def _train(ctx: ParallelContext, model: DataParallel, *, micro_steps: int = 1, zero: str = "optimizer",
+           on_backward: Callable[[bool], None] = lambda synced: None) -> State:
+    """5 AdamW steps on this rank's shard of each global batch, in `micro_steps` micro-batches."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    n, rank = ctx.world_size, ctx.rank
+    use_spare = hasattr(model.module, "spare") and spare_used_on(rank)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        xs, ys = x.chunk(n)[rank].chunk(micro_steps), y.chunk(n)[rank].chunk(micro_steps)
+        for micro in range(micro_steps):
+            synced = micro == micro_steps - 1
+            with nullcontext() if synced else model.no_sync():
+                (model(xs[micro], ys[micro], use_spare) / micro_steps).backward()
+            on_backward(synced)
+        opt.step()
+        if zero == "wrapper":
+            model.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=True)
+    return state(model.module)
+
+
+def _accounting_run(ctx: ParallelContext) -> dict[str, Any]:
+    """Accumulation over 2 micro-steps with tiny buckets, recording the comm counters per backward."""
+    model = _wrap(ctx, bucket_mb=TINY_BUCKET_MB)
+    deltas: list[tuple[bool, int, int]] = []
+    last = [ctx.comm.stats.total_calls(), ctx.comm.stats.total_wire_bytes()]
+
+    def record(synced: bool) -> None:
+        calls, wire = ctx.comm.stats.total_calls(), ctx.comm.stats.total_wire_bytes()
+        deltas.append((synced, calls - last[0], wire - last[1]))
+        last[:] = [calls, wire]
+
+    params = _train(ctx, model, micro_steps=2, on_backward=record)
+    return {"params": params, "deltas": deltas, "buckets": model.bucket_count, "grad_bytes": model.gradient_bytes}
+
+
+def _first_gradients(ctx: ParallelContext, model: DataParallel) -> State:
+    """The gradient after one synchronising backward on this rank's shard of the first batch."""
+    x, y = global_batch(0)
+    model(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]).backward()
+    return {name: p.grad.clone() for name, p in model.module.named_parameters()}
+
+
+def _suite(with_llama: bool) -> bytes:
+    """All scenarios, serialised: tensors sent through the result queue would share memory by file
+    descriptor, which breaks once the worker has exited."""
+    ctx = init(ParallelConfig(), init_method=init_method())
+    out: dict[str, Any] = {"init": state(_wrap(ctx).module)}
+    model = _wrap(ctx)
+    out["plain"] = _train(ctx, model)  # optimizer.zero_grad(set_to_none=True) between steps
+    x, y = global_batch(STEPS)
+    model(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]).backward()  # grads were set to None
+    out["plain_grads_in_buckets"] = len({id(p.grad._base) for p in model.parameters()}) == model.bucket_count
+    model = _wrap(ctx, bucket_mb=TINY_BUCKET_MB)
+    out["buckets"], out["bucket_count"] = _train(ctx, model, zero="wrapper"), model.bucket_count
+    out["accumulate"] = _accounting_run(ctx)
+    out["grads"] = _first_gradients(ctx, _wrap(ctx))
+    out["bf16_grads"] = _first_gradients(ctx, _wrap(ctx, comm_dtype=torch.bfloat16))
+    model = _wrap(ctx, comm_dtype=torch.bfloat16)
+    out["bf16"], out["bf16_grad_bytes"] = _train(ctx, model), model.gradient_bytes
+    try:
+        _train(ctx, _wrap(ctx, extra=True))
+        out["unused_error"] = None
+    except UserError as e:
+        out["unused_error"] = str(e)
+    model = _wrap(ctx, extra=True, allow_unused=True)
+    out["allow_unused"] = _train(ctx, model)
+    out["never_grad_is_none"] = model.module.never.weight.grad is None
+    if with_llama:
+        out["llama"] = _train_llama(ctx)
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    return buffer.getvalue()
+
+
+def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 256, (3, 4, 17), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _train_llama(ctx: ParallelContext | None, world: int = 2) -> State:
+    cfg = config_from_dict({"model": {"preset": "tiny"}}).model
+    model: nn.Module = build_model(cfg, seed=0, device="cpu")
+    if ctx is not None:
+        model = DataParallel(model, ctx, bucket_mb=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for tokens, targets in _llama_batches():
+        if ctx is not None:
+            tokens, targets = tokens.chunk(world)[ctx.rank], targets.chunk(world)[ctx.rank]
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return state(model.module if ctx is not None else model)
+
+
+# ------------------------------------------------------------------------------------ tests
+def test_pack_keeps_order_caps_size_and_separates_dtypes() -> None:
+    ts = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64), torch.zeros(10)]
+    # cap 100 bytes: 40 + 40 fit; the 120-byte tensor is alone; float64 never shares with float32.
+    assert pack(ts, 100) == [[0, 1], [2], [3], [4]]
+    assert pack(ts, 10**6) == [[0, 1, 2, 4], [3]]
+
+
+def test_single_rank_buckets_views_and_zero_grad() -> None:
+    ctx = init(ParallelConfig())
+    model = DataParallel(make_net(SEED), ctx, bucket_mb=TINY_BUCKET_MB)
+    assert model.bucket_count == 3
+    assert model.gradient_bytes == sum(p.numel() * 4 for p in model.parameters())
+    ref = make_net(SEED)
+    x, y = global_batch(0)
+    for zero in ("wrapper", "optimizer"):
+        model(x, y).backward()
+        ref(x, y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+            assert p.grad._base is not None  # a view of its bucket
+        if zero == "wrapper":
+            model.zero_grad()
+            assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+        else:
+            model.module.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
+def _run_suite(world: int, with_llama: bool) -> list[dict[str, Any]]:
+    return [torch.load(io.BytesIO(b)) for b in run_distributed(_suite, world, with_llama)]
+
+
+def _check_suite(out: list[dict[str, Any]], world: int) -> None:
+    ref, ref_extra = reference(world), reference(world, extra=True)
+    init_ref, grads = state(make_net(SEED)), reference_gradients()
+    for rank, o in enumerate(out):
+        assert max_relative_error(o["init"], init_ref) == 0.0, f"rank {rank} not broadcast"
+        for name in ("plain", "buckets"):
+            assert max_relative_error(o[name], ref) <= 1e-5, (name, rank)
+        assert o["plain_grads_in_buckets"]
+        assert o["bucket_count"] >= 3
+        assert max_relative_error(o["accumulate"]["params"], ref) <= 1e-5
+        assert max_relative_error(o["allow_unused"], ref_extra) <= 1e-5
+        assert o["never_grad_is_none"]
+        assert max_relative_error(o["grads"], grads) <= 1e-5
+        assert 0.0 < max_relative_error(o["bf16_grads"], grads) <= BF16_GRAD_TOLERANCE
+        assert 0.0 < max_relative_error(o["bf16"], ref) <= BF16_PARAM_TOLERANCE
+        unused = ("" if spare_used_on(rank) else "spare.weight, spare.bias, ") + "never.weight, never.bias"
+        assert o["unused_error"] == (
+            f"parameters received no gradient: {unused}; set parallel.allow_unused_params=true if that is intended"
+        )
+    acc = out[0]["accumulate"]
+    grad_bytes = sum(v.numel() * 4 for k, v in ref.items() if k != "shift")
+    assert acc["grad_bytes"] == grad_bytes and out[0]["bf16_grad_bytes"] == grad_bytes // 2
+    assert acc["buckets"] >= 3
+    ring = 2 * (world - 1) * grad_bytes // world
+    # per step: one backward inside no_sync (nothing sent), then one synchronising backward.
+    assert acc["deltas"] == [(False, 0, 0), (True, acc["buckets"], ring)] * STEPS
+
+
+def test_two_ranks_match_single_process() -> None:
+    out = _run_suite(2, True)
+    _check_suite(out, 2)
+    llama_ref = _train_llama(None)
+    for o in out:
+        assert max_relative_error(o["llama"], llama_ref) <= 1e-5
+
+
+def test_four_ranks_match_single_process() -> None:
+    _check_suite(_run_suite(4, False), 4)
+
+
+def test_dropped_wrapper_is_collected_and_unhooks_its_module() -> None:
+    ctx = init(ParallelConfig())
+    net = make_net(SEED)
+    wrapper = weakref.ref(DataParallel(net, ctx))
+    gc.collect()
+    assert wrapper() is None  # hooks hold it weakly: no cycle through autograd's C++ side
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
+    again = DataParallel(net, ctx)
+    again(*global_batch(0)).backward()
+    assert all(p.grad._base is not None for p in net.parameters())
