@@ -15,11 +15,13 @@ tensor once (deduplicated across ranks); cost: Ψ·(4 + 8) bytes for fp32 AdamW 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -79,7 +81,8 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     ctx.comm.barrier(ctx.group("world"))
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    with _single_process_quiet():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
     if ctx.is_main:
         (partial / PROGRESS).write_text(json.dumps(extra, indent=1))
     rng_dir = partial / "rng"
@@ -107,7 +110,8 @@ def load_checkpoint(
     state = {"model": model_state, "optim": optim_state}
     try:
         extra = json.loads((path / PROGRESS).read_text())
-        dcp.load(state, checkpoint_id=path)
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:  # corrupt files and shape mismatches come in many forms
         raise UserError(
             f"cannot load checkpoint {str(path)!r} ({_reason(e)}): it is corrupt or was written "
@@ -118,6 +122,14 @@ def load_checkpoint(
     if rng_file.exists():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return extra
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: that is intended for one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _reason(error: BaseException) -> str:
@@ -151,7 +163,8 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load only the model weights of a checkpoint into a single-process model (no process group)."""
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:
         raise UserError(f"cannot load model weights from {str(path)!r}: {_reason(e)}") from None
     model.load_state_dict(state["model"])

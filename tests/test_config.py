@@ -63,7 +63,7 @@ def test_bad_toml_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["train", "--nproc", "3"], "does not equal the world size 3"),
+        (["train", "--nproc", "3", "--dp", "2"], "dp=2 × cp=1 × pp=1 × tp=1 does not equal the world size 3"),
         (["train", "--nproc", "2", "--set", "schedule.global_batch=6", "--set", "schedule.micro_batch=4"],
          "schedule.global_batch=6 is not divisible by dp=2 × schedule.micro_batch=4"),
         (["train", "--tp", "2", "--nproc", "2"], "parallel.tp=2: this axis is not implemented yet"),
