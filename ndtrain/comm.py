@@ -100,6 +100,11 @@ class Pending:
         self._work = None
 
 
+# torch 2.13 renamed the single-tensor collectives; older releases (>= 2.6) have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -159,7 +164,7 @@ class Communicator:
         n = group.size
         size = _nbytes(output)
         desc = self._issue("all_gather", group, size, (n - 1) * size // n)
-        work = dist.all_gather_into_tensor(output, shard, group=group.process_group, async_op=True)
+        work = _all_gather_single(output, shard, group=group.process_group, async_op=True)
         return self._finish(work, desc, async_op)
 
     def reduce_scatter(
@@ -173,7 +178,7 @@ class Communicator:
         n = group.size
         size = _nbytes(full)
         desc = self._issue("reduce_scatter", group, size, (n - 1) * size // n)
-        work = dist.reduce_scatter_tensor(shard, full, op=op, group=group.process_group, async_op=True)
+        work = _reduce_scatter_single(shard, full, op=op, group=group.process_group, async_op=True)
         return self._finish(work, desc, async_op)
 
     def send(self, tensor: torch.Tensor, group: Group, dst: int) -> Pending:

@@ -154,6 +154,11 @@ class DataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     @property
+    def buckets(self) -> tuple["_Bucket", ...]:
+        """The gradient buckets in launch order (their `params`, `flat` storage and per-parameter `views`)."""
+        return tuple(self._buckets)
+
+    @property
     def bucket_count(self) -> int:
         return len(self._buckets)
 

@@ -1,0 +1,294 @@
+"""ZeRO-1: parity with single-process AdamW (weight-decay groups, clipping, LR schedule), exact state
+and comm bytes, empty shards, state-dict round trip, bad optimizer factories.
+
+One spawn per world size runs every scenario; the parent trains the single-process references
+and computes the expected shard layout on its own (from `pack`, the bucketing rule of ddp.py).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from ndtrain.config import ParallelConfig, config_from_dict
+from ndtrain.errors import UserError
+from ndtrain.mesh import ParallelContext, init
+from ndtrain.models.llama import build_model
+from ndtrain.parallel.ddp import MB, DataParallel, pack
+from ndtrain.parallel.zero import ZeroOptimizer, no_decay_for_vectors
+from tests.distributed import init_method, run_distributed
+
+STEPS = 5
+GLOBAL_BATCH = 8
+LR = 1e-2
+WEIGHT_DECAY = 0.1
+MAX_NORM = 0.05  # small enough that the Net's gradient is clipped
+SEED = 100
+NET_BUCKET_MB = 260 / MB  # buckets of 60 | 11 | 143 | 13 | 91 | 1 elements: mixed groups in the first, then odd
+PER_PARAM_BUCKET_MB = 1 / MB  # one bucket per parameter: the 1-element `scale` leaves ranks empty
+LLAMA_BUCKET_MB = 0.01
+
+State = dict[str, torch.Tensor]
+
+
+class Net(nn.Module):
+    """Linear layers of odd sizes and a scalar gain."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == len(self.layers) - 1 else torch.tanh(layer(x))
+        return F.mse_loss(self.scale * x, y)
+
+
+NET = (7, 13, 11, 5)
+LONELY = (1, 1)  # 3 elements: on 4 ranks, rank 3 owns nothing at all
+
+
+def make_net(sizes: tuple[int, ...], seed: int) -> Net:
+    torch.manual_seed(seed)
+    return Net(sizes)
+
+
+def net_batch(sizes: tuple[int, ...], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(GLOBAL_BATCH, sizes[0], generator=g), torch.randn(GLOBAL_BATCH, sizes[-1], generator=g)
+
+
+def llama_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def make_llama() -> nn.Module:
+    return build_model(config_from_dict({"model": {"preset": "tiny"}}).model, seed=0)
+
+
+def schedule(step: int) -> float:
+    return min(1.0, (step + 1) / 3)
+
+
+def adamw(groups: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def state(model: nn.Module) -> State:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_relative_error(ours: State, ref: State) -> float:
+    assert ours.keys() == ref.keys()
+    return max(((ours[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
+
+
+def reference_groups(model: nn.Module) -> list[dict[str, Any]]:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    first_is_decay = next(iter(model.parameters())).ndim >= 2
+    groups = [{"params": decay}, {"params": other, "weight_decay": 0.0}]
+    return groups if first_is_decay else groups[::-1]
+
+
+def reference(kind: str, world: int, sizes: tuple[int, ...] = NET) -> tuple[State, list[float]]:
+    """Single process, whole global batch; its loss is the mean of the per-rank shard losses (equal shards)."""
+    model = make_llama() if kind == "llama" else make_net(sizes, SEED)
+    opt = adamw(reference_groups(model))
+    sched = LambdaLR(opt, schedule)
+    norms = []
+    for step in range(STEPS):
+        x, y = llama_batch(step) if kind == "llama" else net_batch(sizes, step)
+        loss = sum(model(xs, ys) for xs, ys in zip(x.chunk(world), y.chunk(world))) / world
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return state(model), norms
+
+
+def expected_layout(model: nn.Module, bucket_mb: float, world: int) -> dict[str, Any]:
+    """Ψ, Ψ', buckets and, per rank, real elements and segments (runs of one group), from first principles."""
+    named = [(n, p) for n, p in model.named_parameters()][::-1]
+    params = [p for _, p in named]
+    first_group = 0 if next(iter(model.parameters())).ndim >= 2 else 1  # index of the decay group
+    runs = pack(params, max(1, int(bucket_mb * MB)))
+    sizes, padded, elems, segments = [], 0, [0] * world, [0] * world
+    for run in runs:
+        labels = torch.cat([torch.full((params[i].numel(),), first_group if params[i].ndim >= 2 else 1 - first_group)
+                            for i in run])
+        numel = labels.numel()
+        size = -(-numel // world)
+        sizes.append(numel)
+        padded += size * world
+        for r in range(world):
+            mine = labels[r * size : min((r + 1) * size, numel)]
+            elems[r] += mine.numel()
+            segments[r] += int((mine[1:] != mine[:-1]).sum()) + 1 if mine.numel() else 0
+    return {"numel": sum(sizes), "padded": padded, "buckets": len(sizes), "sizes": sizes, "elems": elems,
+            "segments": segments}
+
+
+# ------------------------------------------------------------------------------------ workers
+def _train(ctx: ParallelContext, kind: str, bucket_mb: float, sizes: tuple[int, ...] = NET,
+           steps: int = STEPS, resume_at: int | None = None) -> dict[str, Any]:
+    rank, n = ctx.rank, ctx.world_size
+    module = make_llama() if kind == "llama" else make_net(sizes, SEED + rank)  # broadcast makes them equal
+    model = DataParallel(module, ctx, bucket_mb=bucket_mb)
+    zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
+    sched = LambdaLR(zero, schedule)
+    out: dict[str, Any] = {"deltas": [], "norms": [], "saved": None}
+    for step in range(steps):
+        if step == resume_at:
+            buffer = io.BytesIO()
+            torch.save({"model": model.module.state_dict(), "zero": zero.state_dict(), "sched": sched.state_dict()}, buffer)
+            out["saved"] = buffer.getvalue()
+        x, y = llama_batch(step) if kind == "llama" else net_batch(sizes, step)
+        before = ctx.comm.stats.snapshot()
+        model(x.chunk(n)[rank], y.chunk(n)[rank]).backward()
+        out["norms"].append(zero.clip_grad_norm_(MAX_NORM).item())
+        zero.step()
+        after = ctx.comm.stats.snapshot()
+        out["deltas"].append({k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items()
+                              if v != before.get(k)})
+        sched.step()
+        zero.zero_grad()
+    out["params"] = state(model.module)
+    out["state_bytes"] = zero.state_bytes()
+    out["shard_numel"], out["padded_numel"] = zero.shard_numel, zero.padded_numel
+    out["views"] = all(p.untyped_storage().data_ptr() in {s.flat.untyped_storage().data_ptr() for s in zero._shards}
+                       for p in model.module.parameters())
+    return out
+
+
+def _resume(ctx: ParallelContext, saved: bytes, first: int) -> dict[str, Any]:
+    """Rebuild from a checkpoint taken before step `first` and train to STEPS; also a wrong-layout load."""
+    rank, n = ctx.rank, ctx.world_size
+    model = DataParallel(make_net(NET, SEED + 1000 + rank), ctx, bucket_mb=NET_BUCKET_MB)
+    zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
+    sched = LambdaLR(zero, schedule)
+    ckpt = torch.load(io.BytesIO(saved), weights_only=False)
+    model.module.load_state_dict(ckpt["model"])
+    sched.load_state_dict(ckpt["sched"])
+    zero.load_state_dict(ckpt["zero"])
+    for step in range(first, STEPS):
+        x, y = net_batch(NET, step)
+        model(x.chunk(n)[rank], y.chunk(n)[rank]).backward()
+        zero.clip_grad_norm_(MAX_NORM)
+        zero.step()
+        sched.step()
+        zero.zero_grad()
+    wrong = {**ckpt["zero"], "layout": {**ckpt["zero"]["layout"], "rank": (rank + 1) % n}}
+    try:
+        zero.load_state_dict(wrong)
+        error = None
+    except UserError as e:
+        error = str(e)
+    return {"params": state(model.module), "wrong_layout_error": error}
+
+
+def _suite(with_llama: bool) -> dict[str, Any]:
+    ctx = init(ParallelConfig(), init_method=init_method())
+    out = {
+        "net": _train(ctx, "net", NET_BUCKET_MB, resume_at=3),
+        "per_param": _train(ctx, "net", PER_PARAM_BUCKET_MB),
+        "lonely": _train(ctx, "net", NET_BUCKET_MB, sizes=LONELY),
+    }
+    out["resumed"] = _resume(ctx, out["net"].pop("saved"), 3)
+    if with_llama:
+        out["llama"] = _train(ctx, "llama", LLAMA_BUCKET_MB)
+    return out
+
+
+# ------------------------------------------------------------------------------------ checks
+def _check_run(runs: list[dict[str, Any]], world: int, kind: str, bucket_mb: float, sizes: tuple[int, ...] = NET,
+               clipped: bool = True) -> None:
+    ref, ref_norms = reference(kind, world, sizes)
+    model = make_llama() if kind == "llama" else make_net(sizes, SEED)
+    layout = expected_layout(model, bucket_mb, world)
+    if kind == "net" and clipped:
+        assert max(ref_norms) > MAX_NORM  # the clipping path is exercised
+    ring_all_reduce = 2 * (world - 1) * 4 * layout["numel"] // world
+    gather = (world - 1) * 4 * layout["padded"] // world
+    expected_delta = {
+        "all_reduce/dp_cp": {"calls": layout["buckets"], "payload_bytes": 4 * layout["numel"], "wire_bytes": ring_all_reduce},
+        "all_gather/dp_cp": {"calls": layout["buckets"], "payload_bytes": 4 * layout["padded"], "wire_bytes": gather},
+    }
+    for rank, o in enumerate(runs):
+        assert max_relative_error(o["params"], ref) <= 1e-5, (kind, sizes, bucket_mb, rank)
+        torch.testing.assert_close(torch.tensor(o["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        assert o["deltas"] == [expected_delta] * STEPS, (kind, rank)
+        assert o["shard_numel"] == layout["elems"][rank]
+        assert o["padded_numel"] == layout["padded"]
+        # AdamW: exp_avg + exp_avg_sq (fp32) per real element of the shard, one fp32 step counter per segment.
+        assert o["state_bytes"] == 8 * layout["elems"][rank] + 4 * layout["segments"][rank], (kind, rank)
+        assert o["views"]
+    assert sum(layout["elems"]) == layout["numel"]
+    assert max(layout["elems"]) <= layout["padded"] // world
+
+
+def _check_suite(out: list[dict[str, Any]], world: int) -> None:
+    _check_run([o["net"] for o in out], world, "net", NET_BUCKET_MB)
+    _check_run([o["per_param"] for o in out], world, "net", PER_PARAM_BUCKET_MB)
+    _check_run([o["lonely"] for o in out], world, "net", NET_BUCKET_MB, sizes=LONELY, clipped=False)
+    layout = expected_layout(make_net(NET, SEED), NET_BUCKET_MB, world)
+    assert layout["sizes"] == [60, 11, 143, 13, 91, 1]  # 5 sizes not divisible by N, one shorter than N
+    assert layout["segments"][0] == 7  # rank 0: bias | weight in bucket 0 (two groups), one in each other bucket
+    assert min(expected_layout(make_net(LONELY, SEED), NET_BUCKET_MB, world)["elems"]) == (0 if world == 4 else 1)
+    for rank, o in enumerate(out):
+        for k, v in o["net"]["params"].items():
+            assert torch.equal(o["resumed"]["params"][k], v), (rank, k)  # identical continued training
+        assert "different rank/world" in o["resumed"]["wrong_layout_error"]
+
+
+def test_two_ranks_match_single_process() -> None:
+    out = run_distributed(_suite, 2, True)
+    _check_suite(out, 2)
+    _check_run([o["llama"] for o in out], 2, "llama", LLAMA_BUCKET_MB, clipped=False)
+
+
+def test_four_ranks_match_single_process() -> None:
+    out = run_distributed(_suite, 4, True)
+    _check_suite(out, 4)
+    _check_run([o["llama"] for o in out], 4, "llama", LLAMA_BUCKET_MB, clipped=False)
+
+
+def test_single_rank_equals_plain_adamw_and_keeps_lr_schedule() -> None:
+    ctx = init(ParallelConfig())
+    model = DataParallel(make_net(NET, SEED), ctx, bucket_mb=NET_BUCKET_MB)
+    zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
+    sched = LambdaLR(zero, schedule)
+    assert [g["lr"] for g in zero.param_groups] == pytest.approx([LR / 3] * 2)
+    for step in range(STEPS):
+        model(*net_batch(NET, step)).backward()
+        zero.clip_grad_norm_(MAX_NORM)
+        zero.step()
+        sched.step()
+        zero.zero_grad()
+    ref, _ = reference("net", 1)
+    assert max_relative_error(state(model.module), ref) <= 1e-6
+    assert [g["lr"] for g in zero.param_groups] == pytest.approx([LR] * 2)
+    assert zero.state_bytes() == 8 * sum(p.numel() for p in model.parameters()) + 4 * len(zero.state)
+
+
+def test_factory_that_ignores_its_groups_is_a_clear_error() -> None:
+    ctx = init(ParallelConfig())
+    model = DataParallel(make_net(NET, SEED), ctx)
+    with pytest.raises(UserError, match="exactly the parameter groups it is given"):
+        ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(model.parameters(), lr=LR))
+    with pytest.raises(UserError, match="exactly the parameter groups it is given"):  # groups merged
+        ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW([p for g in groups for p in g["params"]], lr=LR),
+                      group_fn=no_decay_for_vectors)
+    with pytest.raises(UserError, match="not a torch.optim.Optimizer"):
+        ZeroOptimizer(model, ctx, lambda groups: groups)  # type: ignore[arg-type, return-value]
+    with pytest.raises(UserError, match="DataParallel-wrapped"):
+        ZeroOptimizer(model.module, ctx, adamw)  # type: ignore[arg-type]
