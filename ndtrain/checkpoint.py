@@ -71,18 +71,25 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(
     directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-    extra: dict[str, Any], ctx: ParallelContext, keep: int,
+    extra: dict[str, Any], ctx: ParallelContext, keep: int, sharded_optimizer: bool = False,
 ) -> Path:
-    """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep`."""
+    """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep`.
+
+    With `sharded_optimizer` (ZeRO) each rank writes its own optimizer shard to
+    `optim/rankNNNNN.pt`; such a checkpoint resumes only under the same dp×cp size.
+    """
     final = directory / checkpoint_name(step)
     partial = directory / (checkpoint_name(step) + PARTIAL)
     if ctx.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     ctx.comm.barrier(ctx.group("world"))
-    model_state, optim_state = get_state_dict(model, optimizer)
+    state = _dcp_state(model, optimizer, sharded_optimizer)
     with _single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+        dcp.save(state, checkpoint_id=partial)
+    if sharded_optimizer:
+        (partial / "optim").mkdir(exist_ok=True)
+        torch.save(optimizer.state_dict(), partial / "optim" / f"rank{ctx.rank:05d}.pt")
     if ctx.is_main:
         (partial / PROGRESS).write_text(json.dumps(extra, indent=1))
     rng_dir = partial / "rng"
@@ -103,21 +110,27 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
+    sharded_optimizer: bool = False,
 ) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the saved progress."""
-    model_state, optim_state = _state_templates(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = _dcp_state(model, optimizer, sharded_optimizer)
+    shard_file = path / "optim" / f"rank{ctx.rank:05d}.pt"
     try:
         extra = json.loads((path / PROGRESS).read_text())
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path)
+        shard = torch.load(shard_file, weights_only=False) if sharded_optimizer else None
     except (Exception, CheckpointException) as e:  # corrupt files and shape mismatches come in many forms
         raise UserError(
             f"cannot load checkpoint {str(path)!r} ({_reason(e)}): it is corrupt or was written "
             f"for another model; use a fresh --out directory"
         ) from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if shard is None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(shard)
     rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
     if rng_file.exists():
         _set_rng_state(torch.load(rng_file, weights_only=False))
@@ -138,6 +151,14 @@ def _reason(error: BaseException) -> str:
         error = next(iter(error.failures.values()))[0]
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:160]}" if text else type(error).__name__
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded_optimizer: bool) -> dict[str, Any]:
+    """What goes through DCP: the model, and the optimizer unless each rank keeps its own shard."""
+    if sharded_optimizer:
+        return {"model": model.state_dict()}
+    model_state, optim_state = _state_templates(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
 
 
 def _state_templates(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:

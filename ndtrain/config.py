@@ -110,8 +110,8 @@ class ParallelConfig:
                 raise UserError(
                     f"parallel.{axis}={getattr(self, axis)}: this axis is not implemented yet; use {axis}=1"
                 )
-        if self.zero:
-            raise UserError(f"parallel.zero={self.zero}: ZeRO is not implemented yet; use zero=0")
+        if self.zero > 1:
+            raise UserError(f"parallel.zero={self.zero}: ZeRO stages 2 and 3 are not implemented yet; use zero=0 or 1")
 
     def resolve_dp(self, world_size: int) -> int:
         """The dp degree for this world, checking that the axes multiply to it exactly."""

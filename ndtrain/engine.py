@@ -1,7 +1,8 @@
 """`Engine`: one model + optimizer trained under a `ParallelContext`.
 
 The engine places the model on the context's device, wraps it in the data-parallel strategy
-(our `DataParallel`: gradients all-reduced over dp×cp during backward), and runs one optimizer
+(our `DataParallel`: gradients all-reduced over dp×cp during backward; with `zero=1` the
+optimizer state is sharded over the same ranks by `ZeroOptimizer`), and runs one optimizer
 step per `train_step` over the micro-batches it is given: forward/backward of each (gradient
 sync only on the last, via `no_sync`), global gradient norm and clipping, optimizer and LR
 schedule step. Per step it communicates the gradient all-reduce (2(N−1)/N · 4Ψ bytes for Ψ fp32
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.zero import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
 
@@ -40,12 +42,15 @@ class Engine:
     def __init__(
         self,
         model_fn: Callable[[], nn.Module],
-        optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer],
+        optimizer_fn: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
         ctx: ParallelContext,
         *,
+        group_fn: GroupFn = no_decay_for_vectors,
         scheduler_fn: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
         grad_clip: float = 0.0,
     ) -> None:
+        """`optimizer_fn(groups)` builds the optimizer from parameter groups (`group_fn(name, param)`
+        gives each parameter's group options); with `zero=1` the groups hold this rank's shards."""
         ctx.config.check_implemented()
         self.ctx = ctx
         self.model = model_fn().to(ctx.device)
@@ -55,7 +60,10 @@ class Engine:
             comm_dtype=_COMM_DTYPES[ctx.config.comm_dtype],
             allow_unused=ctx.config.allow_unused_params,
         )
-        self.optimizer = optimizer_fn(self.model)
+        if ctx.config.zero == 1:
+            self.optimizer: torch.optim.Optimizer = ZeroOptimizer(self.wrapped, ctx, optimizer_fn, group_fn=group_fn)
+        else:
+            self.optimizer = optimizer_fn(parameter_groups(self.model, group_fn))
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
         self.grad_clip = grad_clip
 
@@ -89,6 +97,11 @@ class Engine:
             lr=lr,
             comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before,
         )
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        """True when each rank holds only its shard of the optimizer state (ZeRO)."""
+        return isinstance(self.optimizer, ZeroOptimizer)
 
     def clip_gradients(self) -> float:
         """Global L2 norm of all gradients (summed over the model-parallel group); clip if configured.

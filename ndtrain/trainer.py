@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from ndtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -41,27 +40,19 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and other vectors are not decayed)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    o = cfg.optim
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
 def build_engine(cfg: TrainConfig, ctx: ParallelContext) -> Engine:
-    s = cfg.schedule
+    """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine."""
+    o, s = cfg.optim, cfg.schedule
     return Engine(
         lambda: build_model(cfg.model, cfg.seed),
-        lambda model: adamw(model, cfg),
+        lambda groups: torch.optim.AdamW(
+            groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        ),
         ctx,
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_multiplier(step, s.warmup_steps, s.steps, s.min_lr_ratio)
         ),
-        grad_clip=cfg.optim.grad_clip,
+        grad_clip=o.grad_clip,
     )
 
 
@@ -126,7 +117,9 @@ class Trainer:
             if self.cfg.checkpoint.resume:
                 raise UserError(f"--resume: no checkpoint in {str(self.checkpoints)!r}; drop --resume to start a new run")
             return 0
-        progress = load_checkpoint(path, self.engine.model, self.engine.optimizer, self.ctx)
+        progress = load_checkpoint(
+            path, self.engine.model, self.engine.optimizer, self.ctx, sharded_optimizer=self.engine.sharded_optimizer
+        )
         self.engine.scheduler.load_state_dict(progress["scheduler"])
         return int(progress["step"])
 
@@ -134,7 +127,7 @@ class Trainer:
         progress = {"step": step, "scheduler": self.engine.scheduler.state_dict(), "world_size": self.ctx.world_size}
         save_checkpoint(
             self.checkpoints, step, self.engine.model, self.engine.optimizer, progress, self.ctx,
-            keep=self.cfg.checkpoint.keep,
+            keep=self.cfg.checkpoint.keep, sharded_optimizer=self.engine.sharded_optimizer,
         )
 
     def run(self) -> dict[str, Any]:

@@ -67,6 +67,7 @@ def test_bad_toml_file(tmp_path: Path) -> None:
         (["train", "--nproc", "2", "--set", "schedule.global_batch=6", "--set", "schedule.micro_batch=4"],
          "schedule.global_batch=6 is not divisible by dp=2 × schedule.micro_batch=4"),
         (["train", "--tp", "2", "--nproc", "2"], "parallel.tp=2: this axis is not implemented yet"),
+        (["train", "--zero", "2"], "parallel.zero=2: ZeRO stages 2 and 3 are not implemented yet"),
         (["train", "--set", "optim"], "--set expects key=value"),
         (["generate", "/no/such/run"], "is not an ndtrain run directory"),
     ],

@@ -119,3 +119,23 @@ def test_resume_errors_are_clear(tmp_path: Path) -> None:
         f.write_bytes(b"garbage")
     with pytest.raises(UserError, match="cannot load checkpoint .*step_00000003"):
         train(tiny_config(data, str(out), **{"parallel.dp": 1, "schedule.steps": 4}))
+
+
+def _zero1_worker(data: str, root: str) -> tuple[dict, dict, dict, list[int]]:
+    zero = {"parallel.zero": 1, "parallel.bucket_mb": 0.01}  # several buckets, sizes not divisible by 2
+    sharded = train(tiny_config(data, f"{root}/zero", **{"schedule.micro_batch": 2, **zero}))
+    full = train(tiny_config(data, f"{root}/full", **{"schedule.steps": 10, **zero}))
+    train(tiny_config(data, f"{root}/split", **{"schedule.steps": 10, "checkpoint.exit_after": 5, **zero}))
+    resumed = train(tiny_config(data, f"{root}/split", **{"schedule.steps": 10, **zero}))
+    shards = sorted(p.name for p in Path(f"{root}/split/checkpoints/step_00000010/optim").iterdir())
+    return sharded, full, resumed, shards
+
+
+def test_zero1_training_equals_single_process_and_resumes_exactly(tmp_path: Path) -> None:
+    data = corpus_file(tmp_path)
+    reference = train(tiny_config(data, str(tmp_path / "ref"), **{"parallel.dp": 1, "schedule.micro_batch": 8}))
+    sharded, full, resumed, shards = run_distributed(_zero1_worker, 2, data, str(tmp_path))[0]
+    assert max_relative_error(sharded, reference) <= 1e-5
+    for name in full:
+        assert torch.equal(full[name], resumed[name]), name
+    assert shards == ["rank00000.pt", "rank00001.pt"]  # each rank wrote its own optimizer shard

@@ -59,6 +59,30 @@ def no_decay_for_vectors(name: str, param: nn.Parameter) -> dict[str, Any]:
     return {"weight_decay": 0.0} if param.ndim < 2 else {}
 
 
+def _group_keys(module: nn.Module, group_fn: GroupFn) -> tuple[dict[tuple, int], list[dict[str, Any]]]:
+    """Distinct `group_fn` results over the trainable parameters, in order of first appearance."""
+    keys: dict[tuple, int] = {}  # group options -> group index
+    options: list[dict[str, Any]] = []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            opts = dict(group_fn(name, p))
+            key = tuple(sorted(opts.items()))
+            if key not in keys:
+                keys[key] = len(options)
+                options.append(opts)
+    return keys, options
+
+
+def parameter_groups(module: nn.Module, group_fn: GroupFn = _one_group) -> list[dict[str, Any]]:
+    """The unsharded parameter groups `group_fn` defines: what a plain optimizer is built from."""
+    keys, options = _group_keys(module, group_fn)
+    groups: list[dict[str, Any]] = [{"params": [], **o} for o in options]
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            groups[keys[tuple(sorted(dict(group_fn(name, p)).items()))]]["params"].append(p)
+    return groups
+
+
 class _Shard:
     """One bucket's flat parameter buffer and this rank's slice of it."""
 
@@ -96,15 +120,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.group = ctx.group("dp_cp")
         n, rank = self.group.size, self.group.rank
         names = {id(p): name for name, p in model.module.named_parameters()}
-        keys: dict[tuple, int] = {}  # group options -> group index, in registration order
-        options: list[dict[str, Any]] = []
-        for name, p in model.module.named_parameters():
-            if p.requires_grad:
-                opts = dict(group_fn(name, p))
-                key = tuple(sorted(opts.items()))
-                if key not in keys:
-                    keys[key] = len(options)
-                    options.append(opts)
+        keys, options = _group_keys(model.module, group_fn)
         segments: list[list[nn.Parameter]] = [[] for _ in options]
         self._shards: list[_Shard] = []
         for bucket in model.buckets:
