@@ -27,6 +27,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int6
 _COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 @dataclass
 class StepResult:
     loss: float          # mean loss over the global batch
@@ -97,6 +101,21 @@ class Engine:
             lr=lr,
             comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before,
         )
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients (buckets and any comm-dtype copies) and
+        optimizer state (only its shard under ZeRO; AdamW's state appears after the first step)."""
+        gradients = 0
+        for bucket in self.wrapped.buckets:
+            gradients += _nbytes(bucket.flat) + (_nbytes(bucket.comm) if bucket.comm is not bucket.flat else 0)
+        optimizer = sum(
+            _nbytes(t) for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+        )
+        return {
+            "parameters": sum(_nbytes(p) for p in self.model.parameters()),
+            "gradients": gradients,
+            "optimizer": optimizer,
+        }
 
     @property
     def sharded_optimizer(self) -> bool:

@@ -183,6 +183,7 @@ class Trainer:
             "tokens": tokens_seen, "seconds": wall, "tokens_per_s": tokens_seen / wall,
             "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes_max_rank": int(peak.item()),
             "world_size": ctx.world_size, "parameters": count_parameters(self.engine.model),
+            "model_state_bytes_rank0": self.engine.model_state_bytes(),
         }
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -219,6 +220,7 @@ class Trainer:
             ("wall time", f"{s['seconds']:.1f} s"),
             ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
             ("comm per step", f"{human_bytes(s['comm_bytes_per_step'])} sent per rank"),
+            ("model state, rank 0", ", ".join(f"{k} {human_bytes(v)}" for k, v in s["model_state_bytes_rank0"].items())),
             ("peak memory", f"{human_bytes(s['peak_memory_bytes_max_rank'])} (max over ranks)"),
             ("run directory", str(self.run_dir)),
         ]

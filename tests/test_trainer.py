@@ -139,3 +139,27 @@ def test_zero1_training_equals_single_process_and_resumes_exactly(tmp_path: Path
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
     assert shards == ["rank00000.pt", "rank00001.pt"]  # each rank wrote its own optimizer shard
+
+
+def _state_bytes_worker(data: str, out: str, zero: int) -> dict[str, int]:
+    cfg = tiny_config(data, out, **{"parallel.zero": zero, "schedule.steps": 1})
+    trainer = Trainer(cfg, init(cfg.parallel, init_method=init_method()))
+    trainer.run()
+    return trainer.engine.model_state_bytes()
+
+
+def test_model_state_bytes_follow_the_zero_formulas(tmp_path: Path) -> None:
+    """fp32 AdamW: 4Ψ parameters, 4Ψ gradients, and 8Ψ of optimizer state (8Ψ/N with ZeRO-1)."""
+    data = corpus_file(tmp_path)
+    psi = 34_976  # the tiny preset
+    plain = run_distributed(_state_bytes_worker, 2, data, str(tmp_path / "z0"), 0)
+    sharded = run_distributed(_state_bytes_worker, 2, data, str(tmp_path / "z1"), 1)
+    step_counters = 4  # AdamW's per-tensor `step` (one fp32 scalar per parameter tensor or ZeRO segment)
+    for rank in range(2):
+        assert plain[rank]["parameters"] == sharded[rank]["parameters"] == 4 * psi
+        assert plain[rank]["gradients"] == sharded[rank]["gradients"] == 4 * psi
+        assert plain[rank]["optimizer"] == 8 * psi + step_counters * 21  # 21 parameter tensors
+    # Every real element has its two moments on exactly one rank, plus one step counter per segment.
+    assert 0 < sum(r["optimizer"] for r in sharded) - 8 * psi <= step_counters * 2 * 21
+    for rank in range(2):
+        assert abs(sharded[rank]["optimizer"] - 8 * psi / 2) <= 0.05 * 8 * psi / 2
