@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ndtrain.bench import ddp
+from ndtrain.bench import ddp, zero
 from ndtrain.bench.harness import BenchOptions
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
@@ -58,6 +58,39 @@ def test_ddp_scenario_result_and_exact_bytes(tmp_path: Path) -> None:
     assert data["summary"]["torch"]["comm_bytes_per_step"] is None
     # Ours: exactly the ring volume of the gradient per step, in every run.
     assert [r["comm_bytes_per_step"] for r in data["runs"]["ours"]] == [2 * (2 - 1) / 2 * grad_bytes] * OPTIONS.repeats
+
+
+def _zero_worker() -> dict[str, Any]:
+    ctx = init(ParallelConfig(), init_method=init_method())
+    result = zero.run(ctx, OPTIONS)
+    assert result.table().startswith("zero1 on 2 ranks")
+    return result.to_json()
+
+
+def test_zero1_scenario_result_and_exact_bytes() -> None:
+    results = run_distributed(_zero_worker, 2)
+    data = json.loads(json.dumps(results[0]))
+    assert results[0]["summary"] == results[1]["summary"] and results[0]["facts"] == results[1]["facts"]
+    assert data["scenario"] == "zero1" and data["world_size"] == 2 and data["reference"] == "torch"
+    facts = data["facts"]
+    grad_bytes, padded = facts["gradient_bytes"], facts["padded_parameters"]
+    assert grad_bytes == 4 * facts["parameters"] and facts["parameters"] <= padded and padded % 2 == 0
+    assert facts["expected_state_bytes"] == 8 * facts["parameters"] // 2
+    assert facts["all_reduce_bytes"] == grad_bytes and facts["all_gather_bytes"] == 4 * padded // 2
+    assert facts["comm_bytes"] == facts["all_reduce_bytes"] + facts["all_gather_bytes"]
+    # Rank 0's AdamW state: exp_avg + exp_avg_sq of its half (N = 2 splits Ψ' evenly), plus 4-byte step counters.
+    ours_state = facts["ours_rank0_state_bytes"]
+    assert ours_state >= 8 * (padded // 2 - (padded - facts["parameters"])) and ours_state % 4 == 0
+    assert ours_state <= facts["expected_state_bytes"] + 8 * (padded - facts["parameters"]) + 4 * 1000
+    assert 0 < facts["torch_rank0_state_bytes"] < 8 * facts["parameters"]
+    for name in ("ours", "torch"):
+        runs = data["runs"][name]
+        assert len(runs) == OPTIONS.repeats
+        assert all(len(r["step_s"]) == OPTIONS.steps and len(r["peak_bytes"]) == 2 for r in runs)
+    assert data["summary"]["torch"]["ratio"] == 1.0 and data["summary"]["torch"]["comm_bytes_per_step"] is None
+    # Ours: exactly 2(N-1)/N·4Ψ all-reduce + (N-1)/N·4Ψ' all-gather per step, in every run.
+    expected = 2 * (2 - 1) / 2 * grad_bytes + (2 - 1) / 2 * 4 * padded
+    assert [r["comm_bytes_per_step"] for r in data["runs"]["ours"]] == [expected] * OPTIONS.repeats
 
 
 def test_options_are_validated() -> None:

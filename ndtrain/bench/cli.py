@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ndtrain.bench import ddp
+from ndtrain.bench import ddp, zero
 from ndtrain.bench.harness import BenchOptions, ContestResult
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.launch import in_worker, launch_local, set_worker_threads
 from ndtrain.mesh import ParallelContext, init
 
-SCENARIOS: dict[str, Callable[[ParallelContext, BenchOptions], ContestResult]] = {"ddp": ddp.run}
+SCENARIOS: dict[str, Callable[[ParallelContext, BenchOptions], ContestResult]] = {"ddp": ddp.run, "zero1": zero.run}
 DEFAULTS = BenchOptions()
 
 
