@@ -6,7 +6,8 @@ optimizer state is sharded over the same ranks by `ZeroOptimizer`), and runs one
 step per `train_step` over the micro-batches it is given: forward/backward of each (gradient
 sync only on the last, via `no_sync`), global gradient norm and clipping, optimizer and LR
 schedule step. Per step it communicates the gradient all-reduce (2(N−1)/N · 4Ψ bytes for Ψ fp32
-parameters) plus one 8-byte all-reduce of the loss and token count for reporting.
+parameters; with `zero=1` also the parameter all-gather, (N−1)/N · 4Ψ) plus one 8-byte
+all-reduce of the loss and token count for reporting.
 """
 
 from __future__ import annotations
