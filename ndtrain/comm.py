@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ndtrain.memory import tensor_bytes as _nbytes
+
 
 @dataclass(frozen=True)
 class Group:
@@ -103,10 +105,6 @@ class Pending:
 # torch 2.13 renamed the single-tensor collectives; older releases (>= 2.6) have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 class Communicator:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DataParallel
 from ndtrain.parallel.zero import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
@@ -26,10 +27,6 @@ from ndtrain.parallel.zero import GroupFn, ZeroOptimizer, no_decay_for_vectors, 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
 
 _COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 @dataclass
@@ -108,14 +105,11 @@ class Engine:
         optimizer state (only its shard under ZeRO; AdamW's state appears after the first step)."""
         gradients = 0
         for bucket in self.wrapped.buckets:
-            gradients += _nbytes(bucket.flat) + (_nbytes(bucket.comm) if bucket.comm is not bucket.flat else 0)
-        optimizer = sum(
-            _nbytes(t) for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
-        )
+            gradients += tensor_bytes(bucket.flat) + (tensor_bytes(bucket.comm) if bucket.comm is not bucket.flat else 0)
         return {
-            "parameters": sum(_nbytes(p) for p in self.model.parameters()),
+            "parameters": sum(tensor_bytes(p) for p in self.model.parameters()),
             "gradients": gradients,
-            "optimizer": optimizer,
+            "optimizer": optimizer_state_bytes(self.optimizer),
         }
 
     @property

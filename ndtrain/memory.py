@@ -53,3 +53,14 @@ def current_bytes(device: torch.device) -> int:
         return torch.cuda.memory_allocated(device)
     kib = _status_kib("VmRSS")
     return (kib or 0) * 1024
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in an optimizer's state (moments, step counters) held by this process."""
+    return sum(
+        tensor_bytes(t) for per_param in optimizer.state.values() for t in per_param.values() if isinstance(t, torch.Tensor)
+    )

@@ -158,12 +158,13 @@ class Trainer:
             t0 = time.perf_counter()
             result = self.engine.train_step(self.micro_batches(step))
             elapsed = time.perf_counter() - t0
-            step_peak = max(step_peak, peak_bytes(ctx.device))
+            rank_peak = peak_bytes(ctx.device)
+            step_peak = max(step_peak, rank_peak)
             tokens_seen += result.tokens
             done = step + 1
             record: dict[str, Any] = {}
             if done % cfg.log.log_every == 0 or done == cfg.schedule.steps:
-                record.update(self.step_record(done, result, elapsed, peak_bytes(ctx.device)))
+                record.update(self.step_record(done, result, elapsed, rank_peak))
             evaluate_now = (cfg.log.eval_every and done % cfg.log.eval_every == 0) or done == cfg.schedule.steps
             if evaluate_now:
                 last_val, _ = self.engine.evaluate(self.eval_batches())

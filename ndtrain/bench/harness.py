@@ -37,10 +37,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ndtrain.config import MODEL_PRESETS
+from ndtrain.config import MODEL_PRESETS, ModelConfig, config_from_dict
 from ndtrain.errors import UserError
-from ndtrain.memory import current_bytes, peak_bytes, reset_peak
+from ndtrain.memory import current_bytes, peak_bytes, reset_peak, tensor_bytes
 from ndtrain.mesh import ParallelContext
+from ndtrain.models.llama import build_model
 
 MB = 1024 * 1024
 _NET_DEV = Path("/proc/net/dev")
@@ -69,6 +70,38 @@ class BenchOptions:
             raise UserError(f"bench --warmup must be >= 0, got {self.warmup}")
         if self.preset not in MODEL_PRESETS:
             raise UserError(f"bench --preset {self.preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)}")
+
+
+@dataclass
+class Workload:
+    """What every contestant of a scenario trains: the model config, this rank's token batches
+    ([warmup + steps, micro_batch, seq_len + 1], a stream per rank) and the model's sizes."""
+
+    model: ModelConfig
+    tokens: torch.Tensor
+    parameters: int
+    gradient_bytes: int
+
+
+def llama_workload(ctx: ParallelContext, options: BenchOptions) -> Workload:
+    model = config_from_dict({"model": {"preset": options.preset, "seq_len": options.seq_len}}).model
+    generator = torch.Generator().manual_seed(options.seed * 1_000_003 + ctx.rank)
+    shape = (options.warmup + options.steps, options.micro_batch, options.seq_len + 1)
+    tokens = torch.randint(0, model.vocab_size, shape, generator=generator).to(ctx.device)
+    reference = build_model(model, options.seed, "cpu")
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    return Workload(model, tokens, sum(p.numel() for p in reference.parameters()), sum(map(tensor_bytes, trainable)))
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> Step:
+    """step(i): forward, backward, optimizer step and zero_grad(set_to_none=True) on batch i."""
+
+    def step(i: int) -> None:
+        model(tokens[i, :, :-1], tokens[i, :, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 @dataclass

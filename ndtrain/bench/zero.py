@@ -24,9 +24,9 @@ from typing import Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, run_contest
-from ndtrain.config import config_from_dict
+from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, llama_workload, run_contest, training_step
 from ndtrain.errors import UserError
+from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.ddp import DataParallel
@@ -40,24 +40,13 @@ Built = tuple[Step, Callable[[], int], Callable[[], int]]  # step(i), optimizer-
 def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     if ctx.world_size < 2:
         raise UserError("bench zero1 compares optimizer-state sharding: run it with --nproc >= 2")
-    cfg = config_from_dict({"model": {"preset": options.preset, "seq_len": options.seq_len}}).model
+    work = llama_workload(ctx, options)
     group = ctx.group("dp_cp")
-    generator = torch.Generator().manual_seed(options.seed * 1_000_003 + ctx.rank)
-    tokens = torch.randint(0, cfg.vocab_size, (options.warmup + options.steps, options.micro_batch,
-                                               options.seq_len + 1), generator=generator).to(ctx.device)
-
-    def training(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Step:
-        def step(i: int) -> None:
-            model(tokens[i, :, :-1], tokens[i, :, 1:]).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return step
 
     def ours() -> Built:
-        model = DataParallel(build_model(cfg, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
+        model = DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
         optimizer = ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(groups, lr=LR))
-        return training(model, optimizer), optimizer.state_bytes, lambda: optimizer.padded_numel
+        return training_step(model, optimizer, work.tokens), optimizer.state_bytes, lambda: optimizer.padded_numel
 
     def torch_zero() -> Built:
         # Imported here: torch.distributed.optim scripts its functional optimizers on import (~1.5 s),
@@ -65,21 +54,18 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         model = DistributedDataParallel(
-            build_model(cfg, options.seed, ctx.device), process_group=group.process_group,
+            build_model(work.model, options.seed, ctx.device), process_group=group.process_group,
             bucket_cap_mb=options.bucket_mb, gradient_as_bucket_view=True, forward_sync_buffers=False,
         )
         optimizer = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, process_group=group.process_group,
         )
-        return training(model, optimizer), lambda: _state_bytes(optimizer.optim), lambda: 0
+        return training_step(model, optimizer, work.tokens), lambda: optimizer_state_bytes(optimizer.optim), lambda: 0
 
-    reference_model = build_model(cfg, options.seed, "cpu")
-    params = sum(p.numel() for p in reference_model.parameters())
-    grad_bytes = sum(p.numel() * p.element_size() for p in reference_model.parameters() if p.requires_grad)
-    del reference_model
+    grad_bytes = work.gradient_bytes
     n = group.size
     facts = {
-        "preset": options.preset, "parameters": params, "gradient_bytes": grad_bytes,
+        "preset": options.preset, "parameters": work.parameters, "gradient_bytes": grad_bytes,
         "expected_state_bytes": 2 * grad_bytes // n,  # 8Ψ/N: exp_avg + exp_avg_sq of one slice
         "tokens_per_rank_step": options.micro_batch * options.seq_len,
     }
@@ -107,15 +93,6 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         "torch_rank0_state_bytes": measured["torch_rank0_state_bytes"],
     }
     return result
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        t.numel() * t.element_size()
-        for per_param in optimizer.state.values()
-        for t in per_param.values()
-        if isinstance(t, torch.Tensor)
-    )
 
 
 def _from_rank0(ctx: ParallelContext, value: int) -> int:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ndtrain.errors import UserError
+from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DataParallel
 
@@ -218,12 +219,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------- inspection, state
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (every tensor in the inner optimizer's state)."""
-        return sum(
-            t.numel() * t.element_size()
-            for per_param in self.optimizer.state.values()
-            for t in per_param.values()
-            if isinstance(t, torch.Tensor)
-        )
+        return optimizer_state_bytes(self.optimizer)
 
     @property
     def shard_numel(self) -> int:
