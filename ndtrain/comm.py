@@ -102,6 +102,18 @@ class Pending:
         self._work = None
 
 
+class _AllWorks:
+    """Several c10d works waited for as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self.works:
+            work.wait(timeout) if timeout is not None else work.wait()
+        return True
+
+
 # torch 2.13 renamed the single-tensor collectives; older releases (>= 2.6) have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -191,6 +203,26 @@ class Communicator:
         desc = self._issue("recv", group, _nbytes(tensor), 0)
         work = dist.irecv(tensor, src=group.global_rank(src), group=group.process_group)
         return Pending(work, desc, self.timeout)
+
+    def batch_send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                        group: Group) -> Pending:
+        """Post several sends and receives (`(tensor, group rank)` pairs) at once, as one batch.
+
+        One `Pending` covers them all. Batching lets both neighbours post their exchanges in any
+        order without deadlock (pipeline stages, ring attention)."""
+        ops = []
+        descs = []
+        for tensor, peer in sends:
+            size = _nbytes(tensor)
+            descs.append(self._issue("send", group, size, size))
+            ops.append(dist.P2POp(dist.isend, tensor, group.global_rank(peer), group.process_group))
+        for tensor, peer in recvs:
+            descs.append(self._issue("recv", group, _nbytes(tensor), 0))
+            ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group.process_group))
+        if not ops:
+            return Pending(None, "", self.timeout)
+        works = dist.batch_isend_irecv(ops)
+        return Pending(_AllWorks(works), "; ".join(descs), self.timeout)
 
     def barrier(self, group: Group) -> None:
         if group.size == 1:

@@ -9,6 +9,14 @@ f = ffn_dim. Parameters (weights only, no biases):
 Attention projections infer the head count from their output width (`view(..., -1, h)`), so a
 tensor-parallel shard of wq/wk/wv holding a subset of heads runs this code unchanged. RoPE tables
 are computed per forward from the positions, so nothing position-dependent is in the state_dict.
+
+Seams for the parallel strategies (each an attribute a strategy may replace, never a flag):
+- `Attention.attend(q, k, v)`: the position-mixing core (context parallel swaps in ring attention);
+- `Llama.loss_fn(logits, targets)`: the loss on the head's output (tensor parallel swaps in a
+  vocab-parallel cross-entropy over logit shards);
+- `forward(tokens, targets, positions)`: positions default to 0..T−1 (a sequence shard passes its
+  global positions);
+- `embed` / `layers` / `head`: the three parts a pipeline stage is cut from.
 """
 
 from __future__ import annotations
@@ -61,8 +69,13 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = self.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    @staticmethod
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q [B, H, T, h] over k, v [B, K, T, h] (K divides H) → [B, H, T, h]."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class FeedForward(nn.Module):
@@ -123,16 +136,34 @@ class Llama(nn.Module):
                 else:
                     param.normal_(0.0, self.cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V], or with targets the mean cross-entropy over all B·T tokens (fp32 scalar)."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = rotary_tables(positions, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta)
-        x = self.tok_embeddings(tokens)
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [B, T, V], or with targets the mean cross-entropy over all B·T tokens (fp32 scalar).
+
+        `positions` [T] are the tokens' places in the sequence (default 0..T−1)."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = self.rotary(positions)
+        x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
+        return self.head(x, targets)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_tables(positions, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """Final norm and output projection; the loss when targets are given."""
         logits = self.output(self.norm(x))
-        if targets is None:
-            return logits
+        return logits if targets is None else self.loss_fn(logits, targets)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over all tokens, computed in fp32."""
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
