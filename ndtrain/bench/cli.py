@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +20,17 @@ from ndtrain.errors import UserError
 from ndtrain.launch import in_worker, launch_local, set_worker_threads
 from ndtrain.mesh import ParallelContext, init
 
-SCENARIOS: dict[str, Callable[[ParallelContext, BenchOptions], ContestResult]] = {"ddp": ddp.run, "zero1": zero.run}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """`run(ctx, options)` on every worker of a world laid out by `layout(world_size)`."""
+
+    run: Callable[[ParallelContext, BenchOptions], ContestResult]
+    layout: Callable[[int], ParallelConfig] = lambda world_size: ParallelConfig()
+
+
+SCENARIOS: dict[str, Scenario] = {"ddp": Scenario(ddp.run), "zero1": Scenario(zero.run)}
 DEFAULTS = BenchOptions()
 
 
@@ -47,9 +58,10 @@ def main(args: argparse.Namespace) -> int:
     if not in_worker():
         return launch_local(["bench", *_worker_argv(args)], args.nproc)
     set_worker_threads(args.threads)
-    ctx = init(ParallelConfig())
+    scenario = SCENARIOS[args.scenario]
+    ctx = init(scenario.layout(args.nproc))
     try:
-        result = SCENARIOS[args.scenario](ctx, options)
+        result = scenario.run(ctx, options)
     except UserError as e:  # raised alike on every rank: say it once
         if ctx.is_main:
             print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
