@@ -11,19 +11,37 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ndtrain.config import MODEL_PRESETS, TrainConfig, load_config, parse_override
 from ndtrain.errors import UserError
 
+def _flag_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes", "on"):
+        return True
+    if text.lower() in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 # Everyday flags and the config key each one sets.
-TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
+TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--nproc": ("launch.nproc", int, "local worker processes to start (default 2)"),
     "--dp": ("parallel.dp", int, "data-parallel degree (default: what the world leaves)"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree"),
     "--pp": ("parallel.pp", int, "pipeline-parallel degree"),
     "--cp": ("parallel.cp", int, "context-parallel degree"),
     "--zero": ("parallel.zero", int, "ZeRO stage 0-3"),
+    "--precision": ("parallel.precision", str, "compute dtype: fp32, bf16 or fp16 (fp32 master weights)"),
+    "--recompute": ("parallel.recompute", str, "activation recomputation: none, selective or full"),
+    "--sp": ("parallel.sequence_parallel", _flag_bool, "sequence parallelism with tp (true/false)"),
+    "--schedule": ("parallel.pp_schedule", str, "pipeline schedule: naive, gpipe, 1f1b, interleaved, zb"),
+    "--vpp": ("parallel.pp_virtual", int, "virtual pipeline stages per rank (interleaved)"),
+    "--dp-mode": ("parallel.dp_mode", str, "ddp (processes) or single-process (DataParallel over replicas)"),
+    "--ps.servers": ("ps.servers", int, "parameter-server ranks (0 = off)"),
+    "--ps.mode": ("ps.mode", str, "parameter-server consistency: sync, async or ssp"),
+    "--ps.staleness": ("ps.staleness", int, "ssp staleness bound (steps)"),
+    "--ps.slow-worker": ("ps.slow_worker", str, "RANK:FACTOR, one worker FACTOR× slower"),
     "--model": ("model.preset", str, f"model size preset: {', '.join(MODEL_PRESETS)}"),
     "--steps": ("schedule.steps", int, "optimizer steps"),
     "--out": ("log.out", str, "run directory (default runs/default)"),
@@ -40,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model (no arguments: the embedded default run)")
     train.add_argument("config", nargs="?", help="TOML config file (optional)")
     for flag, (key, kind, help_text) in TRAIN_FLAGS.items():
-        train.add_argument(flag, type=kind, help=f"{help_text} [{key}]")
+        train.add_argument(flag, type=kind, dest=flag.lstrip("-").replace("-", "_"), help=f"{help_text} [{key}]")
     train.add_argument("--resume", action="store_true", help="continue from the run directory's newest checkpoint")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. --set optim.lr=3e-4 (repeatable)")
@@ -74,6 +92,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     overrides.update(parse_override(item) for item in args.set)
     cfg = load_config(args.config, overrides)
     cfg.parallel.check_implemented()
+    if cfg.ps.servers:
+        raise UserError("ps.servers: parameter-server training is not implemented yet; leave ps.servers=0")
     return cfg
 
 

@@ -89,29 +89,70 @@ class ParallelConfig:
     backend: str = "auto"
     device: str = "auto"
     bucket_mb: float = 25.0
-    comm_dtype: str = "fp32"
+    comm_dtype: str = "fp32"          # dtype of gradient reductions (the "reduce dtype")
     allow_unused_params: bool = False
     timeout_s: float = 600.0
+    # mixed precision: compute dtype; fp32 master weights and optimizer state in every mode
+    precision: str = "fp32"           # fp32 | bf16 | fp16
+    loss_scaling: bool = True         # dynamic loss scaling (required for fp16)
+    # activation recomputation per transformer block
+    recompute: str = "none"           # none | selective | full
+    # ZeRO-3 / FSDP
+    fsdp_wrap: str = "layers.*"       # comma-separated module-name patterns (fnmatch), one unit each
+    reshard_after_forward: bool = True
+    # tensor parallel
+    sequence_parallel: bool = False
+    # pipeline parallel: the micro-batches are the step's gradient-accumulation micro-batches
+    pp_schedule: str = "1f1b"         # naive | gpipe | 1f1b | interleaved | zb
+    pp_virtual: int = 1               # virtual stages per rank (interleaved)
+    pp_balance: str = "params"        # params | measured
+    # data-parallel flavour: our DDP over processes, or single-process DataParallel over replicas
+    dp_mode: str = "ddp"              # ddp | single-process
+    replicas: int = 2                 # devices (CPU replicas when no GPU) for dp_mode=single-process
 
     def validate(self) -> None:
         if self.dp < 0:
             raise UserError(f"parallel.dp must be >= 1 (or 0 to fill the world), got {self.dp}")
-        _positive(self, "tp", "pp", "cp", "bucket_mb", "timeout_s")
+        _positive(self, "tp", "pp", "cp", "bucket_mb", "timeout_s", "pp_virtual", "replicas")
         _choice(self, "backend", ("auto", "gloo", "nccl", "mpi"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         _choice(self, "comm_dtype", ("fp32", "bf16"))
+        _choice(self, "precision", ("fp32", "bf16", "fp16"))
+        _choice(self, "recompute", ("none", "selective", "full"))
+        _choice(self, "pp_schedule", ("naive", "gpipe", "1f1b", "interleaved", "zb"))
+        _choice(self, "pp_balance", ("params", "measured"))
+        _choice(self, "dp_mode", ("ddp", "single-process"))
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.precision == "fp16" and not self.loss_scaling:
+            raise UserError(
+                "parallel.precision=fp16 needs loss scaling (fp16 gradients underflow without it): "
+                "set parallel.loss_scaling=true or use precision=bf16"
+            )
+        if not [p for p in self.fsdp_wrap.split(",") if p.strip()]:
+            raise UserError("parallel.fsdp_wrap is empty: give module-name patterns such as 'layers.*'")
+        if self.pp_virtual > 1 and self.pp_schedule != "interleaved":
+            raise UserError(
+                f"parallel.pp_virtual={self.pp_virtual} needs parallel.pp_schedule=interleaved "
+                f"(got {self.pp_schedule!r})"
+            )
 
     def check_implemented(self) -> None:
-        """Reject the axes whose strategies do not exist yet, before any process is started."""
-        for axis in ("tp", "pp", "cp"):
-            if getattr(self, axis) != 1:
-                raise UserError(
-                    f"parallel.{axis}={getattr(self, axis)}: this axis is not implemented yet; use {axis}=1"
-                )
-        if self.zero > 1:
-            raise UserError(f"parallel.zero={self.zero}: ZeRO stages 2 and 3 are not implemented yet; use zero=0 or 1")
+        """Reject the options whose strategies do not exist yet, before any process is started.
+
+        One entry per missing piece; a strategy deletes its entry when it lands."""
+        missing = {
+            "parallel.tp": self.tp != 1,
+            "parallel.pp": self.pp != 1,
+            "parallel.cp": self.cp != 1,
+            "parallel.zero=2/3": self.zero > 1,
+            "parallel.precision": self.precision != "fp32",
+            "parallel.recompute": self.recompute != "none",
+            "parallel.dp_mode=single-process": self.dp_mode != "ddp",
+        }
+        for option, requested in missing.items():
+            if requested:
+                raise UserError(f"{option}: not implemented yet; leave it at its default")
 
     def resolve_dp(self, world_size: int) -> int:
         """The dp degree for this world, checking that the axes multiply to it exactly."""
@@ -225,6 +266,27 @@ class LaunchConfig:
 
 
 @dataclass
+class PSConfig:
+    """Parameter-server training: `servers` ranks hold the parameters, the other ranks are workers.
+
+    `servers=0` turns the mode off. `mode`: sync (same math as DDP), async (every push applied on
+    arrival), ssp (a worker may run at most `staleness` steps ahead of the slowest). `slow_worker`
+    ("RANK:FACTOR") makes one worker FACTOR× slower, for experiments."""
+
+    servers: int = 0
+    mode: str = "sync"
+    staleness: int = 2
+    slow_worker: str = ""
+
+    def validate(self) -> None:
+        if self.servers < 0:
+            raise UserError(f"ps.servers must be >= 0 (0 = off), got {self.servers}")
+        if self.staleness < 0:
+            raise UserError(f"ps.staleness must be >= 0, got {self.staleness}")
+        _choice(self, "mode", ("sync", "async", "ssp"))
+
+
+@dataclass
 class TrainConfig:
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -235,6 +297,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
