@@ -229,3 +229,12 @@ class Communicator:
             return
         desc = self._issue("barrier", group, 0, 0)
         self._finish(dist.barrier(group=group.process_group, async_op=True), desc, async_op=False)
+
+    def recv_any(self, tensor: torch.Tensor, group: Group) -> int:
+        """Blocking receive from whichever member of `group` sends first; returns its group rank.
+
+        For servers that serve many senders (parameter server). Bytes are counted on the sender."""
+        desc = self._issue("recv_any", group, _nbytes(tensor), 0)
+        work = dist.irecv(tensor, src=None, group=group.process_group)
+        Pending(work, desc, self.timeout).wait()
+        return group.ranks.index(dist.get_global_rank(group.process_group, work._source_rank()))

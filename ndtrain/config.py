@@ -284,6 +284,33 @@ class PSConfig:
         if self.staleness < 0:
             raise UserError(f"ps.staleness must be >= 0, got {self.staleness}")
         _choice(self, "mode", ("sync", "async", "ssp"))
+        self.straggler()
+
+    def straggler(self) -> tuple[int, float] | None:
+        """`slow_worker` parsed as (rank, factor >= 1), or None when empty."""
+        if not self.slow_worker:
+            return None
+        rank, sep, factor = self.slow_worker.partition(":")
+        try:
+            parsed = (int(rank), float(factor))
+        except ValueError:
+            parsed = None
+        if not sep or parsed is None or parsed[0] < 0 or not parsed[1] >= 1.0:
+            raise UserError(f"ps.slow_worker={self.slow_worker!r} must be RANK:FACTOR with FACTOR >= 1, e.g. '1:2'")
+        return parsed
+
+    def check_world(self, world_size: int) -> None:
+        """Servers and the straggler must fit a world of `world_size` ranks (workers first)."""
+        if self.servers >= world_size:
+            raise UserError(
+                f"ps.servers={self.servers} leaves no worker among {world_size} processes: "
+                f"use ps.servers < {world_size} or more processes (--nproc)"
+            )
+        slow = self.straggler()
+        if slow is not None and slow[0] >= world_size - self.servers:
+            raise UserError(
+                f"ps.slow_worker rank {slow[0]} is not a worker: workers are ranks 0..{world_size - self.servers - 1}"
+            )
 
 
 @dataclass

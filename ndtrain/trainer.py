@@ -66,7 +66,7 @@ class Trainer:
         self.corpus_description = corpus.description
         self.train_set = TokenWindows(corpus.train, cfg.model.seq_len, name="train")
         self.val_set = TokenWindows(corpus.val, cfg.model.seq_len, name="validation")
-        dp, dp_rank = ctx.size("dp"), ctx.coord("dp")
+        dp, dp_rank = self.data_ranks()
         self.accumulation = cfg.schedule.accumulation_steps(dp)
         self.rank_batch = cfg.schedule.global_batch // dp
         self.sampler = DistributedSampler(len(self.train_set), dp, dp_rank, seed=cfg.seed)
@@ -77,7 +77,14 @@ class Trainer:
                 f"the training data has {len(self.train_set)} windows of {cfg.model.seq_len + 1} bytes, fewer than "
                 f"one global batch of {cfg.schedule.global_batch}: use more data or a smaller schedule.global_batch"
             )
-        self.engine = build_engine(cfg, ctx)
+        self.engine = self.make_engine()
+
+    def data_ranks(self) -> tuple[int, int]:
+        """How many ranks share the data and this rank's place among them: the dp axis."""
+        return self.ctx.size("dp"), self.ctx.coord("dp")
+
+    def make_engine(self) -> Engine:
+        return build_engine(self.cfg, self.ctx)
 
     # ---- data -------------------------------------------------------------------------------
     def _epoch_indices(self, epoch: int) -> list[int]:
@@ -100,7 +107,7 @@ class Trainer:
         total = len(self.val_set)
         wanted = total if self.cfg.data.eval_samples == 0 else min(total, self.cfg.data.eval_samples)
         chosen = [i * total // wanted for i in range(wanted)]
-        shard = eval_shard(len(chosen), self.ctx.size("dp"), self.ctx.coord("dp"))
+        shard = eval_shard(len(chosen), *self.data_ranks())
         return [chosen[i] for i in shard]
 
     def eval_batches(self) -> Iterator[Batch]:
