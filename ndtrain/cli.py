@@ -92,8 +92,6 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     overrides.update(parse_override(item) for item in args.set)
     cfg = load_config(args.config, overrides)
     cfg.parallel.check_implemented()
-    if cfg.ps.servers:
-        raise UserError("ps.servers: parameter-server training is not implemented yet; leave ps.servers=0")
     return cfg
 
 
@@ -104,6 +102,10 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     if in_worker():
         return train_worker(cfg)
     dp = cfg.parallel.resolve_dp(cfg.launch.nproc)
+    if cfg.ps.servers:
+        from ndtrain.ps_trainer import check_ps_config
+
+        dp = check_ps_config(cfg, cfg.launch.nproc)
     cfg.schedule.accumulation_steps(dp)
     if cfg.launch.nproc == 1:
         return train_worker(cfg)
@@ -113,12 +115,13 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
 def train_worker(cfg: TrainConfig) -> int:
     from ndtrain.launch import set_worker_threads
     from ndtrain.mesh import init
+    from ndtrain.ps_trainer import PSTrainer
     from ndtrain.trainer import Trainer
 
     set_worker_threads(cfg.launch.threads)
     ctx = init(cfg.parallel)
     try:
-        Trainer(cfg, ctx).run()
+        (PSTrainer if cfg.ps.servers else Trainer)(cfg, ctx).run()
     except UserError as e:
         if ctx.is_main:
             print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
