@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ndtrain.bench import ddp, zero
+from ndtrain.bench import ddp, tp, zero
 from ndtrain.bench.harness import BenchOptions, ContestResult
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
@@ -30,7 +30,8 @@ class Scenario:
     layout: Callable[[int], ParallelConfig] = lambda world_size: ParallelConfig()
 
 
-SCENARIOS: dict[str, Scenario] = {"ddp": Scenario(ddp.run), "zero1": Scenario(zero.run)}
+SCENARIOS: dict[str, Scenario] = {"ddp": Scenario(ddp.run), "zero1": Scenario(zero.run),
+                                 "tp": Scenario(tp.run, lambda world_size: ParallelConfig(tp=world_size))}
 DEFAULTS = BenchOptions()
 
 
