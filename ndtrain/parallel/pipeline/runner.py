@@ -1,0 +1,240 @@
+"""The one executor of pipeline schedules: runs this rank's action list for one training step.
+
+What is communicated, and when (all through `ctx.comm.batch_send_recv` on the pp group):
+- SEND_F / RECV_F: the activation leaving a stage for the next one, [b, T, d] per micro-batch;
+  SEND_B / RECV_B: the gradient of that activation, same shape, coming back. Per step and stage
+  boundary: m activations forward and m gradients backward, 2·m·b·T·d elements.
+- Shapes and dtypes are never configured: the first activation crossing each boundary in a step
+  is preceded by a 10-element int64 header (dtype, ndim, sizes); a gradient has the shape of the
+  activation it belongs to, which its receiver sent.
+- Ordering: sends are posted asynchronously right after the producing action. A receive is
+  posted when needed, after posting (in the sender's order, which every rank can compute because
+  schedules are pure functions of (p, m, v)) every earlier message from that peer, so messages
+  of one pair of ranks are always matched in order and a valid schedule cannot deadlock.
+- After the schedule: the tied embedding/head gradient is exchanged between the first and last
+  stage (V·d elements each way) and the loss is broadcast from the last stage (one scalar).
+
+Loss and gradients: micro-batch i's loss is scaled by 1/m before its backward, so the gradients
+accumulated into `.grad` (never zeroed here) are those of the mean loss over micro-batches, as in
+single-process gradient accumulation. A micro-batch's activations are dropped at its backward
+(its weight pass W under zb), so the live count follows the schedule: m for gpipe, ≤ p for 1f1b.
+
+Data parallel: stages wrapped in `DataParallel` synchronise only in the last gradient-producing
+action of each stage (the others run under `no_sync()`): the usual 2(N−1)/N·G per step, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+import torch
+from torch import nn
+
+from ndtrain.comm import Pending
+from ndtrain.mesh import ParallelContext
+from ndtrain.parallel.pipeline.schedules import Action, build, place, stage_of
+from ndtrain.parallel.pipeline.timeline import Timeline
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+_HEADER = 10
+
+
+def _unwrap(stage: nn.Module) -> nn.Module:
+    return getattr(stage, "module", stage)
+
+
+class _Step:
+    """The state of one `run_pipeline` call on one rank."""
+
+    def __init__(self, stages: list[nn.Module], micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 ctx: ParallelContext, schedule: str, timeline: Timeline | None) -> None:
+        self.stages, self.micro_batches, self.ctx, self.timeline = stages, micro_batches, ctx, timeline
+        self.group = ctx.group("pp")
+        self.p, self.rank, self.v, self.m = self.group.size, self.group.rank, len(stages), len(micro_batches)
+        self.last = self.p * self.v - 1
+        plans = build(schedule, self.p, self.m, self.v)
+        self.plan = plans[self.rank]
+        peers = {(self.rank + 1) % self.p, (self.rank - 1) % self.p} - {self.rank}  # wrap-around: interleaved
+        self.expected = {q: deque(self._messages_to_me(plans[q], q)) for q in peers}
+        self.final = {}  # chunk -> index of its last gradient-accumulating action
+        for k, a in enumerate(self.plan):
+            if a.kind in ("B", "W"):
+                self.final[a.chunk] = k
+        self.received: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]] = {}
+        self.in_meta: dict[int, tuple[torch.dtype, torch.Size]] = {}  # chunk -> its input activation
+        self.out_meta: dict[int, tuple[torch.dtype, torch.Size]] = {}  # chunk -> its output activation
+        self.header_sent: set[int] = set()
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.grad_out: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.sends: list[tuple[Pending, list[torch.Tensor]]] = []
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
+        self.live = 0
+
+    # ------------------------------------------------------------------ message order
+    def _messages_to_me(self, plan: list[Action], q: int) -> list[tuple[str, int, int]]:
+        """(kind, mb, my chunk) of the messages peer q sends me, in its sending order; a header
+        ("H", −1, chunk) precedes the first activation into each of my chunks."""
+        out, headed = [], set()
+        for a in plan:
+            s = stage_of(q, a.chunk, self.p)
+            target = s + 1 if a.kind == "SEND_F" else s - 1 if a.kind == "SEND_B" else None
+            if target is None or place(target, self.p)[0] != self.rank:
+                continue
+            chunk = place(target, self.p)[1]
+            if a.kind == "SEND_F" and chunk not in headed:
+                headed.add(chunk)
+                out.append(("H", -1, chunk))
+            out.append((a.kind[-1], a.mb, chunk))
+        return out
+
+    def _post_until(self, peer: int, key: tuple[str, int, int]) -> None:
+        while key not in self.received:
+            kind, mb, chunk = item = self.expected[peer].popleft()
+            if kind == "H":
+                header = torch.empty(_HEADER, dtype=torch.int64)
+                self.ctx.comm.batch_send_recv([], [(header, peer)], self.group).wait()
+                dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+                self.in_meta[chunk] = (dtype, torch.Size(header[2 : 2 + ndim].tolist()))
+                continue
+            dtype, shape = self.in_meta[chunk] if kind == "F" else self.out_meta[chunk]
+            buffer = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+            self.received[item] = (buffer, self.ctx.comm.batch_send_recv([], [(buffer, peer)], self.group))
+
+    def _receive(self, kind: str, mb: int, chunk: int) -> torch.Tensor:
+        key = (kind, mb, chunk)
+        if key not in self.received:
+            s = stage_of(self.rank, chunk, self.p)
+            self._post_until(place(s - 1 if kind == "F" else s + 1, self.p)[0], key)
+        buffer, pending = self.received.pop(key)
+        if pending is not None:
+            pending.wait()
+        return buffer
+
+    def _send(self, kind: str, mb: int, chunk: int) -> None:
+        tensor = self.to_send.pop((kind, mb, chunk))
+        s = stage_of(self.rank, chunk, self.p)
+        peer = place(s + 1 if kind == "F" else s - 1, self.p)[0]
+        tensors = [tensor]
+        if kind == "F" and chunk not in self.header_sent:
+            self.header_sent.add(chunk)
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+            tensors.insert(0, header)
+        pending = self.ctx.comm.batch_send_recv([(t, peer) for t in tensors], [], self.group)
+        self.sends.append((pending, tensors))
+
+    def _hand_over(self, kind: str, mb: int, chunk: int, tensor: torch.Tensor) -> None:
+        """Give a stage's output (F) or input gradient (B) to its neighbour stage, local or remote."""
+        s = stage_of(self.rank, chunk, self.p)
+        rank, other_chunk = place(s + 1 if kind == "F" else s - 1, self.p)
+        if rank == self.rank:
+            self.received[(kind, mb, other_chunk)] = (tensor, None)
+        else:
+            self.to_send[(kind, mb, chunk)] = tensor.contiguous()
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, mb: int, chunk: int) -> None:
+        s = stage_of(self.rank, chunk, self.p)
+        tokens, targets = self.micro_batches[mb]
+        x = tokens if s == 0 else self._receive("F", mb, chunk).requires_grad_()
+        out = self.stages[chunk](x, targets)
+        if s == self.last:
+            self.loss_sum += out.detach().float()
+            out = out / self.m
+        else:
+            self.out_meta[chunk] = (out.dtype, out.shape)
+            self._hand_over("F", mb, chunk, out.detach())
+        self.inputs[(mb, chunk)], self.outputs[(mb, chunk)] = x, out
+        self.live += 1
+        if self.timeline is not None:
+            self.timeline.peak_live = max(self.timeline.peak_live, self.live)
+
+    def backward(self, mb: int, chunk: int, index: int, part: str) -> None:
+        """part B: input and weight gradients; I: input only (keeps the graph); W: weights only."""
+        s = stage_of(self.rank, chunk, self.p)
+        key = (mb, chunk)
+        if part == "W":
+            grad = self.grad_out.pop(key)
+        else:
+            grad = None if s == self.last else self._receive("B", mb, chunk)
+        x, out = self.inputs[key], self.outputs[key]
+        if part == "I":
+            self.grad_out[key] = grad
+            if s > 0:
+                (gx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+                self._hand_over("B", mb, chunk, gx)
+            return
+        stage = self.stages[chunk]
+        sync = self.final[chunk] == index or not hasattr(stage, "no_sync")
+        with contextlib.nullcontext() if sync else stage.no_sync():
+            if part == "W":
+                params = [p for p in stage.parameters() if p.requires_grad]
+                torch.autograd.backward(out, grad, inputs=params)
+            else:
+                torch.autograd.backward(out, grad)
+        if part == "B" and s > 0:
+            self._hand_over("B", mb, chunk, x.grad)
+        del self.inputs[key], self.outputs[key]
+        self.live -= 1
+
+    def run(self) -> None:
+        for index, a in enumerate(self.plan):
+            start = self.timeline.now() if self.timeline is not None else 0.0
+            if a.kind == "F":
+                self.forward(a.mb, a.chunk)
+            elif a.kind in ("B", "I", "W"):
+                self.backward(a.mb, a.chunk, index, a.kind)
+            elif a.kind.startswith("SEND"):
+                self._send(a.kind[-1], a.mb, a.chunk)
+                continue
+            else:  # RECV: post (and wait) now so the timeline shows the wait; the compute pops it
+                key = (a.kind[-1], a.mb, a.chunk)
+                buffer = self._receive(*key)
+                self.received[key] = (buffer, None)
+            if self.timeline is not None:
+                self.timeline.record(a.kind, a.mb, a.chunk, start)
+        for pending, _ in self.sends:
+            pending.wait()
+        self.sends.clear()
+
+
+def _tied_weight(stages: list[nn.Module]) -> nn.Parameter | None:
+    for stage in stages:
+        base = _unwrap(stage)
+        if getattr(base, "tied", None):
+            return base.get_parameter(base.tied)
+    return None
+
+
+def run_pipeline(
+    stages: list[nn.Module], micro_batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: ParallelContext,
+    schedule: str, timeline: Timeline | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Forward and backward of all micro-batches `(inputs, targets)` (the same list on every pp
+    rank) through this rank's `stages` (from `split_model`, optionally each in `DataParallel`).
+
+    Returns (Σ over micro-batches of the micro-batch mean loss, on every pp rank; target count).
+    Gradients of the mean loss over micro-batches are accumulated into `.grad`."""
+    step = _Step(stages, micro_batches, ctx, schedule, timeline)  # validates (p, m, v) first
+    tied = _tied_weight(stages) if step.p > 1 else None
+    stash = None
+    if tied is not None and tied.grad is not None:
+        stash = tied.grad.clone()
+        tied.grad.zero_()
+    if timeline is not None:
+        timeline.start(ctx)
+    step.run()
+    if tied is not None:
+        other = torch.empty_like(tied.grad)
+        peer = step.p - 1 if step.rank == 0 else 0
+        ctx.comm.batch_send_recv([(tied.grad, peer)], [(other, peer)], step.group).wait()
+        tied.grad.add_(other)
+        if stash is not None:
+            tied.grad.add_(stash)
+    loss = step.loss_sum
+    ctx.comm.broadcast(loss, step.group, src=place(step.last, step.p)[0])
+    return loss, sum(int(targets.numel()) for _, targets in micro_batches)
