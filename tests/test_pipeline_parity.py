@@ -20,6 +20,7 @@ from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.ddp import DataParallel
 from ndtrain.parallel.pipeline import is_pipeline_duplicate, run_pipeline, split_model
+from ndtrain.parallel.tp_plan import parallelize
 from tests.distributed import init_method, run_distributed
 
 SEED = 7
@@ -118,6 +119,16 @@ def _dp_pp_worker() -> dict[str, torch.Tensor]:
     return {name: q.detach().clone() for s in stages for name, q in s.module.named_parameters()}
 
 
+def _pp_tp_worker(sequence_parallel: bool) -> tuple[float, dict[str, tuple[torch.Tensor, Any]]]:
+    ctx = init(ParallelConfig(pp=2, tp=2), init_method=init_method())
+    model = parallelize(build_model(model_config(3, tied=True), SEED), ctx, sequence_parallel=sequence_parallel)
+    stages = split_model(model, ctx)
+    del model
+    loss, _ = run_pipeline(stages, micro_batches(4, SEED), ctx, "1f1b")
+    grads = {n: (q.grad.clone(), getattr(q, "tp_shard", None)) for s in stages for n, q in s.named_parameters()}
+    return loss.item(), grads
+
+
 # ------------------------------------------------------------------------------------------ references
 def reference(cfg: ModelConfig, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, Grads]:
     model = build_model(cfg, SEED)
@@ -193,3 +204,17 @@ def test_dp2_pp2_adamw_training_equals_single_process() -> None:
         for name, value in params.items():
             assert_close(value, want[name].detach(), f"dp×pp rank {rank} {name}")
     assert set(results[0]) | set(results[1]) == set(want)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_pp2_tp2_matches_single_process(sequence_parallel: bool) -> None:
+    results = run_distributed(_pp_tp_worker, 4, sequence_parallel)
+    ref_loss, ref = reference(model_config(3, tied=True), micro_batches(4, SEED))
+    seen = set()
+    for rank, (loss, grads) in enumerate(results):
+        assert abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss), f"rank {rank}: loss {loss} vs {ref_loss}"
+        for name, (g, shard) in grads.items():
+            want = ref[name] if shard is None else ref[name].narrow(shard.dim, shard.start, shard.length)
+            assert_close(g, want, f"pp×tp rank {rank} {name}")
+        seen |= set(grads)
+    assert seen == set(ref)

@@ -18,6 +18,7 @@ model is built first; the caller drops it).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable, Sequence
@@ -41,8 +42,10 @@ def is_pipeline_duplicate(param: torch.Tensor) -> bool:
 class LlamaStage(nn.Module):
     """Some blocks of a Llama, with its embedding (first stage) and/or norm, head, loss (last).
 
-    Reuses the model's own `rotary`, `embed` and `head` seams (and its possibly replaced
-    `loss_fn`) on itself, so a tensor-parallel model splits the same way."""
+    Runs the model's own `rotary`, `embed` and `head` seams (and its `loss_fn`) on itself; a seam
+    a strategy replaced on the model instance (tensor parallel's head, a partial bound to the
+    model) is rebound to the stage, so a parallelized model splits the same way and the rest of
+    the full model can be freed."""
 
     def __init__(self, model: Llama, layer_ids: Sequence[int], first: bool, last: bool) -> None:
         super().__init__()
@@ -55,16 +58,33 @@ class LlamaStage(nn.Module):
         if last:
             self.norm, self.output = model.norm, model.output
             self.loss_fn = model.loss_fn
+        for name in ("rotary", "embed", "head"):
+            seam = model.__dict__.get(name)
+            if isinstance(seam, functools.partial) and seam.args and seam.args[0] is model:
+                seam = functools.partial(seam.func, self, *seam.args[1:], **seam.keywords)
+            if seam is not None:
+                setattr(self, name, seam)
         self.tied = "tok_embeddings.weight" if first else "output.weight"
         self.tied = self.tied if model.cfg.tie_embeddings and first != last else None
 
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._seams.rotary(self, positions)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._seams.embed(self, tokens)
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        return self._seams.head(self, x, targets)
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        cos, sin = self._seams.rotary(self, torch.arange(x.shape[1], device=x.device))
+        """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation or loss.
+        The sequence length is the targets' (activations may be sequence shards)."""
+        cos, sin = self.rotary(torch.arange(targets.shape[1], device=x.device))
         if self.first:
-            x = self._seams.embed(self, x)
+            x = self.embed(x)
         for layer in self.layers.values():
             x = layer(x, cos, sin)
-        return self._seams.head(self, x, targets) if self.last else x
+        return self.head(x, targets) if self.last else x
 
 
 class SequentialStage(nn.Module):
