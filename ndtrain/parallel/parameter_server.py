@@ -183,7 +183,7 @@ class ParameterServer:
             pending = [self.ctx.comm.recv(self.inbox[w], self.world, w) for w in range(workers)]
             for p in pending:
                 p.wait()
-            torch.stack([b[1:] for b in self.inbox]).sum(0, out=self.grad)
+            torch.sum(torch.stack([b[1:] for b in self.inbox]), dim=0, out=self.grad)
             self.grad.div_(workers)
             self._record(list(range(workers)))
             self._apply(self._global_sqnorm(), step)

@@ -1,0 +1,206 @@
+"""Parameter-server training: sync parity with one process, ssp's bound, async staleness, CLI, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ndtrain.config import PSConfig, config_from_dict, load_config
+from ndtrain.errors import UserError
+from ndtrain.mesh import init
+from ndtrain.models.llama import build_model
+from ndtrain.parallel.parameter_server import ParameterServer, PSSetup, PSWorker, shard_parameters
+from ndtrain.parallel.zero import no_decay_for_vectors, parameter_groups
+from ndtrain.ps_trainer import check_ps_config
+from tests.distributed import init_method, run_distributed
+from tests.test_trainer import corpus_file
+
+TOL = 1e-5
+STEPS, MICRO, SEQS, SEQ_LEN, CLIP, LR = 5, 2, 2, 16, 0.05, 3e-3  # LR: the default run's
+
+
+def lr_lambda(k: int) -> float:
+    return min(1.0, (k + 1) / 3)
+
+
+def adamw(groups: list) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=LR, weight_decay=0.1)
+
+
+def micro_batches(worker: int, step: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 * step + worker)
+    tokens = torch.randint(0, vocab, (MICRO, SEQS, SEQ_LEN + 1), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def tiny():
+    return build_model(config_from_dict({"model": {"preset": "tiny"}}).model, seed=0)
+
+
+def reference(workers: int) -> list[torch.Tensor]:
+    """One process, the whole global batch per step, AdamW, clipping and schedule as the servers."""
+    model = tiny()
+    opt = adamw(parameter_groups(model, no_decay_for_vectors))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    for step in range(STEPS):
+        batches = [b for w in range(workers) for b in micro_batches(w, step, model.cfg.vocab_size)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        opt.zero_grad()
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_ps(ctx, ps: PSConfig, steps: int = STEPS) -> dict:
+    model = tiny()
+    setup = PSSetup.build(model, ctx, ps, steps)
+    if setup.roles.is_server(ctx.rank):
+        server = ParameterServer(model, ctx, setup, adamw, lr_lambda=lr_lambda, grad_clip=CLIP)
+        report = server.serve()
+        return {"role": "server", "applied": [(a.worker, a.step, a.staleness) for a in report.applications],
+                "updates": report.updates}
+    worker = PSWorker(model, ctx, setup)
+    for step in range(steps):
+        worker.train_step(micro_batches(ctx.rank, step, model.cfg.vocab_size))
+    return {"role": "worker", "params": [p.detach().clone() for p in model.parameters()],
+            "versions": worker.report.versions, "pushes": worker.report.steps}
+
+
+def _scenarios() -> dict:
+    ctx = init(init_method=init_method())
+    out = {
+        "sync_s2": run_ps(ctx, PSConfig(servers=2, mode="sync")),
+        "sync_s1": run_ps(ctx, PSConfig(servers=1, mode="sync")),
+        "ssp": run_ps(ctx, PSConfig(servers=1, mode="ssp", staleness=1, slow_worker="2:4"), steps=8),
+        "async": run_ps(ctx, PSConfig(servers=2, mode="async", slow_worker="1:6"), steps=8),
+        "sent": ctx.comm.stats.snapshot(),
+    }
+    if ctx.rank == 0:  # the single-process references of the two sync scenarios
+        out["reference"] = {2: reference(2), 3: reference(3)}
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_distributed(_scenarios, 4)
+
+
+@pytest.mark.parametrize("scenario,workers", [("sync_s2", 2), ("sync_s1", 3)])
+def test_sync_equals_single_process(results: list[dict], scenario: str, workers: int) -> None:
+    expected = results[0]["reference"][workers]
+    initial = list(tiny().parameters())
+    for rank in range(workers):
+        r = results[rank][scenario]
+        assert r["role"] == "worker" and r["pushes"] == STEPS
+        for got, want, start in zip(r["params"], expected, initial):
+            assert rel_err(got, want) <= TOL
+            assert rel_err(start.detach(), want) > 1e-3  # the parameters moved: the check can fail
+        assert r["versions"] == list(range(1, STEPS + 1))
+    servers = [results[rank][scenario] for rank in range(workers, 4)]
+    for s in servers:
+        assert s["role"] == "server" and s["updates"] == STEPS
+        assert sorted(s["applied"]) == [(w, c, 0) for w in range(workers) for c in range(STEPS)]  # sync: staleness 0
+
+
+def test_ssp_never_exceeds_its_bound(results: list[dict]) -> None:
+    server = results[3]["ssp"]
+    assert server["role"] == "server" and server["updates"] == 3 * 8
+    staleness = [s for _, _, s in server["applied"]]
+    assert len(staleness) == 24 and min(staleness) >= 0
+    assert max(staleness) <= 1
+    # Each worker's steps arrive in order, every one of them exactly once.
+    for w in range(3):
+        assert [c for u, c, _ in server["applied"] if u == w] == list(range(8))
+
+
+def test_async_applies_every_push_as_it_arrives(results: list[dict]) -> None:
+    for rank in (2, 3):
+        server = results[rank]["async"]
+        assert server["updates"] == 16  # one update per push, not per round
+        for w in range(2):
+            assert [c for u, c, _ in server["applied"] if u == w] == list(range(8))
+        assert min(s for _, _, s in server["applied"]) >= 0
+    # The fast worker (0) runs ahead of the 6× slower one: some of its gradients are stale.
+    assert max(s for w, _, s in results[2]["async"]["applied"] if w == 0) >= 1
+    assert results[0]["async"]["pushes"] == 8 and results[1]["async"]["pushes"] == 8
+
+
+def test_push_pull_bytes(results: list[dict]) -> None:
+    """Worker: one push per server per step = its shard + a 4-byte header; exact byte counts."""
+    sent = results[0]["sent"]["send/world"]
+    psi = sum(p.numel() for p in tiny().parameters())
+    pushes = {"sync_s2": (STEPS, 2), "sync_s1": (STEPS, 1), "ssp": (8, 1), "async": (8, 2)}
+    assert sent["calls"] == sum(steps * servers for steps, servers in pushes.values())
+    assert sent["wire_bytes"] == sum(steps * (4 * psi + 4 * servers) for steps, servers in pushes.values())
+
+
+def test_shard_parameters_balances_bytes() -> None:
+    assert shard_parameters([10, 40, 30, 20], 2) == [[0, 1], [2, 3]]  # 40→0, 30→1, 20→1, 10→0: 50/50
+    assert shard_parameters([5, 5, 5], 3) == [[0], [1], [2]]
+    with pytest.raises(UserError, match="ps.servers=4 exceeds"):
+        shard_parameters([1, 2, 3], 4)
+
+
+@pytest.mark.parametrize("bad", ["2", "a:2", "1:0.5", "-1:2", "1:x", "1:2:3"])
+def test_bad_slow_worker_is_a_user_error(bad: str) -> None:
+    with pytest.raises(UserError, match="ps.slow_worker"):
+        load_config(None, {"ps.servers": 1, "ps.slow_worker": bad})
+
+
+def test_world_checks() -> None:
+    cfg = load_config(None, {"ps.servers": 3})
+    with pytest.raises(UserError, match="ps.servers=3 leaves no worker among 3 processes"):
+        check_ps_config(cfg, 3)
+    cfg = load_config(None, {"ps.servers": 1, "ps.slow_worker": "2:2"})
+    with pytest.raises(UserError, match="rank 2 is not a worker"):
+        check_ps_config(cfg, 3)
+    assert check_ps_config(load_config(None, {"ps.servers": 1, "ps.slow_worker": "1:2"}), 3) == 2
+    with pytest.raises(UserError, match="ps.staleness must be >= 0"):
+        load_config(None, {"ps.servers": 1, "ps.staleness": -1})
+    with pytest.raises(UserError, match="checkpoint.save_every does not combine"):
+        check_ps_config(load_config(None, {"ps.servers": 1, "checkpoint.save_every": 2}), 3)
+
+
+def ndtrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ndtrain", *args], capture_output=True, text=True, timeout=240)
+
+
+def test_cli_async_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = ndtrain(
+        "train", "--ps.servers", "1", "--ps.mode", "async", "--nproc", "3", "--model", "tiny", "--steps", "4",
+        "--data", corpus_file(tmp_path), "--out", str(out), "--set", "schedule.global_batch=8",
+        "--set", "schedule.micro_batch=2", "--set", "log.progress=false", "--set", "data.eval_samples=8",
+        "--set", "log.log_every=1",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 worker(s) (ranks 0..1) + 1 server(s) on 3 cpu process(es)" in proc.stdout
+    assert "pushes/s per worker" in proc.stdout and "staleness histogram" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    ps = summary["ps"]
+    assert ps["mode"] == "async" and ps["workers"] == 2 and ps["updates_applied"] == 8
+    assert len(ps["pushes_per_s"]) == 2 and all(p > 0 for p in ps["pushes_per_s"])
+    assert sum(ps["staleness_histogram"].values()) == 8
+    assert summary["tokens"] == 4 * 8 * 32 and summary["val_loss"] < 6.0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 4] and "val_loss" in records[-1]
+    assert (out / "loss.png").exists()
+
+
+def test_cli_servers_fill_the_world_one_line() -> None:
+    proc = ndtrain("train", "--ps.servers", "2", "--nproc", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "ndtrain: error: ps.servers=2 leaves no worker among 2 processes: use ps.servers < 2 or more processes (--nproc)"
+    ]
