@@ -122,6 +122,10 @@ class ParallelConfig:
         _choice(self, "pp_schedule", ("naive", "gpipe", "1f1b", "interleaved", "zb"))
         _choice(self, "pp_balance", ("params", "measured"))
         _choice(self, "dp_mode", ("ddp", "single-process"))
+        if self.dp_mode == "single-process" and self.zero > 1:
+            raise UserError(
+                f"parallel.dp_mode=single-process does not combine with parallel.zero={self.zero}: use zero 0 or 1"
+            )
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.precision == "fp16" and not self.loss_scaling:
@@ -148,7 +152,6 @@ class ParallelConfig:
             "parallel.zero=2/3": self.zero > 1,
             "parallel.precision": self.precision != "fp32",
             "parallel.recompute": self.recompute != "none",
-            "parallel.dp_mode=single-process": self.dp_mode != "ddp",
         }
         for option, requested in missing.items():
             if requested:

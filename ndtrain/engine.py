@@ -22,6 +22,7 @@ from torch import nn
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.replicate import SingleProcessDataParallel
 from ndtrain.parallel.zero import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
@@ -56,8 +57,11 @@ class Engine:
         ctx.config.check_implemented()
         self.ctx = ctx
         self.model = model_fn().to(ctx.device)
+        module = self.model  # dp_mode=single-process: replicas on threads inside this process
+        if ctx.config.dp_mode == "single-process":
+            module = SingleProcessDataParallel(self.model, [ctx.device] * ctx.config.replicas)
         self.wrapped = DataParallel(
-            self.model, ctx,
+            module, ctx,
             bucket_mb=ctx.config.bucket_mb,
             comm_dtype=_COMM_DTYPES[ctx.config.comm_dtype],
             allow_unused=ctx.config.allow_unused_params,

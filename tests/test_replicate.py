@@ -196,3 +196,45 @@ def test_single_device_is_the_module() -> None:
     dp = SingleProcessDataParallel(copy.deepcopy(ref), ["cpu"])
     batch = mlp_batch(3)
     assert torch.equal(dp(*batch), ref(*batch))
+
+
+def test_trainer_single_process_mode_equals_single_device(tmp_path) -> None:
+    """`--dp-mode single-process`: the Engine runs the model on 3 CPU replicas; same training result."""
+    from ndtrain.trainer import Trainer
+    from tests.test_trainer import corpus_file, max_relative_error, tiny_config, train
+
+    data = corpus_file(tmp_path)
+    common = {"parallel.dp": 1, "schedule.micro_batch": 4}
+    single = train(tiny_config(data, str(tmp_path / "one"), **common))
+    cfg = tiny_config(data, str(tmp_path / "three"), **common, **{"parallel.dp_mode": "single-process", "parallel.replicas": 3})
+    replicated = train(cfg)
+    assert max_relative_error(replicated, single) <= TOL
+    initial = {k: v.detach() for k, v in tiny_llama().state_dict().items()}
+    assert max_relative_error(initial, single) > 1e-3  # training moved the weights: the check can fail
+    from ndtrain.mesh import init
+
+    engine = Trainer(cfg, init(cfg.parallel)).engine
+    assert isinstance(engine.wrapped.module, SingleProcessDataParallel) and len(engine.wrapped.module.devices) == 3
+
+
+def test_cli_dp_mode_single_process(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_trainer import corpus_file
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ndtrain", "train", "--dp-mode", "single-process", "--nproc", "1", "--model", "tiny",
+         "--steps", "2", "--data", corpus_file(tmp_path), "--out", str(out), "--set", "schedule.global_batch=4",
+         "--set", "schedule.micro_batch=4", "--set", "log.progress=false", "--set", "data.eval_samples=8"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_single_process_mode_refuses_zero_2() -> None:
+    with pytest.raises(UserError, match="dp_mode=single-process does not combine with parallel.zero=2"):
+        config_from_dict({"parallel": {"dp_mode": "single-process", "zero": 2}}).validate()
