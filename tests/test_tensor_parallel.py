@@ -8,7 +8,9 @@ with DDP and with ZeRO-1 against single-process AdamW with global-norm clipping.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from datetime import timedelta
 from dataclasses import replace
 
 import pytest
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ndtrain.mesh
+from ndtrain.bench.tp import analytic_wire_bytes
 from ndtrain.comm import Communicator, Group
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
@@ -91,7 +94,8 @@ def _check_layers(ctx: ParallelContext) -> None:
             close(row.weight.grad, shard_of(full2.weight.grad, row.weight), f"row sp={sp} weight grad")
             if bias:
                 grad = row.bias.grad.clone()
-                comm.all_reduce(grad, group) if sp else None  # a sequence shard's bias gradient is partial
+                if sp:  # a sequence shard's bias gradient is partial (parallelize hooks a sum over tp)
+                    comm.all_reduce(grad, group)
                 close(grad, full2.bias.grad, f"row sp={sp} bias grad")
         # vocabulary-parallel embedding (13 rows: padded at tp=2 and 4)
         emb = nn.Embedding(13, 8)
@@ -116,7 +120,8 @@ def _check_layers(ctx: ParallelContext) -> None:
     got.backward()
     real = max(0, min(width, 13 - r * width))
     close(mine.grad[..., :real], logits.grad[..., r * width : r * width + real], "cross-entropy grad")
-    assert mine.grad[..., real:].abs().max().item() == 0 if real < width else True
+    if real < width:
+        assert mine.grad[..., real:].abs().max().item() == 0, "padding columns got a gradient"
 
 
 # --------------------------------------------------------------------------- whole model
@@ -153,6 +158,8 @@ def _check_model(ctx: ParallelContext, cfg: ModelConfig, sp: bool) -> None:
                   v["payload_bytes"] - before.get(k, {}).get("payload_bytes", 0)) for k, v in after.items()}
     counts = {k: v for k, v in counts.items() if v[0]}
     assert counts == _expected_comm(cfg, group.size, sp), f"{what} comm {counts}"
+    wire = sum(v["wire_bytes"] - before.get(k, {}).get("wire_bytes", 0) for k, v in after.items())
+    assert wire == analytic_wire_bytes(cfg, BATCH * SEQ, group.size, sp), f"{what} wire bytes {wire}"
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         ref = ref_params[name]
@@ -179,7 +186,8 @@ def _clip(params: list[nn.Parameter], ctx: ParallelContext | None, max_norm: flo
     return norm.item()
 
 
-def _check_training(ctx: ParallelContext, zero: bool, sp: bool) -> None:
+def _check_training(ctx: ParallelContext, zero: bool, sp: bool, micro: int) -> None:
+    """`micro` micro-batches per rank and step, gradients accumulated under `no_sync` but the last."""
     steps, clip = 3, 0.05  # a small max norm, so every step is clipped
     reference = build_model(CFG, seed=5)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
@@ -196,7 +204,9 @@ def _check_training(ctx: ParallelContext, zero: bool, sp: bool) -> None:
         ref_opt.step()
         ref_opt.zero_grad()
         mine = tokens[dp_rank * BATCH : (dp_rank + 1) * BATCH]
-        wrapped(mine[:, :-1], mine[:, 1:]).backward()
+        for i, part in enumerate(mine.chunk(micro)):
+            with wrapped.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                (wrapped(part[:, :-1], part[:, 1:]) / micro).backward()
         norm = _clip(list(model.parameters()), ctx, clip)
         assert abs(norm - ref_norm) <= TOL * ref_norm, f"step {step} grad norm {norm} != {ref_norm}"
         opt.step()
@@ -205,7 +215,7 @@ def _check_training(ctx: ParallelContext, zero: bool, sp: bool) -> None:
     for name, param in model.named_parameters():
         ref = ref_params[name].detach()
         close(param.detach(), shard_of(ref, param) if is_tensor_parallel(param) else ref,
-              f"dp={dp} tp zero={zero} sp={sp} {name} after {steps} steps")
+              f"dp={dp} tp zero={zero} sp={sp} micro={micro} {name} after {steps} steps")
 
 
 # --------------------------------------------------------------------------- workers
@@ -217,8 +227,8 @@ def _suite(tp: int, dp: int) -> bool:
             _check_model(ctx, CFG, sp)
         _check_model(ctx, replace(CFG, tie_embeddings=True, n_kv_heads=4), True)
     else:
-        _check_training(ctx, zero=False, sp=False)
-        _check_training(ctx, zero=True, sp=True)
+        _check_training(ctx, zero=False, sp=False, micro=1)
+        _check_training(ctx, zero=True, sp=True, micro=2)
     return True
 
 
@@ -239,8 +249,10 @@ def _fake_ctx(tp: int) -> ParallelContext:
     """A context whose tp group has `tp` ranks (rank 0); parallelize issues no collective."""
     group = Group("tp", tuple(range(tp)), 0)
     sizes = {"dp": 1, "cp": 1, "pp": 1, "tp": tp}
-    return ParallelContext(ParallelConfig(tp=tp), 0, tp, 0, torch.device("cpu"), "gloo", sizes,
-                           {"dp": 0, "cp": 0, "pp": 0, "tp": 0}, {"tp": group}, Communicator(0, None))
+    return ParallelContext(
+        config=ParallelConfig(tp=tp), rank=0, world_size=tp, local_rank=0, device=torch.device("cpu"),
+        backend="gloo", sizes=sizes, coords={axis: 0 for axis in sizes}, groups={"tp": group},
+        comm=Communicator(0, timedelta(seconds=1)))
 
 
 @pytest.mark.parametrize(("cfg", "tp", "message"), [

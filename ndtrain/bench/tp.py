@@ -91,7 +91,8 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     generator = torch.Generator().manual_seed(options.seed)  # one stream: the tp ranks share the batch
     work = replace(work, tokens=torch.randint(0, work.model.vocab_size, shape, generator=generator).to(ctx.device))
     if options.seq_len % group.size:
-        raise UserError(f"bench tp: --seq-len {options.seq_len} must be a multiple of --nproc {group.size} (sequence parallel)")
+        raise UserError(
+            f"bench tp: --seq-len {options.seq_len} must be a multiple of --nproc {group.size} (sequence parallel)")
 
     def ours(sp: bool) -> Step:
         model = parallelize(build_model(work.model, options.seed, ctx.device), ctx, sequence_parallel=sp)

@@ -26,6 +26,8 @@ wire volume as all-gather + reduce-scatter ((n−1)/n · X each, twice per direc
 activations between blocks take 1/n of the memory. Weights and their gradients take 1/n.
 Parameters replicated over tp whose gradient is partial on each rank (sequence-shard inputs,
 replicated kv heads) get a gradient hook all-reducing it over tp (`sum_gradient_over`).
+Sharded parameters carry `tp_shard`, a `Shard` (dim, start, length, padded full size): what
+`is_tensor_parallel` reads, and what a checkpoint needs to place the shard in the full tensor.
 """
 
 from __future__ import annotations

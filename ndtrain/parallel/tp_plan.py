@@ -72,7 +72,8 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp: int) -> dict[str
             raise UserError(f"tp plan {pattern!r}: unknown style {style!r}, choose one of {', '.join(STYLES)}")
         matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
         if not matched:
-            raise UserError(f"tp plan pattern {pattern!r} matches no module of {type(model).__name__}: fix or remove it")
+            raise UserError(
+                f"tp plan pattern {pattern!r} matches no module of {type(model).__name__}: fix or remove it")
         for name in matched:
             if styles.get(name, style) != style:
                 raise UserError(f"tp plan gives module {name!r} two styles, {styles[name]} and {style}: keep one")
@@ -88,14 +89,14 @@ def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
         raise UserError(f"tp plan: module {name!r} is a {kind}, but {style} applies to nn.Linear only")
     if style == "vocab" and type(module) not in (nn.Linear, nn.Embedding):
         raise UserError(f"tp plan: module {name!r} is a {kind}, but vocab applies to nn.Embedding or nn.Linear only")
-    if style == "colwise" and module.out_features % tp:
-        raise UserError(
-            f"tp plan: {name!r} has {module.out_features} output features, not divisible by tp={tp}: change tp or the model")
-    if style == "rowwise" and module.in_features % tp:
-        raise UserError(
-            f"tp plan: {name!r} has {module.in_features} input features, not divisible by tp={tp}: change tp or the model")
+    for split, features, what in (("colwise", "out_features", "output"), ("rowwise", "in_features", "input")):
+        size = getattr(module, features, 0)
+        if style == split and size % tp:
+            raise UserError(
+                f"tp plan: {name!r} has {size} {what} features, not divisible by tp={tp}: change tp or the model")
     if style == "colwise" and "." not in name:
-        raise UserError(f"tp plan: colwise {name!r} needs a parent block to communicate its input: nest it in a submodule")
+        raise UserError(
+            f"tp plan: colwise {name!r} needs a parent block to communicate its input: nest it in a submodule")
 
 
 def _check_heads(cfg: Any, tp: int) -> None:
