@@ -1,0 +1,278 @@
+"""Context parallel: the sequence split over the `cp` group, attention by passing K/V around a ring.
+
+What is split: every sequence of T tokens. It is cut into 2c chunks of n = T/(2c) tokens (c = cp
+size) and group rank i holds chunks i and 2c−1−i (load-balanced causal layout: an early, cheap
+chunk paired with a late, expensive one), so each rank holds T/c tokens, in increasing position
+order, and passes their global positions to the model (RoPE). Every op but attention is
+per-token and runs on the shard unchanged; the loss is the mean over the local tokens, and as
+shards are equal-sized the mean over the dp×cp group (our `DataParallel` averages gradients over
+`dp_cp`) is the global mean.
+
+Attention (`Attention.attend`, replaced by `apply_context_parallel`) is ring attention. With
+B batch, H query heads, K kv heads, h head size, s = T/c local tokens and fp32 accumulation:
+- forward, c steps: at step t a rank holds the K/V of group rank r−t; it posts the exchange of
+  that block with its ring neighbours (one batched send to r+1 and receive from r−1 of the stacked
+  K/V, 2·B·K·s·h elements) and computes its block while the bytes travel. Block results are
+  merged with an online log-sum-exp softmax. With this layout a block is causal (t = 0: the
+  rank's own chunks, in order) or a full rectangle (t > 0: all local queries against the sender's
+  early chunk when the sender is r−t ≥ 0 in plain order, or the local late chunk against both of
+  the sender's chunks) — never a mask to build, and every rank does the same work: one causal
+  2n×2n block plus c−1 rectangles of 2n² scores.
+- backward, c steps: K/V rotate again (overlapped the same way) while the gradients dK/dV of
+  each block travel with it, each rank adding its contribution; after the last step the sums
+  arrive at their owners. dQ stays local. The probabilities are recomputed per block from the
+  saved log-sum-exp (flash-attention style): nothing quadratic in s is kept.
+Communication per layer and rank: forward (c−1)·2BKsh elements; backward (c−1)·2BKsh (K/V) +
+c·2BKsh (dK/dV, fp32). Saved for backward per layer: q, k, v, out and the log-sum-exp (fp32,
+B·H·s), the same tensors as `scaled_dot_product_attention`, so activation memory per rank is
+1/c of the unsharded model's. Transient: two K/V buffers and two dK/dV buffers in flight.
+Recomputing ring attention (selective or full recompute) runs the forward ring again inside
+backward: (c−1) more K/V exchanges per layer.
+
+GQA needs no copies: a query head g·(H/K)+j reads kv head g through broadcasting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ndtrain.comm import Communicator, Group
+from ndtrain.errors import UserError
+from ndtrain.mesh import ParallelContext
+
+Chunks = tuple[int, ...]
+
+
+def balanced_chunks(rank: int, cp: int) -> Chunks:
+    """Chunk indices (of 2·cp) held by group rank `rank`: i and 2·cp−1−i."""
+    return (rank, 2 * cp - 1 - rank)
+
+
+def contiguous_chunks(rank: int, cp: int) -> Chunks:
+    """The unbalanced split, for comparison: rank i holds chunks 2i and 2i+1 (one contiguous piece)."""
+    return (2 * rank, 2 * rank + 1)
+
+
+def shard_sequence(
+    tokens: torch.Tensor, targets: torch.Tensor, ctx: ParallelContext
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This cp rank's part of `tokens`/`targets` [B, T] and its global positions [T/cp]."""
+    group = ctx.group("cp")
+    seq_len = tokens.shape[-1]
+    if seq_len % (2 * group.size):
+        raise UserError(
+            f"sequence length {seq_len} is not divisible by 2·cp = {2 * group.size}: "
+            f"use a sequence length that is a multiple of {2 * group.size} (or a smaller cp)"
+        )
+    n = seq_len // (2 * group.size)
+    positions = torch.cat(
+        [torch.arange(c * n, (c + 1) * n, device=tokens.device) for c in balanced_chunks(group.rank, group.size)]
+    )
+    return tokens[..., positions], targets[..., positions], positions
+
+
+@dataclass(frozen=True)
+class Block:
+    """The scores one step computes: local query rows × held key columns, causal or full."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+
+    def scores(self) -> int:
+        return (self.rows.stop - self.rows.start) * (self.cols.stop - self.cols.start)
+
+
+def block_plan(q_chunks: Chunks, kv_chunks: Chunks, chunk_len: int) -> Block | None:
+    """The block of queries in `q_chunks` against keys in `kv_chunks` (ascending chunk indices).
+
+    Chunk pairs are full (key chunk earlier), diagonal (the same chunk) or empty (later). The
+    same chunks give one causal block; otherwise the visible pairs must form one rectangle."""
+    if q_chunks == kv_chunks:
+        span = slice(0, len(q_chunks) * chunk_len)
+        return Block(span, span, causal=True)
+    visible = [(i, j) for i, a in enumerate(q_chunks) for j, b in enumerate(kv_chunks) if b < a]
+    if not visible:
+        return None
+    rows = sorted({i for i, _ in visible})
+    cols = sorted({j for _, j in visible})
+    if len(visible) != len(rows) * len(cols) or rows[-1] - rows[0] + 1 != len(rows) or cols[-1] - cols[0] + 1 != len(cols):
+        raise ValueError(f"chunks {q_chunks} against {kv_chunks} do not form one block")
+    return Block(
+        slice(rows[0] * chunk_len, (rows[-1] + 1) * chunk_len), slice(cols[0] * chunk_len, (cols[-1] + 1) * chunk_len),
+        causal=False,
+    )
+
+
+def attention_work(seq_len: int, cp: int, balanced: bool = True) -> list[int]:
+    """Score entries (query·key pairs, evaluated densely per block) each rank computes in one
+    ring-attention forward; FLOPs are 4·B·H·h times this. `balanced=False`: the contiguous split."""
+    layout = balanced_chunks if balanced else contiguous_chunks
+    n = seq_len // (2 * cp)
+    work = []
+    for rank in range(cp):
+        blocks = (block_plan(layout(rank, cp), layout((rank - t) % cp, cp), n) for t in range(cp))
+        work.append(sum(b.scores() for b in blocks if b is not None))
+    return work
+
+
+def _block_forward(q: torch.Tensor, kv: torch.Tensor, block: Block, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B,K,G,s,h] rows over kv [2,B,K,s,h] columns: (out [B,K,G,r,h], lse [B,K,G,r]) in fp32."""
+    q_rows = q[..., block.rows, :].float()
+    k, v = (t[..., block.cols, :].float().unsqueeze(2) for t in kv)
+    scores = (q_rows @ k.transpose(-1, -2)) * scale
+    if block.causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+def _future(scores: torch.Tensor) -> torch.Tensor:
+    rows, cols = scores.shape[-2:]
+    return torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
+
+
+def _block_backward(
+    q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    block: Block, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block from the final lse: (dq rows [B,K,G,r,h], dk, dv cols [B,K,c,h])."""
+    q_rows = q[..., block.rows, :].float()
+    k, v = (t[..., block.cols, :].float().unsqueeze(2) for t in kv)
+    scores = (q_rows @ k.transpose(-1, -2)) * scale
+    if block.causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    probs = torch.exp(scores - lse[..., block.rows].unsqueeze(-1))
+    dout_rows = dout[..., block.rows, :]
+    dv = (probs.transpose(-1, -2) @ dout_rows).sum(dim=2)
+    dscores = probs * (dout_rows @ v.transpose(-1, -2) - delta[..., block.rows].unsqueeze(-1))
+    dq = (dscores @ k) * scale
+    dk = (dscores.transpose(-1, -2) @ q_rows).sum(dim=2) * scale
+    return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The cp group a ring attention runs on and the chunks every member holds."""
+
+    comm: Communicator
+    group: Group
+
+    def chunks(self, group_rank: int) -> Chunks:
+        return balanced_chunks(group_rank % self.group.size, self.group.size)
+
+    def plan(self, step: int, local_len: int) -> Block | None:
+        """The block computed at `step`, holding the K/V of group rank r − step."""
+        chunk_len = local_len // 2
+        return block_plan(self.chunks(self.group.rank), self.chunks(self.group.rank - step), chunk_len)
+
+    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Post: send `send` to the next rank, receive the previous rank's into a new buffer."""
+        received = torch.empty_like(send)
+        size, rank = self.group.size, self.group.rank
+        pending = self.comm.batch_send_recv([(send, (rank + 1) % size)], [(received, (rank - 1) % size)], self.group)
+        return received, pending
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:  # type: ignore[override]
+        batch, heads, seq, head_dim = q.shape
+        q5 = q.reshape(batch, k.shape[1], heads // k.shape[1], seq, head_dim)
+        scale = 1.0 / math.sqrt(head_dim)
+        kv = torch.stack((k, v))
+        size = ring.group.size
+        out = lse = torch.empty(0)
+        for step in range(size):
+            if step < size - 1:
+                next_kv, pending = ring.exchange(kv)  # travels while this block is computed
+            block = ring.plan(step, seq)
+            if step == 0:  # the rank's own chunks: one causal block, every row sees itself
+                out, lse = _block_forward(q5, kv, block, scale)
+            elif block is not None:
+                block_out, block_lse = _block_forward(q5, kv, block, scale)
+                merged = torch.logaddexp(lse[..., block.rows], block_lse)
+                out[..., block.rows, :] = (
+                    out[..., block.rows, :] * torch.exp(lse[..., block.rows] - merged).unsqueeze(-1)
+                    + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
+                )
+                lse[..., block.rows] = merged
+            if step < size - 1:
+                pending.wait()
+                kv = next_kv
+        result = out.to(q.dtype).view(batch, heads, seq, head_dim)
+        fctx.save_for_backward(q, k, v, result, lse)
+        fctx.ring = ring
+        return result
+
+    @staticmethod
+    def backward(fctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        q, k, v, out, lse = fctx.saved_tensors
+        ring: Ring = fctx.ring
+        batch, heads, seq, head_dim = q.shape
+        shape5 = (batch, k.shape[1], heads // k.shape[1], seq, head_dim)
+        q5, dout, out5 = q.reshape(shape5), grad_out.reshape(shape5).float(), out.reshape(shape5).float()
+        scale = 1.0 / math.sqrt(head_dim)
+        delta = (dout * out5).sum(dim=-1)
+        dq = torch.zeros(shape5, dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v))
+        size = ring.group.size
+        incoming = None  # (dK/dV buffer, pending) from the previous rank
+        for step in range(size):
+            if step < size - 1:
+                next_kv, kv_pending = ring.exchange(kv)
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            block = ring.plan(step, seq)
+            if block is not None:
+                block_dq, dkv[0][..., block.cols, :], dkv[1][..., block.cols, :] = _block_backward(
+                    q5, kv, dout, lse, delta, block, scale
+                )
+                dq[..., block.rows, :] += block_dq
+            if incoming is not None:
+                incoming[1].wait()
+                dkv += incoming[0]
+            if size > 1:
+                incoming = ring.exchange(dkv)  # to the holder of this K/V next; last step: to its owner
+            if step < size - 1:
+                kv_pending.wait()
+                kv = next_kv
+        if incoming is not None:
+            incoming[1].wait()
+            dkv = incoming[0]
+        return dq.to(q.dtype).view(q.shape), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+class RingAttend:
+    """The `attend(q, k, v)` seam as ring attention over one cp group."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _RingAttention.apply(q, k, v, self.ring)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """Causal attention of the local q [B, H, s, h] over the whole sequence's k, v [B, K, s, h] per rank."""
+    return _RingAttention.apply(q, k, v, ring)
+
+
+def apply_context_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
+    """Give every attention of `model` (modules with an `attend` seam) ring attention over ctx's cp group.
+
+    A wrapper already on the seam (one exposing `.inner`, e.g. selective recompute) is kept and
+    gets ring attention inside it, so the order of the two does not matter."""
+    core = RingAttend(Ring(ctx.comm, ctx.group("cp")))
+    attentions = [m for m in model.modules() if hasattr(m, "attend")]
+    if not attentions:
+        raise UserError(f"{type(model).__name__} has no attention with an `attend` seam: context parallel needs one")
+    for attention in attentions:
+        if hasattr(attention.attend, "inner"):
+            attention.attend.inner = core
+        else:
+            attention.attend = core
+    return model

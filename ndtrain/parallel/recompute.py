@@ -1,0 +1,123 @@
+"""Activation recomputation: keep fewer activations for backward, recompute the rest in backward.
+
+Modes, per transformer block of the built-in Llama (`model.layers`), with torch.utils.checkpoint
+in its non-reentrant form:
+- `full`: each block's forward runs under checkpoint; only its inputs (the residual stream x and
+  the shared RoPE tables) are kept, and the whole block runs again in backward (one extra
+  forward of every block: ≈ +33% compute).
+- `selective` (Megatron's selective recomputation, Korthikanti et al. 2022): only the attention
+  core, the `Attention.attend(q, k, v)` seam, runs under checkpoint; q, k, v are kept (they are
+  its inputs), its output and log-sum-exp are recomputed. The seam becomes a `SelectiveRecompute`
+  whose `.inner` is the previous core, so `apply_context_parallel` before or after puts ring
+  attention inside it. Recomputing ring attention runs its forward ring again in backward: c−1
+  more K/V exchanges per layer (2·B·K·s·h elements each).
+
+Bytes saved for backward per block (what `SavedActivations` measures; fp32, e = 4 bytes per
+element; s = B·T tokens on this rank, d model dim, H/K query/kv heads, h head size, f FFN dim;
+the tensors autograd keeps, counted once per storage):
+
+    none       e·(9sd + 2sKh + sH + 2s + 4sf)      # `block_saved_bytes`
+      norms    2 × (x, x·rstd, its product with the weight: 3sd; rstd: s)
+      attention  q: sd, k and v: 2sKh, output: sd, log-sum-exp: sH, input of wo: sd
+      ffn      input of w1/w3 is the norm's output (counted above); w1·x, silu(w1·x), w3·x,
+               their product (input of w2): 4sf
+    selective  none − e·(sd + sH)                   # the core's output and log-sum-exp
+    full       e·sd                                 # the block input
+
+plus, once for all blocks, the RoPE tables cos and sin (2·T·h/2 elements each... e·T·h bytes).
+This is Korthikanti's sbh(34 + 5as/h) for our block: without dropout and with a flash-style core
+there is no 5as²b term, which is why selective saves only e·(sd + sH) here, while full keeps 2sbh
+in their fp16 (our e·sd).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ndtrain.config import ModelConfig
+from ndtrain.errors import UserError
+
+MODES = ("none", "selective", "full")
+
+
+class SelectiveRecompute:
+    """An `attend(q, k, v)` seam that recomputes its `inner` core in backward instead of saving it."""
+
+    def __init__(self, inner: Callable[..., torch.Tensor]) -> None:
+        self.inner = inner
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, q, k, v, use_reentrant=False)
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False)
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Recompute `model`'s blocks (`model.layers`) in backward per `mode`: "none" | "selective" | "full"."""
+    if mode not in MODES:
+        raise UserError(f"recompute mode {mode!r} is unknown: choose one of {', '.join(MODES)}")
+    if mode == "none":
+        return model
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise UserError(f"recompute={mode!r} needs a model with its blocks in `.layers`: {type(model).__name__} has none")
+    for block in layers:
+        if mode == "full":
+            block.forward = functools.partial(_checkpointed, block.forward)
+        else:
+            attentions = [m for m in block.modules() if hasattr(m, "attend")]
+            if not attentions:
+                raise UserError(f"recompute='selective' needs an attention with an `attend` seam in {type(block).__name__}")
+            for attention in attentions:
+                attention.attend = SelectiveRecompute(attention.attend)
+    return model
+
+
+def block_saved_bytes(cfg: ModelConfig, tokens: int, mode: str, element_size: int = 4) -> int:
+    """Bytes one Llama block keeps for backward for `tokens` (= B·T local) tokens, RoPE tables excluded."""
+    s, d, f = tokens, cfg.dim, cfg.ffn_dim
+    heads, kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
+    none = 9 * s * d + 2 * s * kv_heads * head_dim + s * heads + 2 * s + 4 * s * f
+    elements = {"none": none, "selective": none - s * d - s * heads, "full": s * d}[mode]
+    return element_size * elements
+
+
+class SavedActivations:
+    """Context manager: bytes of the tensors autograd saves for backward while it is active.
+
+    Each storage counts once, over the span its saved views cover; the storages of `exclude`
+    (the parameters) are not activations and are left out. Deterministic, unlike a process's RSS."""
+
+    def __init__(self, exclude: nn.Module | None = None) -> None:
+        self._excluded = {p.untyped_storage().data_ptr() for p in exclude.parameters()} if exclude is not None else set()
+        self._spans: dict[int, tuple[int, int]] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = tensor.untyped_storage().data_ptr()
+        if key in self._excluded or tensor.numel() == 0:
+            return tensor
+        size = tensor.element_size()
+        start = tensor.storage_offset() * size
+        end = start + size * (1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride())))
+        low, high = self._spans.get(key, (start, end))
+        self._spans[key] = (min(low, start), max(high, end))
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(high - low for low, high in self._spans.values())
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
