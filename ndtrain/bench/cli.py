@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from ndtrain.bench import ddp, tp, zero
+from ndtrain.bench import dp_vs_ddp, ps
 from ndtrain.bench.harness import BenchOptions, ContestResult
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
@@ -31,7 +32,8 @@ class Scenario:
 
 
 SCENARIOS: dict[str, Scenario] = {"ddp": Scenario(ddp.run), "zero1": Scenario(zero.run),
-                                 "tp": Scenario(tp.run, lambda world_size: ParallelConfig(tp=world_size))}
+                                 "tp": Scenario(tp.run, lambda world_size: ParallelConfig(tp=world_size)),
+                                 "ps": Scenario(ps.run), "dp-vs-ddp": Scenario(dp_vs_ddp.run)}
 DEFAULTS = BenchOptions()
 
 

@@ -246,7 +246,7 @@ class ParameterServer:
 @dataclass
 class WorkerReport:
     steps: int = 0
-    seconds: float = 0.0          # wall time of the steps (compute, straggler wait, push, pull)
+    seconds: float = 0.0          # wall time of the steps (compute, straggler wait, push, pull but the last)
     versions: list[int] = field(default_factory=list)  # version pulled from server 0 after each push
 
     @property
@@ -281,13 +281,15 @@ class PSWorker:
             loss_sum += loss.item()
         if self.slow > 1.0:  # the straggler knob: stretch this worker's compute FACTOR×
             time.sleep((self.slow - 1.0) * (time.perf_counter() - started))
-        self._push_pull()
-        self.report.steps += 1
-        self.report.seconds += time.perf_counter() - started
+        final = self.report.steps == self.setup.steps - 1
+        pushed = self._push_pull()
+        self.report.steps += 1  # the last step's clock stops at its push: the final pull waits for everyone
+        self.report.seconds += (pushed if final else time.perf_counter()) - started
         return loss_sum / len(micro_batches)
 
     @torch.no_grad()
-    def _push_pull(self) -> None:
+    def _push_pull(self) -> float:
+        """Push to every server, pull from every server; returns the time the pushes were done."""
         for shard, views in zip(self.shards, self.grad_views):
             for p, v in zip(shard, views):
                 if p.grad is None:
@@ -301,9 +303,13 @@ class PSWorker:
             box[0] = sqnorm
             sends.append(self.ctx.comm.send(box, self.world, server(j)))
         recvs = [self.ctx.comm.recv(box, self.world, server(j)) for j, box in enumerate(self.inbox)]
-        for pending in sends + recvs:
+        for pending in sends:
+            pending.wait()
+        pushed = time.perf_counter()
+        for pending in recvs:
             pending.wait()
         for shard, views in zip(self.shards, self.param_views):
             for p, v in zip(shard, views):
                 p.copy_(v)
         self.report.versions.append(int(self.inbox[0][0].item()))
+        return pushed
