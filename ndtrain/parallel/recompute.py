@@ -24,10 +24,11 @@ the tensors autograd keeps, counted once per storage):
     selective  none − e·(sd + sH)                   # the core's output and log-sum-exp
     full       e·sd                                 # the block input
 
-plus, once for all blocks, the RoPE tables cos and sin (2·T·h/2 elements each... e·T·h bytes).
-This is Korthikanti's sbh(34 + 5as/h) for our block: without dropout and with a flash-style core
-there is no 5as²b term, which is why selective saves only e·(sd + sH) here, while full keeps 2sbh
-in their fp16 (our e·sd).
+plus, once for all blocks, the RoPE tables cos and sin (T·h/2 elements each: e·T·h bytes).
+Korthikanti et al. count sbh(34 + 5as/h) bytes per GPT layer in fp16 with dropout, of which
+selective recomputation drops the 5as²b of the attention core's scores, softmax and dropout mask,
+and full keeps 2sbh. Our block has no dropout and a flash-style core that keeps O(s) (output and
+log-sum-exp) instead of O(s²), so selective drops only e·(sd + sH) here; full keeps e·sd.
 """
 
 from __future__ import annotations
