@@ -2,7 +2,7 @@
 
 Two spawns: 2 ranks (cp=2: ring attention, whole-model loss and gradients with and without
 recompute, saved-activation bytes) and 4 ranks (cp=4 ring attention and bytes; dp=2 × cp=2
-training with our DataParallel). The single-process references run inside each worker on the
+training with our DataParallel; cp=2 × tp=2 loss and gradients with selective recompute). The single-process references run inside each worker on the
 full sequence (same seed, same data), so the workers return relative errors.
 """
 
@@ -23,6 +23,8 @@ from ndtrain.parallel.context import (
 )
 from ndtrain.parallel.ddp import DataParallel
 from ndtrain.parallel.recompute import SavedActivations, apply_recompute
+from ndtrain.parallel.tensor import is_tensor_parallel
+from ndtrain.parallel.tp_plan import parallelize
 from tests.distributed import init_method, run_distributed
 
 TOL = 1e-5
@@ -69,15 +71,16 @@ def ring_errors(ctx: ParallelContext, seq: int) -> dict[str, float]:
     return errors
 
 
-def model_errors(ctx: ParallelContext, recompute: str, cp_first: bool) -> dict[str, float]:
-    """The tiny Llama at cp: loss and gradients (averaged over cp) against the single-process model."""
+def model_errors(ctx: ParallelContext, recompute: str, cp_first: bool, tp: bool = False) -> dict[str, float]:
+    """The tiny Llama at cp (× tp): loss and gradients (averaged over cp; a tp rank's gradient
+    shards) against the single-process model."""
     cfg = tiny()
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(SEED))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     reference = build_model(cfg, SEED)
     ref_loss = reference(inputs, targets)
     ref_loss.backward()
-    model = build_model(cfg, SEED)
+    model = parallelize(build_model(cfg, SEED), ctx) if tp else build_model(cfg, SEED)
     if cp_first:
         model = apply_recompute(apply_context_parallel(model, ctx), recompute)
     else:
@@ -88,8 +91,17 @@ def model_errors(ctx: ParallelContext, recompute: str, cp_first: bool) -> dict[s
     flat = torch.cat([loss.detach().reshape(1)] + [p.grad.reshape(-1) for p in model.parameters()])
     ctx.comm.all_reduce(flat, group)
     flat /= group.size
-    ref_flat = torch.cat([ref_loss.detach().reshape(1)] + [p.grad.reshape(-1) for p in reference.parameters()])
+    ref_grads = [_shard_of(ref.grad, p) for ref, p in zip(reference.parameters(), model.parameters(), strict=True)]
+    ref_flat = torch.cat([ref_loss.detach().reshape(1)] + [g.reshape(-1) for g in ref_grads])
     return {"loss": rel(flat[:1], ref_flat[:1]), "grads": rel(flat[1:], ref_flat[1:])}
+
+
+def _shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of `full` a tensor-parallel `param` holds (all of it for a replicated one)."""
+    if not is_tensor_parallel(param):
+        return full
+    shard = param.tp_shard
+    return full.narrow(shard.dim, shard.start, shard.length)
 
 
 def saved_bytes(ctx: ParallelContext) -> tuple[int, int]:
@@ -123,6 +135,8 @@ def four_ranks() -> dict[str, Any]:
     result["positions"] = shard_sequence(torch.zeros(1, 16), torch.zeros(1, 16), ctx)[2].tolist()
     ctx = init(ParallelConfig(dp=2, cp=2), init_method=init_method())
     result["trained"] = train_dp_cp(ctx)
+    ctx = init(ParallelConfig(cp=2, tp=2), init_method=init_method())
+    result["cp_tp"] = model_errors(ctx, "selective", cp_first=False, tp=True)
     return result
 
 
@@ -196,6 +210,11 @@ def test_model_at_cp2_equals_single_process(two: list[dict[str, Any]]) -> None:
 def test_dp2_cp2_training_equals_single_process(four: list[dict[str, Any]]) -> None:
     for rank in four:
         _assert_small(rank["trained"])
+
+
+def test_cp2_tp2_model_equals_single_process(four: list[dict[str, Any]]) -> None:
+    for rank in four:
+        _assert_small(rank["cp_tp"])
 
 
 def test_load_balanced_layout() -> None:
