@@ -25,7 +25,9 @@ B batch, H query heads, K kv heads, h head size, s = T/c local tokens and fp32 a
 Communication per layer and rank: forward (c−1)·2BKsh elements; backward (c−1)·2BKsh (K/V) +
 c·2BKsh (dK/dV, fp32). Saved for backward per layer: q, k, v, out and the log-sum-exp (fp32,
 B·H·s), the same tensors as `scaled_dot_product_attention`, so activation memory per rank is
-1/c of the unsharded model's. Transient: two K/V buffers and two dK/dV buffers in flight.
+1/c of the unsharded model's. Transient: two K/V buffers and two dK/dV buffers in flight, and
+one block's scores (at most B·H·2n·2n fp32). Blocks are computed in fp32 whatever the input
+dtype (bf16 K/V travel as bf16; dK/dV travel and accumulate in fp32).
 Recomputing ring attention (selective or full recompute) runs the forward ring again inside
 backward: (c−1) more K/V exchanges per layer.
 
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ndtrain.comm import Communicator, Group
+from ndtrain.comm import Communicator, Group, Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 
@@ -170,7 +172,7 @@ class Ring:
         chunk_len = local_len // 2
         return block_plan(self.chunks(self.group.rank), self.chunks(self.group.rank - step), chunk_len)
 
-    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """Post: send `send` to the next rank, receive the previous rank's into a new buffer."""
         received = torch.empty_like(send)
         size, rank = self.group.size, self.group.rank
@@ -186,13 +188,14 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(head_dim)
         kv = torch.stack((k, v))
         size = ring.group.size
-        out = lse = torch.empty(0)
+        own = ring.plan(0, seq)  # the rank's own chunks: one causal block, every row sees itself
+        assert own is not None
         for step in range(size):
             if step < size - 1:
                 next_kv, pending = ring.exchange(kv)  # travels while this block is computed
             block = ring.plan(step, seq)
-            if step == 0:  # the rank's own chunks: one causal block, every row sees itself
-                out, lse = _block_forward(q5, kv, block, scale)
+            if step == 0:
+                out, lse = _block_forward(q5, kv, own, scale)
             elif block is not None:
                 block_out, block_lse = _block_forward(q5, kv, block, scale)
                 merged = torch.logaddexp(lse[..., block.rows], block_lse)
