@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ndtrain.bench import cp as bench_cp
+from ndtrain.bench.harness import BenchOptions
 from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
@@ -126,6 +128,8 @@ def two_ranks() -> dict[str, Any]:
             result[f"model {recompute} cp_first={cp_first}"] = model_errors(ctx, recompute, cp_first)
     result["bytes"] = saved_bytes(ctx)
     result["positions"] = shard_sequence(torch.zeros(1, 8), torch.zeros(1, 8), ctx)[2].tolist()
+    options = BenchOptions(steps=2, warmup=0, repeats=1, preset="tiny", seq_len=32, micro_batch=2)
+    result["bench"] = bench_cp.run(ctx, options).to_json()
     return result
 
 
@@ -215,6 +219,17 @@ def test_dp2_cp2_training_equals_single_process(four: list[dict[str, Any]]) -> N
 def test_cp2_tp2_model_equals_single_process(four: list[dict[str, Any]]) -> None:
     for rank in four:
         _assert_small(rank["cp_tp"])
+
+
+def test_bench_counts_exactly_the_stated_bytes(two: list[dict[str, Any]]) -> None:
+    """`bench cp`: counted wire bytes per step = K/V ring + dK/dV + gradient all-reduce, as stated."""
+    data = two[0]["bench"]
+    facts, summary = data["facts"], data["summary"]
+    assert data["reference"] == "cp1" and set(summary) == {"cp1", "cp2"}
+    assert summary["cp2"]["comm_bytes_per_step"] == facts["comm_bytes"] > facts["all_reduce_bytes"]
+    assert summary["cp1"]["comm_bytes_per_step"] == 0
+    assert facts["work_max_over_min"] == 1.0 and facts["contiguous_work_max_over_min"] == 2.0
+    assert facts["cp2_saved_activation_bytes"] == (facts["cp1_saved_activation_bytes"] - CONSTANT_BYTES) // 2 + CONSTANT_BYTES
 
 
 def test_load_balanced_layout() -> None:
