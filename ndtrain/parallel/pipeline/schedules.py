@@ -23,6 +23,7 @@ lists. Bubble fraction with equal per-micro-batch costs (t_F, t_B, t_W):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ndtrain.errors import UserError
 
@@ -161,9 +162,12 @@ def build(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     return with_communication(compute_actions(schedule, p, m, v), p, v)
 
 
-def simulate(compute: list[list[Action]], p: int, v: int, cost: dict[str, float]) -> list[list[tuple[float, float]]]:
+def simulate(
+    compute: list[list[Action]], p: int, v: int, cost: Callable[[str, int], float],
+) -> list[list[tuple[float, float]]]:
     """Start/end of every compute action when each rank runs its list in order and an action
-    starts once its inputs exist (zero-cost communication). Raises RuntimeError on a deadlock."""
+    starts once its inputs exist (zero-cost communication); `cost(kind, stage)` is an action's
+    duration. Raises RuntimeError on a deadlock."""
     last = p * v - 1
     finish: dict[tuple[str, int, int], float] = {}  # (F|G, mb, stage) -> time output exists
     clock, pos = [0.0] * p, [0] * p
@@ -183,7 +187,7 @@ def simulate(compute: list[list[Action]], p: int, v: int, cost: dict[str, float]
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[r]] + [finish[d] for d in deps])
-                clock[r] = start + cost[a.kind]
+                clock[r] = start + cost(a.kind, s)
                 times[r].append((start, clock[r]))
                 if a.kind != "W":
                     finish[("F" if a.kind == "F" else "G", a.mb, s)] = clock[r]

@@ -65,11 +65,11 @@ class Timeline:
         rows = torch.full((int(count.item()), 5), -1.0, dtype=torch.float64)
         for k, e in enumerate(self.events):
             rows[k] = torch.tensor([KINDS.index(e.kind), e.mb, e.chunk, e.start, e.end], dtype=torch.float64)
-        everything = torch.empty((group.size, *rows.shape), dtype=torch.float64)
+        everything = torch.empty((group.size * rows.shape[0], 5), dtype=torch.float64)
         ctx.comm.all_gather(everything, rows, group)
         return [
             [Event(KINDS[int(k)], int(mb), int(c), s, e) for k, mb, c, s, e in per_rank.tolist() if k >= 0]
-            for per_rank in everything
+            for per_rank in everything.view(group.size, *rows.shape)
         ]
 
 
