@@ -149,8 +149,6 @@ class ParallelConfig:
             "parallel.tp": self.tp != 1,
             "parallel.pp": self.pp != 1,
             "parallel.cp": self.cp != 1,
-            "parallel.zero=2/3": self.zero > 1,
-            "parallel.precision": self.precision != "fp32",
             "parallel.recompute": self.recompute != "none",
         }
         for option, requested in missing.items():

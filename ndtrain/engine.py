@@ -1,13 +1,27 @@
 """`Engine`: one model + optimizer trained under a `ParallelContext`.
 
-The engine places the model on the context's device, wraps it in the data-parallel strategy
-(our `DataParallel`: gradients all-reduced over dp×cp during backward; with `zero=1` the
-optimizer state is sharded over the same ranks by `ZeroOptimizer`), and runs one optimizer
-step per `train_step` over the micro-batches it is given: forward/backward of each (gradient
-sync only on the last, via `no_sync`), global gradient norm and clipping, optimizer and LR
-schedule step. Per step it communicates the gradient all-reduce (2(N−1)/N · 4Ψ bytes for Ψ fp32
-parameters; with `zero=1` also the parameter all-gather, (N−1)/N · 4Ψ) plus one 8-byte
-all-reduce of the loss and token count for reporting.
+The engine places the model on the context's device and wraps it for data parallelism over dp×cp
+according to `parallel.zero`:
+
+| zero | wrapper (gradients)                              | optimizer                                   |
+|------|--------------------------------------------------|---------------------------------------------|
+| 0    | `DataParallel`: all-reduced, replicated           | the caller's, over the whole model          |
+| 1    | `DataParallel`                                    | `ZeroOptimizer`: state sharded, all-gather  |
+| 2    | `Zero2DataParallel`: reduce-scattered, sharded    | `ZeroOptimizer`                             |
+| 3    | `FullyShardedDataParallel`: parameters sharded too | the caller's, over FSDP's fp32 shards       |
+
+With `parallel.precision` bf16/fp16 the model computes in that dtype and the optimizer updates fp32
+masters: stages 0–2 cast the module and hand the fp32 initial weights to `ZeroOptimizer` (which
+for stage 0 keeps the whole master, `sharded=False`); stage 3 gives FSDP `param_dtype`. fp16 adds
+the `LossScaler` (precision.py): a step with inf/NaN gradients is skipped (`StepResult.skipped`).
+
+One `train_step` runs forward/backward of each micro-batch (stages 0/1: gradient sync only on the
+last, via `no_sync`; stages 2/3 reduce-scatter every micro-batch into the shard, keeping memory
+sharded), the loss-scale check, the global gradient norm and clipping, the optimizer and LR
+schedule steps. Per step, Ψ fp32 parameters, N = dp×cp, k micro-batches, each rank sends:
+stage 0 2(N−1)/N·4Ψ; stage 1 + (N−1)/N·4Ψ (all-gather); stage 2 k·(N−1)/N·4Ψ + (N−1)/N·4Ψ;
+stage 3 see fsdp.py; plus a 4-byte all-reduce of the norm's squares (stages 1–3), a 4-byte flag
+(fp16) and one 8-byte all-reduce of the loss and token count for reporting.
 """
 
 from __future__ import annotations
@@ -19,28 +33,37 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ndtrain.memory import optimizer_state_bytes, tensor_bytes
+from ndtrain.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.fsdp import FullyShardedDataParallel
+from ndtrain.parallel.precision import DTYPES, LossScaler
 from ndtrain.parallel.replicate import SingleProcessDataParallel
 from ndtrain.parallel.zero import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
+from ndtrain.parallel.zero2 import Zero2DataParallel
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
+MpSharded = Callable[[str, nn.Parameter], bool]
 
-_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+def replicated_over_mp(name: str, param: nn.Parameter) -> bool:
+    """Default `mp_sharded` predicate: False (every parameter is whole on every model-parallel rank)."""
+    return False
 
 
 @dataclass
 class StepResult:
     loss: float          # mean loss over the global batch
     tokens: int          # tokens in the global batch
-    grad_norm: float     # global gradient norm before clipping
+    grad_norm: float     # global gradient norm before clipping (inf/nan on a skipped step)
     lr: float            # learning rate used for this step
     comm_bytes: int      # wire bytes this rank sent during the step
+    skipped: bool = False    # fp16: inf/NaN gradients, the optimizer step was skipped
+    loss_scale: float = 1.0  # fp16 loss scale used for this step
 
 
 class Engine:
-    """Builds and drives one model replica of the data-parallel group."""
+    """Builds and drives one model replica (or shard, zero=3) of the data-parallel group."""
 
     def __init__(
         self,
@@ -51,89 +74,190 @@ class Engine:
         group_fn: GroupFn = no_decay_for_vectors,
         scheduler_fn: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
         grad_clip: float = 0.0,
+        mp_sharded: MpSharded = replicated_over_mp,
+        loss_scaler: LossScaler | None = None,
     ) -> None:
         """`optimizer_fn(groups)` builds the optimizer from parameter groups (`group_fn(name, param)`
-        gives each parameter's group options); with `zero=1` the groups hold this rank's shards."""
-        ctx.config.check_implemented()
+        gives each parameter's group options); under ZeRO the groups hold this rank's shards.
+        `mp_sharded(name, param)` says which parameters are split over the model-parallel group
+        (their squares are summed over "mp" for the norm; the others are counted once).
+        `loss_scaler` overrides fp16's default `LossScaler(ctx)`."""
+        cfg = ctx.config
+        cfg.check_implemented()
         self.ctx = ctx
-        self.model = model_fn().to(ctx.device)
-        module = self.model  # dp_mode=single-process: replicas on threads inside this process
-        if ctx.config.dp_mode == "single-process":
-            module = SingleProcessDataParallel(self.model, [ctx.device] * ctx.config.replicas)
-        self.wrapped = DataParallel(
-            module, ctx,
-            bucket_mb=ctx.config.bucket_mb,
-            comm_dtype=_COMM_DTYPES[ctx.config.comm_dtype],
-            allow_unused=ctx.config.allow_unused_params,
-        )
-        if ctx.config.zero == 1:
-            self.optimizer: torch.optim.Optimizer = ZeroOptimizer(self.wrapped, ctx, optimizer_fn, group_fn=group_fn)
-        else:
-            self.optimizer = optimizer_fn(parameter_groups(self.model, group_fn))
-        self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
+        self.stage = cfg.zero
         self.grad_clip = grad_clip
+        self.mp_sharded = mp_sharded
+        self.compute_dtype = DTYPES[cfg.precision]
+        comm_dtype = DTYPES[cfg.comm_dtype]
+        self.model = model_fn().to(ctx.device)
+        self.fsdp: FullyShardedDataParallel | None = None
+        if self.stage == 3:
+            self.fsdp = FullyShardedDataParallel(
+                self.model, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
+                param_dtype=self.compute_dtype, reduce_dtype=comm_dtype,
+            )
+            self.wrapped: nn.Module = self.fsdp
+            self.optimizer: torch.optim.Optimizer = optimizer_fn(self.fsdp.parameter_groups(group_fn))
+        else:
+            masters = None
+            if self.compute_dtype != torch.float32:
+                masters = {id(p): p.detach().clone() for p in self.model.parameters()}
+                self.model.to(self.compute_dtype)
+            if self.stage == 2:
+                self.wrapped = Zero2DataParallel(self.model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype)
+            else:
+                module = self.model  # dp_mode=single-process: replicas on threads inside this process
+                if cfg.dp_mode == "single-process":
+                    module = SingleProcessDataParallel(self.model, [ctx.device] * cfg.replicas)
+                self.wrapped = DataParallel(
+                    module, ctx,
+                    bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype, allow_unused=cfg.allow_unused_params,
+                )
+            if self.stage >= 1 or masters is not None:
+                self.optimizer = ZeroOptimizer(
+                    self.wrapped, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=self.stage >= 1,
+                )
+            else:
+                self.optimizer = optimizer_fn(parameter_groups(self.model, group_fn))
+        self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
+        self.scaler = loss_scaler or (LossScaler(ctx) if cfg.precision == "fp16" else None)
 
+    # ----------------------------------------------------------------------------- training
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
         """One optimizer step over this rank's micro-batches (equal sizes, full-length samples)."""
         comm_before = self.ctx.comm.stats.total_wire_bytes()
         self.model.train()
-        self.wrapped.zero_grad()
+        (self.optimizer if isinstance(self.optimizer, ZeroOptimizer) else self.wrapped).zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]
+        scale = self.scaler.scale if self.scaler else 1.0
         count = len(micro_batches)
         loss_sum = torch.zeros((), device=self.ctx.device)
         tokens = 0
         for i, (x, y) in enumerate(micro_batches):
-            sync = i == count - 1
-            with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+            local = i < count - 1 and self.stage < 2  # stages 2/3 reduce-scatter every micro-batch
+            with self.wrapped.no_sync() if local else contextlib.nullcontext():
                 loss = self.wrapped(x.to(self.ctx.device), y.to(self.ctx.device))
-                (loss / count).backward()
-            loss_sum += loss.detach()
+                (loss * (scale / count)).backward()
+            loss_sum += loss.detach().float()
             tokens += y.numel()
+        found_inf = self.scaler.unscale_and_check(self._optimizer_grads()) if self.scaler else False
         grad_norm = self.clip_gradients()
-        self.optimizer.step()
+        if found_inf:
+            self.scaler.update(True)  # type: ignore[union-attr]
+        else:
+            self.optimizer.step()
+            if self.scaler:
+                self.scaler.update(False)
         if self.scheduler is not None:
             self.scheduler.step()
         totals = torch.stack([loss_sum / count, torch.tensor(float(tokens), device=self.ctx.device)])
         self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))
         dp = self.ctx.group("dp_cp").size
         return StepResult(
-            loss=totals[0].item() / dp,
-            tokens=int(totals[1].item()),
-            grad_norm=grad_norm,
-            lr=lr,
-            comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before,
+            loss=totals[0].item() / dp, tokens=int(totals[1].item()), grad_norm=grad_norm, lr=lr,
+            comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before, skipped=found_inf, loss_scale=scale,
         )
 
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients (buckets and any comm-dtype copies) and
-        optimizer state (only its shard under ZeRO; AdamW's state appears after the first step)."""
-        gradients = 0
-        for bucket in self.wrapped.buckets:
-            gradients += tensor_bytes(bucket.flat) + (tensor_bytes(bucket.comm) if bucket.comm is not bucket.flat else 0)
-        return {
-            "parameters": sum(tensor_bytes(p) for p in self.model.parameters()),
-            "gradients": gradients,
-            "optimizer": optimizer_state_bytes(self.optimizer),
-        }
+    def _optimizer_grads(self) -> list[torch.Tensor]:
+        """The gradient tensors the optimizer will read (fp32; shards under ZeRO), to unscale or clip in place."""
+        if isinstance(self.optimizer, ZeroOptimizer):
+            return self.optimizer.prepare_grads()
+        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
-    @property
-    def sharded_optimizer(self) -> bool:
-        """True when each rank holds only its shard of the optimizer state (ZeRO)."""
-        return isinstance(self.optimizer, ZeroOptimizer)
+    def _grad_squares(self) -> torch.Tensor:
+        """Σ g² of the whole model's gradient, identical on every rank.
+
+        Sharded over dp_cp (stages 1–3, each rank's shard, padding excluded): summed over dp_cp.
+        Replicated (stage 0): local; a parameter that `mp_sharded` names is summed over "mp",
+        the others are divided by the mp size before that sum so they count once.
+        TP/PP with ZeRO: extend the sharded branch with the same per-parameter split."""
+        device = self.ctx.device
+        if self.fsdp is not None:
+            squares = self.fsdp.local_grad_squares().float()
+            self.ctx.comm.all_reduce(squares, self.ctx.group("dp_cp"))
+            return squares
+        if isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.sharded:
+            grads = self.optimizer.prepare_grads()
+            squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+            self.ctx.comm.all_reduce(squares, self.ctx.group("dp_cp"))
+            return squares
+        if isinstance(self.optimizer, ZeroOptimizer):  # stage 0 with fp32 masters: one unsharded "shard"
+            grads = self.optimizer.prepare_grads()
+            return torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+        mp = self.ctx.group("mp")
+        split, whole = torch.zeros((), device=device), torch.zeros((), device=device)
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                if self.mp_sharded(name, p):
+                    split += p.grad.detach().float().pow(2).sum()
+                else:
+                    whole += p.grad.detach().float().pow(2).sum()
+        squares = split + whole / mp.size
+        self.ctx.comm.all_reduce(squares, mp)
+        return squares
 
     def clip_gradients(self) -> float:
-        """Global L2 norm of all gradients (summed over the model-parallel group); clip if configured.
+        """Global L2 norm of the gradient the optimizer will use; clip it if `grad_clip` > 0.
 
         Same formula as `torch.nn.utils.clip_grad_norm_`: scale by max_norm / (norm + 1e-6) when < 1.
         """
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-        self.ctx.comm.all_reduce(squares, self.ctx.group("mp"))
-        norm = squares.sqrt()
+        norm = self._grad_squares().sqrt()
         if self.grad_clip > 0:
-            scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, scale)
+            grads = self._optimizer_grads()
+            if grads:
+                torch._foreach_mul_(grads, torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0))
         return norm.item()
+
+    # ----------------------------------------------------------------------------- inspection
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters (compute copies; under FSDP the fp32 shards plus
+        whatever unit is gathered now), gradients (buckets, comm-dtype copies, shards) and optimizer
+        state (AdamW's appears after the first step; fp32 masters of mixed precision included)."""
+        optimizer = optimizer_state_bytes(self.optimizer)
+        if self.fsdp is not None:
+            held = self.fsdp.state_bytes()
+            return {"parameters": held["parameters"], "gradients": held["gradients"], "optimizer": optimizer}
+        if isinstance(self.optimizer, ZeroOptimizer):
+            parameters = sum(tensor_bytes(s.flat) for s in self.optimizer._shards)
+            optimizer += self.optimizer.master_bytes
+        else:
+            parameters = sum(tensor_bytes(p) for p in self.model.parameters())
+        if isinstance(self.wrapped, Zero2DataParallel):
+            gradients = self.wrapped.gradient_bytes
+        else:
+            gradients = sum(
+                tensor_bytes(b.flat) + (tensor_bytes(b.comm) if b.comm is not b.flat else 0) for b in self.wrapped.buckets
+            )
+        return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer}
+
+    def memory_bytes(self) -> dict[str, int]:
+        """`model_state_bytes()` plus "peak": this process's peak memory since the last `memory.reset_peak`."""
+        return {**self.model_state_bytes(), "peak": peak_bytes(self.ctx.device)}
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        """True when each rank checkpoints its own optimizer state (ZeRO shards, fp32 masters)."""
+        return isinstance(self.optimizer, ZeroOptimizer) or self.fsdp is not None
+
+    @property
+    def sharded_model(self) -> FullyShardedDataParallel | None:
+        """The FSDP wrapper whose `sharded_state_dict` each rank checkpoints (zero=3), else None."""
+        return self.fsdp
+
+    def extra_state(self) -> dict[str, Any]:
+        """Engine state outside model and optimizer (the fp16 loss scaler), JSON-serialisable."""
+        return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        if self.scaler and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights (gathered under zero=3; collective then), for eval/generate/export."""
+        if self.fsdp is not None:
+            return self.fsdp.full_state_dict()
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
@@ -141,7 +265,7 @@ class Engine:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for x, y in batches:
-            loss = self.model(x.to(self.ctx.device), y.to(self.ctx.device))
+            loss = self.wrapped(x.to(self.ctx.device), y.to(self.ctx.device))
             totals[0] += loss.double() * y.numel()
             totals[1] += y.numel()
         self.ctx.comm.all_reduce(totals, self.ctx.group("dp"))

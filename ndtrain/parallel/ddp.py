@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ndtrain.comm import Pending
+from ndtrain.comm import Group, Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 
@@ -70,6 +70,21 @@ def pack(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
             runs.append([i])
             open_runs[key] = (len(runs) - 1, size)
     return runs
+
+
+def broadcast_state(ctx: ParallelContext, group: Group, tensors: list[torch.Tensor], cap: int) -> None:
+    """Copy group rank 0's values of `tensors` to every rank, in flat chunks of at most `cap` bytes."""
+    if group.size == 1:
+        return
+    for run in pack(tensors, cap):
+        chunk = [tensors[i] for i in run]
+        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+        ctx.comm.broadcast(flat, group, src=0)
+        offset = 0
+        with torch.no_grad():
+            for t in chunk:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def _gradient_hook(owner: weakref.ref[DataParallel], index: int, param: torch.Tensor) -> None:
@@ -121,7 +136,7 @@ class DataParallel(nn.Module):
         self.group = ctx.group("dp_cp")
         self.allow_unused = allow_unused
         cap = max(1, int(bucket_mb * MB))
-        self._broadcast_state([*module.parameters(), *module.buffers()], cap)
+        broadcast_state(ctx, self.group, [*module.parameters(), *module.buffers()], cap)
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         named.reverse()
@@ -158,6 +173,12 @@ class DataParallel(nn.Module):
         """The gradient buckets in launch order (their `params`, `flat` storage and per-parameter `views`)."""
         return tuple(self._buckets)
 
+    gradients_sharded = False  # every rank holds the whole averaged gradient (see zero.GradientSource)
+
+    def gradient_slice(self, bucket: int, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of gradient bucket `bucket` (a view)."""
+        return self._buckets[bucket].flat[start:end]
+
     @property
     def bucket_count(self) -> int:
         return len(self._buckets)
@@ -190,20 +211,6 @@ class DataParallel(nn.Module):
             bucket.flat.zero_()
         for param, (_, view) in zip(self._params, self._slot):
             param.grad = view
-
-    # ----------------------------------------------------------------------------- construction
-    def _broadcast_state(self, tensors: list[torch.Tensor], cap: int) -> None:
-        if self.group.size == 1:
-            return
-        for run in pack(tensors, cap):
-            chunk = [tensors[i] for i in run]
-            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-            self.ctx.comm.broadcast(flat, self.group, src=0)
-            offset = 0
-            with torch.no_grad():
-                for t in chunk:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
 
     # ----------------------------------------------------------------------------- backward
     def _on_gradient(self, index: int, param: torch.Tensor) -> None:

@@ -28,6 +28,14 @@ of 4Ψ + 4Ψ + 8Ψ for DDP. Each rank sends per step 2(N−1)/N · 4Ψ bytes of 
 (N−1)/N · 4Ψ' of all-gather, in one call per bucket each: 1.5× DDP's volume, the price of the
 sharded state (ZeRO-2 would replace the all-reduce by a reduce-scatter and get back to 1×).
 
+The same class serves ZeRO-2 (zero2.py: the gradient slices are then this rank's reduce-scattered
+gradient shard, `model.gradients_sharded`) and mixed precision: when the model's parameters are
+bf16/fp16 compute copies, each segment is instead an fp32 *master* copy of the slice (+4Ψ/N bytes),
+its gradient an fp32 cast of the gradient slice made in `prepare_grads()`, and after the inner step
+the master slice is cast into the flat buffer before the all-gather (which then moves 2-byte
+elements). With `sharded=False` (plain DDP + mixed precision) N is taken as 1: every rank keeps the
+whole master copy and nothing is gathered.
+
 Limitations: a parameter that no rank used (DDP `allow_unused`, `.grad` None) still gets weight
 decay here (its gradient slice is zero), where a single-process optimizer would skip it. The
 flat buffers must keep backing the parameters: do not move the model (`.to()`) or reassign
@@ -37,7 +45,7 @@ flat buffers must keep backing the parameters: do not move the model (`.to()`) o
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -84,11 +92,25 @@ def parameter_groups(module: nn.Module, group_fn: GroupFn = _one_group) -> list[
     return groups
 
 
-class _Shard:
-    """One bucket's flat parameter buffer and this rank's slice of it."""
+class GradientSource(Protocol):
+    """What ZeroOptimizer needs of the gradient side: DataParallel (replicated) or Zero2DataParallel (sharded)."""
 
-    def __init__(self, flat: torch.Tensor, numel: int, lo: int, hi: int) -> None:
-        self.flat, self.numel, self.lo, self.hi = flat, numel, lo, hi
+    module: nn.Module
+    gradients_sharded: bool
+
+    @property
+    def buckets(self) -> tuple[Any, ...]: ...  # each with `.params`, in bucket order
+
+    def gradient_slice(self, bucket: int, start: int, end: int) -> torch.Tensor: ...
+
+    def zero_grad(self, set_to_none: bool = False) -> None: ...
+
+
+class _Shard:
+    """One bucket's flat parameter buffer, this rank's slice of it and its fp32 master (if separate)."""
+
+    def __init__(self, flat: torch.Tensor, numel: int, lo: int, hi: int, master: torch.Tensor | None) -> None:
+        self.flat, self.numel, self.lo, self.hi, self.master = flat, numel, lo, hi, master
         self.segments: list[tuple[int, int, int, nn.Parameter, torch.Tensor]] = []  # (a, b, group, param, grad)
 
 
@@ -109,46 +131,60 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, model: DataParallel, ctx: ParallelContext, optimizer_fn: OptimizerFn, *,
-        group_fn: GroupFn = _one_group,
+        self, model: DataParallel | GradientSource, ctx: ParallelContext, optimizer_fn: OptimizerFn, *,
+        group_fn: GroupFn = _one_group, masters: dict[int, torch.Tensor] | None = None, sharded: bool = True,
     ) -> None:
+        """`masters` maps `id(param)` to its fp32 initial value when the parameters are low-precision
+        compute copies (default: their upcast); `sharded=False` keeps the whole state on every rank."""
         # Optimizer.__init__ is not called: the parameters belong to the inner optimizer.
-        if not isinstance(model, DataParallel):
+        if not hasattr(model, "gradient_slice"):
             raise UserError(f"ZeroOptimizer needs a DataParallel-wrapped model, got {type(model).__name__}: wrap it first")
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self.model, self.ctx = model, ctx
         self.group = ctx.group("dp_cp")
-        n, rank = self.group.size, self.group.rank
+        self.sharded = sharded
+        n, rank = (self.group.size, self.group.rank) if sharded else (1, 0)
+        self._gather = n > 1
+        self._prepared = False
         names = {id(p): name for name, p in model.module.named_parameters()}
         keys, options = _group_keys(model.module, group_fn)
         segments: list[list[nn.Parameter]] = [[] for _ in options]
         self._shards: list[_Shard] = []
-        for bucket in model.buckets:
-            numel = bucket.flat.numel()
+        for k, bucket in enumerate(model.buckets):
+            first = bucket.params[0]
+            numel = sum(p.numel() for p in bucket.params)
             padded = -(-numel // n) * n
             size = padded // n
-            flat = torch.zeros(padded, dtype=bucket.flat.dtype, device=bucket.flat.device)
-            shard = _Shard(flat, numel, rank * size, (rank + 1) * size)
+            flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+            master = torch.zeros(size, dtype=torch.float32, device=first.device) if first.dtype != torch.float32 else None
+            shard = _Shard(flat, numel, rank * size, (rank + 1) * size, master)
             runs: list[tuple[int, int, int]] = []  # (start, end, group) of this rank's real elements
-            for p, view in zip(bucket.params, bucket.views):
-                a = view.storage_offset() - bucket.flat.storage_offset()
+            a = 0
+            for p in bucket.params:
                 b = a + p.numel()
                 with torch.no_grad():
                     flat[a:b].copy_(p.detach().reshape(-1))
+                    if master is not None:
+                        source = (masters or {}).get(id(p), p.detach()).reshape(-1)
+                        lo, hi = max(a, shard.lo), min(b, shard.hi)
+                        if lo < hi:
+                            master[lo - shard.lo : hi - shard.lo].copy_(source[lo - a : hi - a])
                 p.data = flat[a:b].view_as(p)
                 g = keys[tuple(sorted(dict(group_fn(names[id(p)], p)).items()))]
-                a, b = max(a, shard.lo), min(b, shard.hi)
-                if a >= b:
+                lo, hi = max(a, shard.lo), min(b, shard.hi)
+                a = b
+                if lo >= hi:
                     continue
-                if runs and runs[-1][2] == g and runs[-1][1] == a:
-                    runs[-1] = (runs[-1][0], b, g)
+                if runs and runs[-1][2] == g and runs[-1][1] == lo:
+                    runs[-1] = (runs[-1][0], hi, g)
                 else:
-                    runs.append((a, b, g))
+                    runs.append((lo, hi, g))
             for a, b, g in runs:
-                segment = nn.Parameter(flat[a:b])  # aliases the flat buffer
-                grad = bucket.flat[a:b]  # aliases the DDP gradient bucket
-                segment.grad = grad
+                # the fp32 master: the flat buffer itself, or this rank's separate fp32 copy
+                segment = nn.Parameter(flat[a:b] if master is None else master[a - shard.lo : b - shard.lo])
+                grad = model.gradient_slice(k, a, b)
+                segment.grad = grad if master is None else None
                 shard.segments.append((a, b, g, segment, grad))
                 segments[g].append(segment)
             self._shards.append(shard)
@@ -185,11 +221,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Update this rank's slices, then all-gather every bucket so all ranks hold the new parameters."""
         if closure is not None:
             raise UserError("ZeroOptimizer.step takes no closure: run forward and backward before calling it")
-        for shard in self._shards:
-            for _, _, _, segment, grad in shard.segments:
-                segment.grad = grad  # in case the inner optimizer's zero_grad dropped it
+        if not self._prepared:
+            self.prepare_grads()
         self.optimizer.step()
-        if self.group.size == 1:
+        self._prepared = False
+        for shard in self._shards:
+            for _, _, _, segment, _ in shard.segments:
+                if shard.master is not None:
+                    segment.grad = None  # the fp32 cast is temporary
+            if shard.master is not None:
+                shard.flat[shard.lo : shard.lo + shard.master.numel()].copy_(shard.master)
+        if not self._gather:
             return
         pending = [
             self.ctx.comm.all_gather(s.flat, s.flat[s.lo : s.hi], self.group, async_op=True) for s in self._shards
@@ -198,22 +240,48 @@ class ZeroOptimizer(torch.optim.Optimizer):
             assert p is not None
             p.wait()
 
+    @torch.no_grad()
+    def prepare_grads(self) -> list[torch.Tensor]:
+        """Attach to every segment the gradient the inner optimizer will use and return them: views of
+        the gradient slices, or fp32 casts of them under mixed precision (made once per step: until
+        `step()` or `zero_grad()`, later calls return the same tensors). Unscaling or clipping these
+        tensors in place is what `step()` then applies."""
+        grads = []
+        if self._prepared:
+            return [seg.grad for s in self._shards for *_, seg, _ in s.segments]
+        for shard in self._shards:
+            for _, _, _, segment, grad in shard.segments:
+                segment.grad = grad if shard.master is None else grad.float()
+                grads.append(segment.grad)
+        self._prepared = True
+        return grads
+
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero DDP's gradient buckets in place (or drop the module's `.grad`s; the buckets stay)."""
+        """Zero the gradient buckets or shards in place (`set_to_none` drops DDP's `.grad`s; the
+        buckets stay) and forget this step's prepared gradients."""
+        self._prepared = False
         self.model.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient so its 2-norm is at most `max_norm`, like `torch.nn.utils.clip_grad_norm_`.
 
-        Call after backward, before `step()`. The gradient is replicated over dp_cp after DDP, so
-        the local norm is the global one and nothing is communicated. Returns the norm before clipping.
+        Call after backward, before `step()`. Replicated gradients (DDP): the local norm is the
+        global one and nothing is communicated. Sharded gradients (ZeRO-2): the squares of this
+        rank's shard (padding excluded) are summed with one 4-byte all-reduce over dp_cp.
+        Returns the norm before clipping.
         """
-        flats = [b.flat for b in self.model.buckets]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f) for f in flats]))
+        grads = self.prepare_grads()
+        if self.model.gradients_sharded:
+            squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+            self.ctx.comm.all_reduce(squares, self.group)
+            norm = squares.sqrt()
+        else:
+            flats = [b.flat for b in self.model.buckets]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f.float()) for f in flats]))
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for f in flats:
-            f.mul_(coef)
+        for g in grads:
+            g.mul_(coef)
         return norm
 
     # ----------------------------------------------------------------------------- inspection, state
@@ -231,6 +299,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Ψ': elements of all flat parameter buffers, padding included (what the all-gathers move)."""
         return sum(s.flat.numel() for s in self._shards)
 
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of separate fp32 master slices (0 when the parameters themselves are fp32)."""
+        return sum(s.master.numel() * 4 for s in self._shards if s.master is not None)
+
     def _layout(self) -> dict[str, Any]:
         return {"world": self.group.size, "rank": self.group.rank,
                 "segments": [[(a, b, g) for a, b, g, *_ in s.segments] for s in self._shards]}
@@ -240,7 +313,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Parameters are not included (they are replicated: save the model's state dict once).
         """
-        return {"optimizer": self.optimizer.state_dict(), "layout": self._layout()}
+        return {"optimizer": self.optimizer.state_dict(), "layout": self._layout(),
+                "masters": [s.master.clone() for s in self._shards if s.master is not None]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a `state_dict()` saved by the same group rank of the same layout (same N, buckets, groups)."""
@@ -253,3 +327,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "the same dp×cp size, bucket_mb and parameter groups"
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        with torch.no_grad():
+            for shard, master in zip([s for s in self._shards if s.master is not None], state_dict.get("masters", [])):
+                shard.master.copy_(master)
