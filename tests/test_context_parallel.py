@@ -8,6 +8,7 @@ full sequence (same seed, same data), so the workers return relative errors.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.context import (
-    Ring, apply_context_parallel, attention_work, balanced_chunks, ring_attention, shard_sequence,
+    DEFAULT_TILE, Ring, apply_context_parallel, attention_work, balanced_chunks, ring_attention, shard_sequence,
 )
 from ndtrain.parallel.ddp import DataParallel
 from ndtrain.parallel.recompute import SavedActivations, apply_recompute
@@ -52,12 +53,13 @@ def tiny(**overrides: Any):
 
 
 def ring_errors(ctx: ParallelContext, seq: int) -> dict[str, float]:
-    """Ring attention fwd+bwd on this rank's shard against full causal attention, per head layout."""
-    ring = Ring(ctx.comm, ctx.group("cp"))
+    """Ring attention fwd+bwd on this rank's shard against full causal attention, per head layout,
+    with whole blocks and with tiles of 5 (crossing the chunk boundaries and the diagonal)."""
     index = torch.arange(seq)[None]
     _, _, positions = shard_sequence(index, index, ctx)
     errors = {}
-    for heads, kv_heads in HEADS:
+    for (heads, kv_heads), tile in itertools.product(HEADS, (DEFAULT_TILE, 5)):
+        ring = Ring(ctx.comm, ctx.group("cp"), tile)
         gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
         q, k, v = (torch.randn(2, n, seq, 8, generator=gen, requires_grad=True) for n in (heads, kv_heads, kv_heads))
         grad = torch.randn(2, heads, seq, 8, generator=gen)
@@ -66,7 +68,7 @@ def ring_errors(ctx: ParallelContext, seq: int) -> dict[str, float]:
         local = [t.detach()[:, :, positions].requires_grad_() for t in (q, k, v)]
         out = ring_attention(*local, ring)
         grads = torch.autograd.grad(out, local, grad[:, :, positions])
-        name = f"H{heads}K{kv_heads}"
+        name = f"H{heads}K{kv_heads} tile {tile}"
         errors[f"{name} out"] = rel(out, ref[:, :, positions])
         for label, g, r in zip("qkv", grads, ref_grads):
             errors[f"{name} d{label}"] = rel(g, r[:, :, positions])
@@ -251,6 +253,8 @@ def test_attention_work_balanced(cp: int) -> None:
     assert max(balanced) / min(balanced) <= 1.1
     assert contiguous == [4 * n * n * (r + 1) for r in range(cp)]  # max/min = cp
     assert sum(balanced) == sum(contiguous)
+    tiled = attention_work(seq, cp, tile=3)  # causal tiles wholly in the future are skipped
+    assert max(tiled) == min(tiled) < max(balanced)
 
 
 def test_saved_activations_per_rank_are_one_over_cp(two: list[dict[str, Any]], four: list[dict[str, Any]]) -> None:

@@ -14,19 +14,22 @@ B batch, H query heads, K kv heads, h head size, s = T/c local tokens and fp32 a
   that block with its ring neighbours (one batched send to r+1 and receive from r−1 of the stacked
   K/V, 2·B·K·s·h elements) and computes its block while the bytes travel. Block results are
   merged with an online log-sum-exp softmax. With this layout a block is causal (t = 0: the
-  rank's own chunks, in order) or a full rectangle (t > 0: all local queries against the sender's
-  early chunk when the sender is r−t ≥ 0 in plain order, or the local late chunk against both of
-  the sender's chunks) — never a mask to build, and every rank does the same work: one causal
-  2n×2n block plus c−1 rectangles of 2n² scores.
+  rank's own chunks, in order) or a full rectangle without mask (t > 0, sender j = r−t mod c:
+  if j < r, all local queries against j's early chunk; if j > r, the local late chunk against
+  both of j's chunks), and every rank does the same work: one causal 2n×2n block plus c−1
+  rectangles of 2n² scores.
 - backward, c steps: K/V rotate again (overlapped the same way) while the gradients dK/dV of
   each block travel with it, each rank adding its contribution; after the last step the sums
   arrive at their owners. dQ stays local. The probabilities are recomputed per block from the
   saved log-sum-exp (flash-attention style): nothing quadratic in s is kept.
+Each block is computed in tiles of at most `tile` × `tile` scores, merged by the same online
+softmax (causal tiles wholly in the future are skipped), so the transient memory is
+O(B·H·tile²), not O(B·H·s²).
 Communication per layer and rank: forward (c−1)·2BKsh elements; backward (c−1)·2BKsh (K/V) +
 c·2BKsh (dK/dV, fp32). Saved for backward per layer: q, k, v, out and the log-sum-exp (fp32,
 B·H·s), the same tensors as `scaled_dot_product_attention`, so activation memory per rank is
 1/c of the unsharded model's. Transient: two K/V buffers and two dK/dV buffers in flight, and
-one block's scores (at most B·H·2n·2n fp32). Blocks are computed in fp32 whatever the input
+a few tiles of scores (B·H·tile² fp32 each). Blocks are computed in fp32 whatever the input
 dtype (bf16 K/V travel as bf16; dK/dV travel and accumulate in fp32).
 Recomputing ring attention (selective or full recompute) runs the forward ring again inside
 backward: (c−1) more K/V exchanges per layer.
@@ -37,6 +40,7 @@ GQA needs no copies: a query head g·(H/K)+j reads kv head g through broadcastin
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +51,7 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 
 Chunks = tuple[int, ...]
+DEFAULT_TILE = 512  # rows and columns of the score tiles: transient memory B·H·tile²·4 bytes, a few times
 
 
 def balanced_chunks(rank: int, cp: int) -> Chunks:
@@ -88,6 +93,18 @@ class Block:
     def scores(self) -> int:
         return (self.rows.stop - self.rows.start) * (self.cols.stop - self.cols.start)
 
+    def tiles(self, size: int) -> Iterator[Block]:
+        """Sub-blocks of at most size × size scores; in a causal block (rows and columns in the same
+        index space) those wholly in the future are skipped and only those the diagonal crosses
+        stay causal."""
+        for r0 in range(self.rows.start, self.rows.stop, size):
+            r1 = min(r0 + size, self.rows.stop)
+            for c0 in range(self.cols.start, self.cols.stop, size):
+                c1 = min(c0 + size, self.cols.stop)
+                if self.causal and c0 > r1 - 1:
+                    break
+                yield Block(slice(r0, r1), slice(c0, c1), causal=self.causal and c1 - 1 > r0)
+
 
 def block_plan(q_chunks: Chunks, kv_chunks: Chunks, chunk_len: int) -> Block | None:
     """The block of queries in `q_chunks` against keys in `kv_chunks` (ascending chunk indices).
@@ -110,51 +127,59 @@ def block_plan(q_chunks: Chunks, kv_chunks: Chunks, chunk_len: int) -> Block | N
     )
 
 
-def attention_work(seq_len: int, cp: int, balanced: bool = True) -> list[int]:
-    """Score entries (query·key pairs, evaluated densely per block) each rank computes in one
+def attention_work(seq_len: int, cp: int, balanced: bool = True, tile: int = DEFAULT_TILE) -> list[int]:
+    """Score entries (query·key pairs, evaluated densely per tile) each rank computes in one
     ring-attention forward; FLOPs are 4·B·H·h times this. `balanced=False`: the contiguous split."""
     layout = balanced_chunks if balanced else contiguous_chunks
     n = seq_len // (2 * cp)
     work = []
     for rank in range(cp):
         blocks = (block_plan(layout(rank, cp), layout((rank - t) % cp, cp), n) for t in range(cp))
-        work.append(sum(b.scores() for b in blocks if b is not None))
+        work.append(sum(t.scores() for b in blocks if b is not None for t in b.tiles(tile)))
     return work
 
 
-def _block_forward(q: torch.Tensor, kv: torch.Tensor, block: Block, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [B,K,G,s,h] rows over kv [2,B,K,s,h] columns: (out [B,K,G,r,h], lse [B,K,G,r]) in fp32."""
-    q_rows = q[..., block.rows, :].float()
-    k, v = (t[..., block.cols, :].float().unsqueeze(2) for t in kv)
-    scores = (q_rows @ k.transpose(-1, -2)) * scale
-    if block.causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
-    lse = scores.logsumexp(dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+def _tile_scores(q: torch.Tensor, k: torch.Tensor, tile: Block, scale: float) -> torch.Tensor:
+    """Scaled scores [B,K,G,r,c] of q rows [B,K,G,r,h] against k columns [B,K,1,c,h], the future masked."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if tile.causal:
+        rows = torch.arange(tile.rows.start, tile.rows.stop, device=q.device)
+        cols = torch.arange(tile.cols.start, tile.cols.stop, device=q.device)
+        scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    return scores
 
 
-def _future(scores: torch.Tensor) -> torch.Tensor:
-    rows, cols = scores.shape[-2:]
-    return torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
+def _tile_forward(
+    q: torch.Tensor, kv: torch.Tensor, tile: Block, scale: float, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Attention of q [B,K,G,s,h] rows over kv [2,B,K,s,h] columns, merged into the running fp32
+    `out` [B,K,G,s,h] and log-sum-exp `lse` [B,K,G,s] of those rows (online softmax)."""
+    k, v = (t[..., tile.cols, :].float().unsqueeze(2) for t in kv)
+    scores = _tile_scores(q[..., tile.rows, :].float(), k, tile, scale)
+    tile_lse = scores.logsumexp(dim=-1)
+    tile_out = torch.exp(scores - tile_lse.unsqueeze(-1)) @ v
+    old = lse[..., tile.rows]
+    merged = torch.logaddexp(old, tile_lse)
+    out[..., tile.rows, :] = (
+        out[..., tile.rows, :] * torch.exp(old - merged).unsqueeze(-1)
+        + tile_out * torch.exp(tile_lse - merged).unsqueeze(-1)
+    )
+    lse[..., tile.rows] = merged
 
 
-def _block_backward(
+def _tile_backward(
     q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    block: Block, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block from the final lse: (dq rows [B,K,G,r,h], dk, dv cols [B,K,c,h])."""
-    q_rows = q[..., block.rows, :].float()
-    k, v = (t[..., block.cols, :].float().unsqueeze(2) for t in kv)
-    scores = (q_rows @ k.transpose(-1, -2)) * scale
-    if block.causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
-    probs = torch.exp(scores - lse[..., block.rows].unsqueeze(-1))
-    dout_rows = dout[..., block.rows, :]
-    dv = (probs.transpose(-1, -2) @ dout_rows).sum(dim=2)
-    dscores = probs * (dout_rows @ v.transpose(-1, -2) - delta[..., block.rows].unsqueeze(-1))
-    dq = (dscores @ k) * scale
-    dk = (dscores.transpose(-1, -2) @ q_rows).sum(dim=2) * scale
-    return dq, dk, dv
+    tile: Block, scale: float, dq: torch.Tensor, dkv: torch.Tensor,
+) -> None:
+    """Add one tile's gradients (probabilities recomputed from the final `lse`) into dq and dkv."""
+    q_rows = q[..., tile.rows, :].float()
+    k, v = (t[..., tile.cols, :].float().unsqueeze(2) for t in kv)
+    probs = torch.exp(_tile_scores(q_rows, k, tile, scale) - lse[..., tile.rows].unsqueeze(-1))
+    dout_rows = dout[..., tile.rows, :]
+    dscores = probs * (dout_rows @ v.transpose(-1, -2) - delta[..., tile.rows].unsqueeze(-1))
+    dq[..., tile.rows, :] += (dscores @ k) * scale
+    dkv[0][..., tile.cols, :] += (dscores.transpose(-1, -2) @ q_rows).sum(dim=2) * scale
+    dkv[1][..., tile.cols, :] += (probs.transpose(-1, -2) @ dout_rows).sum(dim=2)
 
 
 @dataclass(frozen=True)
@@ -163,14 +188,15 @@ class Ring:
 
     comm: Communicator
     group: Group
+    tile: int = DEFAULT_TILE
 
     def chunks(self, group_rank: int) -> Chunks:
         return balanced_chunks(group_rank % self.group.size, self.group.size)
 
-    def plan(self, step: int, local_len: int) -> Block | None:
-        """The block computed at `step`, holding the K/V of group rank r − step."""
-        chunk_len = local_len // 2
-        return block_plan(self.chunks(self.group.rank), self.chunks(self.group.rank - step), chunk_len)
+    def tiles(self, step: int, local_len: int) -> list[Block]:
+        """The tiles computed at `step`, holding the K/V of group rank r − step."""
+        block = block_plan(self.chunks(self.group.rank), self.chunks(self.group.rank - step), local_len // 2)
+        return [] if block is None else list(block.tiles(self.tile))
 
     def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """Post: send `send` to the next rank, receive the previous rank's into a new buffer."""
@@ -188,22 +214,13 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(head_dim)
         kv = torch.stack((k, v))
         size = ring.group.size
-        own = ring.plan(0, seq)  # the rank's own chunks: one causal block, every row sees itself
-        assert own is not None
-        for step in range(size):
+        out = torch.zeros(q5.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        for step in range(size):  # step 0: the rank's own chunks, a causal block where every row sees itself
             if step < size - 1:
                 next_kv, pending = ring.exchange(kv)  # travels while this block is computed
-            block = ring.plan(step, seq)
-            if step == 0:
-                out, lse = _block_forward(q5, kv, own, scale)
-            elif block is not None:
-                block_out, block_lse = _block_forward(q5, kv, block, scale)
-                merged = torch.logaddexp(lse[..., block.rows], block_lse)
-                out[..., block.rows, :] = (
-                    out[..., block.rows, :] * torch.exp(lse[..., block.rows] - merged).unsqueeze(-1)
-                    + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
-                )
-                lse[..., block.rows] = merged
+            for tile in ring.tiles(step, seq):
+                _tile_forward(q5, kv, tile, scale, out, lse)
             if step < size - 1:
                 pending.wait()
                 kv = next_kv
@@ -229,12 +246,8 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 next_kv, kv_pending = ring.exchange(kv)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            block = ring.plan(step, seq)
-            if block is not None:
-                block_dq, dkv[0][..., block.cols, :], dkv[1][..., block.cols, :] = _block_backward(
-                    q5, kv, dout, lse, delta, block, scale
-                )
-                dq[..., block.rows, :] += block_dq
+            for tile in ring.tiles(step, seq):
+                _tile_backward(q5, kv, dout, lse, delta, tile, scale, dq, dkv)
             if incoming is not None:
                 incoming[1].wait()
                 dkv += incoming[0]
@@ -264,12 +277,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     return _RingAttention.apply(q, k, v, ring)
 
 
-def apply_context_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
+def apply_context_parallel(model: nn.Module, ctx: ParallelContext, *, tile: int = DEFAULT_TILE) -> nn.Module:
     """Give every attention of `model` (modules with an `attend` seam) ring attention over ctx's cp group.
 
     A wrapper already on the seam (one exposing `.inner`, e.g. selective recompute) is kept and
     gets ring attention inside it, so the order of the two does not matter."""
-    core = RingAttend(Ring(ctx.comm, ctx.group("cp")))
+    core = RingAttend(Ring(ctx.comm, ctx.group("cp"), tile))
     attentions = [m for m in model.modules() if hasattr(m, "attend")]
     if not attentions:
         raise UserError(f"{type(model).__name__} has no attention with an `attend` seam: context parallel needs one")
