@@ -106,7 +106,7 @@ class SequentialStage(nn.Module):
 
 def balanced_split(costs: Sequence[float], parts: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
     """Sizes of `parts` contiguous non-empty runs of `costs` minimising the largest run cost
-    (run 0 also pays `first_extra`, the last run `last_extra`); ties go to the earliest cut."""
+    (run 0 also pays `first_extra`, the last run `last_extra`); on ties earlier runs are longer."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -121,7 +121,7 @@ def balanced_split(costs: Sequence[float], parts: int, first_extra: float = 0.0,
         for j in range(k, n - (parts - k) + 1):
             for i in range(k - 1, j):
                 value = max(best[k - 1][i], prefix[j] - prefix[i] + extra)
-                if value < best[k][j] - 1e-12:
+                if value <= best[k][j] + 1e-12:  # on a tie the later cut: earlier runs take the extra
                     best[k][j], cut[k][j] = value, i
     sizes, j = [], n
     for k in range(parts, 0, -1):
