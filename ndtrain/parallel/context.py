@@ -119,7 +119,8 @@ def block_plan(q_chunks: Chunks, kv_chunks: Chunks, chunk_len: int) -> Block | N
         return None
     rows = sorted({i for i, _ in visible})
     cols = sorted({j for _, j in visible})
-    if len(visible) != len(rows) * len(cols) or rows[-1] - rows[0] + 1 != len(rows) or cols[-1] - cols[0] + 1 != len(cols):
+    contiguous = rows[-1] - rows[0] + 1 == len(rows) and cols[-1] - cols[0] + 1 == len(cols)
+    if len(visible) != len(rows) * len(cols) or not contiguous:
         raise ValueError(f"chunks {q_chunks} against {kv_chunks} do not form one block")
     return Block(
         slice(rows[0] * chunk_len, (rows[-1] + 1) * chunk_len), slice(cols[0] * chunk_len, (cols[-1] + 1) * chunk_len),
@@ -208,7 +209,9 @@ class Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
+    ) -> torch.Tensor:
         batch, heads, seq, head_dim = q.shape
         q5 = q.reshape(batch, k.shape[1], heads // k.shape[1], seq, head_dim)
         scale = 1.0 / math.sqrt(head_dim)
@@ -230,7 +233,9 @@ class _RingAttention(torch.autograd.Function):
         return result
 
     @staticmethod
-    def backward(fctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        fctx, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out, lse = fctx.saved_tensors
         ring: Ring = fctx.ring
         batch, heads, seq, head_dim = q.shape

@@ -68,14 +68,18 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         return model
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise UserError(f"recompute={mode!r} needs a model with its blocks in `.layers`: {type(model).__name__} has none")
+        raise UserError(
+            f"recompute={mode!r} needs a model with its blocks in `.layers`: {type(model).__name__} has none"
+        )
     for block in layers:
         if mode == "full":
             block.forward = functools.partial(_checkpointed, block.forward)
         else:
             attentions = [m for m in block.modules() if hasattr(m, "attend")]
             if not attentions:
-                raise UserError(f"recompute='selective' needs an attention with an `attend` seam in {type(block).__name__}")
+                raise UserError(
+                    f"recompute='selective' needs an attention with an `attend` seam in {type(block).__name__}"
+                )
             for attention in attentions:
                 attention.attend = SelectiveRecompute(attention.attend)
     return model
@@ -97,7 +101,8 @@ class SavedActivations:
     (the parameters) are not activations and are left out. Deterministic, unlike a process's RSS."""
 
     def __init__(self, exclude: nn.Module | None = None) -> None:
-        self._excluded = {p.untyped_storage().data_ptr() for p in exclude.parameters()} if exclude is not None else set()
+        params = exclude.parameters() if exclude is not None else ()
+        self._excluded = {p.untyped_storage().data_ptr() for p in params}
         self._spans: dict[int, tuple[int, int]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
