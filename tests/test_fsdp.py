@@ -1,0 +1,300 @@
+"""ZeRO-3 / FSDP: parity with single-process AdamW (weight-decay groups, clipping over shards,
+accumulation with `no_sync`, both reshard modes, padded units, a non-Llama model), exact
+collective counts and bytes, model-state memory, prefetch depth, bf16 compute, state dicts and
+bad wrap policies.
+
+One spawn per world size runs every scenario; the parent trains the single-process references.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndtrain.config import ParallelConfig, config_from_dict
+from ndtrain.errors import UserError
+from ndtrain.memory import optimizer_state_bytes
+from ndtrain.mesh import ParallelContext, init
+from ndtrain.models.llama import build_model
+from ndtrain.parallel.fsdp import FullyShardedDataParallel
+from ndtrain.parallel.zero import no_decay_for_vectors
+from tests.distributed import init_method, run_distributed
+
+STEPS = 4
+LR = 1e-2
+WEIGHT_DECAY = 0.1
+# AdamW's eps, 1e-6 rather than 1e-8: where an element's gradient cancels to about 0, the update
+# g/(|g| + eps) has slope 1/eps, so the fp32 reassociation of the cross-rank sum (inevitable: the
+# reduce-scatter adds in ring order, ~1e-7 relative) is amplified by 1/eps. With 1e-8, merely
+# reordering the reference's own sum of 4 micro-batch gradients moves the tiny Llama by 1.3e-5.
+EPS = 1e-6
+MAX_NORM = 0.05  # small enough that both models' gradients are clipped
+MLP_SIZES = (6, 9, 11, 5)  # units of 63, 110 and 60 elements: padded on 2 and 4 ranks
+BF16_LOSS_RTOL = 0.01
+
+State = dict[str, torch.Tensor]
+
+
+class MLP(nn.Sequential):
+    """Plain Sequential of Linear/Tanh taking (x, y) -> MSE loss through `loss`."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+            layers += [nn.Linear(a, b)] + ([nn.Tanh()] if i < len(sizes) - 2 else [])
+        super().__init__(*layers)
+
+
+class MLPLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.net = MLP(MLP_SIZES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.net(x), y)
+
+
+def make(kind: str) -> nn.Module:
+    if kind == "mlp":
+        return MLPLoss()
+    layers = 3 if kind == "llama3" else 2
+    return build_model(config_from_dict({"model": {"preset": "tiny", "n_layers": layers}}).model, seed=0)
+
+
+WRAP = {"llama": ("layers.*",), "llama3": ("layers.*",), "mlp": ("net.0", "net.[24]")}
+
+
+def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    if kind == "mlp":
+        return torch.randn(16, MLP_SIZES[0], generator=g), torch.randn(16, MLP_SIZES[-1], generator=g)
+    tokens = torch.randint(0, 256, (8, 17), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference_groups(model: nn.Module) -> list[dict[str, Any]]:
+    return [{"params": [p for p in model.parameters() if p.ndim >= 2]},
+            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def reference(kind: str, chunks: int, clip: bool) -> tuple[State, list[float]]:
+    """Single process, whole batch; loss = mean of the `chunks` equal shard losses."""
+    model = make(kind)
+    opt = torch.optim.AdamW(reference_groups(model), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(kind, step)
+        loss = sum(model(a, b) for a, b in zip(x.chunk(chunks), y.chunk(chunks))) / chunks
+        loss.backward()
+        losses.append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def max_relative_error(ours: State, ref: State) -> float:
+    assert ours.keys() == ref.keys()
+    return max(((ours[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
+
+
+# ------------------------------------------------------------------------------------ workers
+def _train(ctx: ParallelContext, kind: str, *, accumulate: int = 1, clip: bool = True, reshard: bool = True,
+           param_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    n, rank = ctx.world_size, ctx.rank
+    group = ctx.group("dp_cp")
+    model = FullyShardedDataParallel(make(kind), ctx, wrap=WRAP[kind], reshard_after_forward=reshard,
+                                     param_dtype=param_dtype)
+    opt = torch.optim.AdamW(model.parameter_groups(no_decay_for_vectors), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+    out: dict[str, Any] = {"losses": [], "comm": [], "bytes": [],
+                           "units": [(u.name, u.numel, u.padded) for u in model.units]}
+    for step in range(STEPS):
+        x, y = batch(kind, step)
+        before = ctx.comm.stats.snapshot()
+        model.peak_state_bytes(reset=True)
+        total = torch.zeros(())
+        micro = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+        for m, (xm, ym) in enumerate(micro):
+            xs, ys = xm.chunk(n)[rank], ym.chunk(n)[rank]
+            if m < accumulate - 1:
+                with model.no_sync():
+                    loss = model(xs, ys) / accumulate
+                    loss.backward()
+            else:
+                loss = model(xs, ys) / accumulate
+                loss.backward()
+            total += loss.detach().float()
+        ctx.comm.all_reduce(total, group)
+        out["losses"].append(total.item() / n)
+        if clip:
+            squares = model.local_grad_squares()
+            ctx.comm.all_reduce(squares, group)
+            coef = torch.clamp(MAX_NORM / (squares.sqrt() + 1e-6), max=1.0)
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    p.grad.mul_(coef)
+        after_backward = ctx.comm.stats.snapshot()
+        opt.step()
+        out["bytes"].append({**model.state_bytes(), "optimizer": optimizer_state_bytes(opt),
+                             "peak": model.peak_state_bytes()})
+        opt.zero_grad(set_to_none=True)  # the next backward must start the shards' gradients afresh
+        out["comm"].append({k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after_backward.items()})
+    out["state"] = model.full_state_dict()
+    out["sharded"] = model.sharded_state_dict()
+    out["shard_dtype"] = str(model.units[0].shard.dtype)
+    return out
+
+
+def _roundtrip(ctx: ParallelContext, saved: dict[str, Any], wanted: State) -> float:
+    """A fresh wrapper loading this rank's saved shards reproduces the trained model."""
+    model = FullyShardedDataParallel(make("llama"), ctx)
+    model.load_sharded_state_dict(saved)
+    return max_relative_error(model.full_state_dict(), wanted)
+
+
+def _prefetch_depth(ctx: ParallelContext) -> list[tuple[str, int, list[int]]]:
+    """Which blocks are gathered (or being gathered) while each block's submodules run."""
+    model = FullyShardedDataParallel(make("llama3"), ctx)
+    blocks = model.blocks
+    seen: list[tuple[str, int, list[int]]] = []
+
+    def busy() -> list[int]:
+        return [i for i, b in enumerate(blocks) if b.busy]
+
+    for i, layer in enumerate(model.module.layers):
+        layer.attention.register_forward_pre_hook(lambda *_, i=i: seen.append(("forward", i, busy())))
+        layer.attention.register_full_backward_pre_hook(lambda *_, i=i: seen.append(("backward", i, busy())))
+    for step in range(2):
+        seen.clear()
+        x, y = batch("llama", step)
+        model(x, y).backward()
+    return seen
+
+
+def worker(scenarios: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    ctx = init(ParallelConfig(), init_method=init_method())
+    results: dict[str, Any] = {}
+    for name, kwargs in scenarios:
+        results[name] = _train(ctx, **kwargs)
+    results["roundtrip"] = _roundtrip(ctx, results["llama"]["sharded"], results["llama"]["state"])
+    results["prefetch"] = _prefetch_depth(ctx)
+    return results
+
+
+SCENARIOS: list[tuple[str, dict[str, Any]]] = [
+    ("llama", {"kind": "llama"}),
+    ("llama_keep_accumulate", {"kind": "llama", "reshard": False, "accumulate": 2}),
+    ("mlp", {"kind": "mlp", "accumulate": 2}),
+    ("mlp_accumulate_noclip", {"kind": "mlp", "accumulate": 2, "clip": False}),
+    ("mlp_keep", {"kind": "mlp", "reshard": False, "clip": False}),
+    ("llama_bf16", {"kind": "llama", "param_dtype": torch.bfloat16, "clip": False}),
+]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def world(request: pytest.FixtureRequest) -> tuple[int, dict[str, Any]]:
+    return request.param, run_distributed(worker, request.param, SCENARIOS)[0]
+
+
+# ------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("name", [s for s, kw in SCENARIOS if "param_dtype" not in kw])
+def test_parity_with_single_process_adamw(world: tuple[int, dict[str, Any]], name: str) -> None:
+    n, results = world
+    kw = dict(SCENARIOS)[name]
+    chunks = n * kw.get("accumulate", 1)
+    ref_state, ref_losses = reference(kw["kind"], chunks, kw.get("clip", True))
+    got = results[name]
+    assert max_relative_error(got["state"], ref_state) <= 1e-5
+    assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", [s for s, _ in SCENARIOS])
+def test_collective_calls_and_bytes_match_the_formula(world: tuple[int, dict[str, Any]], name: str) -> None:
+    """Per step: all-gathers k·(R + U + U·reshard), reduce-scatters R + U, bytes Σ Ψ'ᵤ·itemsize."""
+    n, results = world
+    kw = dict(SCENARIOS)[name]
+    got = results[name]
+    k, reshard = kw.get("accumulate", 1), kw.get("reshard", True)
+    c = 2 if kw.get("param_dtype") == torch.bfloat16 else 4
+    units = got["units"]
+    root = [p for u, _, p in units if u == ""]
+    blocks = [p for u, _, p in units if u != ""]
+    gather_calls = k * (len(root) + len(blocks) * (2 if reshard else 1))
+    gather_bytes = k * c * (sum(root) + sum(blocks) * (2 if reshard else 1))
+    scatter_bytes = 4 * (sum(root) + sum(blocks))
+    expected = {
+        "all_gather/dp_cp": {"calls": gather_calls, "payload_bytes": gather_bytes,
+                             "wire_bytes": sum((n - 1) * c * p // n for p in root) * k
+                             + sum((n - 1) * c * p // n for p in blocks) * k * (2 if reshard else 1)},
+        "reduce_scatter/dp_cp": {"calls": len(units), "payload_bytes": scatter_bytes,
+                                 "wire_bytes": sum((n - 1) * 4 * p // n for _, _, p in units)},
+        "all_reduce/dp_cp": {"calls": 2 if kw.get("clip", True) else 1, "payload_bytes": 4 + 4 * kw.get("clip", True),
+                             "wire_bytes": (2 if kw.get("clip", True) else 1) * (2 * (n - 1) * 4 // n)},
+    }
+    for step in got["comm"]:
+        assert {k2: v for k2, v in step.items() if v["calls"]} == expected
+
+
+def test_padding_for_units_not_multiple_of_n(world: tuple[int, dict[str, Any]]) -> None:
+    n, results = world
+    units = results["mlp"]["units"]
+    assert [(name, numel) for name, numel, _ in units] == [("net.0", 63), ("net.2", 110), ("net.4", 60)]
+    assert [p for *_, p in units] == [-(-numel // n) * n for _, numel, _ in units]
+    assert any(p != numel for _, numel, p in units)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_keep_accumulate", "llama_bf16"])
+def test_model_state_memory(world: tuple[int, dict[str, Any]], name: str) -> None:
+    """After a step, 16Ψ/N per rank (fp32 master, gradient, AdamW moments) within 5%. During the step,
+    on top of the shards: at least the root and one block with their gradients (c-byte compute
+    copies), at most the root, two blocks (the one computing and the one prefetched) with gradients,
+    and two reduce-scatters in flight (their outputs, and fp32 casts when c = 2)."""
+    n, results = world
+    got = results[name]
+    units = got["units"]
+    psi = sum(numel for _, numel, _ in units)
+    c = 2 if name == "llama_bf16" else 4
+    root = next(p for u, _, p in units if u == "")
+    block = max(p for u, _, p in units if u != "")
+    biggest = max(root, block)
+    for b in got["bytes"]:
+        held = b["parameters"] + b["gradients"] + b["optimizer"]
+        assert abs(held - 16 * psi / n) <= 0.05 * 16 * psi / n
+        gathered = b["peak"] - b["parameters"] - b["gradients"]
+        assert gathered >= 2 * c * root + 2 * c * block
+        assert gathered <= 2 * c * root + 2 * 2 * c * block + 2 * 4 * biggest // n + (2 * 4 * biggest if c == 2 else 0)
+
+
+def test_bf16_tracks_fp32(world: tuple[int, dict[str, Any]]) -> None:
+    """bf16 compute (8-bit mantissa, unit roundoff 2^-8 ≈ 0.4%) from fp32 masters: every step's loss
+    within 1% of the fp32 run, a few roundoffs of a mean over many tokens, while the masters,
+    their gradients and AdamW state stay fp32 (so the update itself loses nothing)."""
+    n, results = world
+    fp32 = reference("llama", n, clip=False)[1]
+    assert results["llama_bf16"]["losses"] == pytest.approx(fp32, rel=BF16_LOSS_RTOL)
+    assert results["llama_bf16"]["shard_dtype"] == "torch.float32"
+    assert all(t.dtype == torch.float32 for t in results["llama_bf16"]["state"].values())
+
+
+def test_sharded_state_dict_roundtrip(world: tuple[int, dict[str, Any]]) -> None:
+    assert world[1]["roundtrip"] == 0.0
+
+
+def test_prefetch_keeps_at_most_two_blocks_gathered(world: tuple[int, dict[str, Any]]) -> None:
+    """Second step (the execution order is known): while block i runs forward, i and i+1 are gathered;
+    in backward, i and i−1."""
+    seen = world[1]["prefetch"]
+    assert [s for s in seen if s[0] == "forward"] == [("forward", 0, [0, 1]), ("forward", 1, [1, 2]), ("forward", 2, [2])]
+    assert [s for s in seen if s[0] == "backward"] == [("backward", 2, [1, 2]), ("backward", 1, [0, 1]), ("backward", 0, [0])]
+
+
+def test_wrap_policy_matching_nothing_is_a_user_error() -> None:
+    ctx = init(ParallelConfig())
+    with pytest.raises(UserError, match=r"\['blocks\.\*'\] match no module.*tok_embeddings"):
+        FullyShardedDataParallel(make("llama"), ctx, wrap=("blocks.*",))
