@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ndtrain.bench import ddp, tp, zero
+from ndtrain.bench import ddp, fsdp, tp, zero
 from ndtrain.bench import dp_vs_ddp, ps
 from ndtrain.bench import cp
 from ndtrain.bench.harness import BenchOptions, ContestResult
@@ -32,7 +32,7 @@ class Scenario:
     layout: Callable[[int], ParallelConfig] = lambda world_size: ParallelConfig()
 
 
-SCENARIOS: dict[str, Scenario] = {"ddp": Scenario(ddp.run), "zero1": Scenario(zero.run),
+SCENARIOS: dict[str, Scenario] = {"ddp": Scenario(ddp.run), "zero1": Scenario(zero.run), "zero3": Scenario(fsdp.run),
                                  "tp": Scenario(tp.run, lambda world_size: ParallelConfig(tp=world_size)),
                                  "ps": Scenario(ps.run), "dp-vs-ddp": Scenario(dp_vs_ddp.run),
                                  "cp": Scenario(cp.run, lambda world_size: ParallelConfig(cp=world_size))}
