@@ -76,10 +76,12 @@ class LlamaStage(nn.Module):
     def head(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         return self._seams.head(self, x, targets)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation or loss.
-        The sequence length is the targets' (activations may be sequence shards)."""
-        cos, sin = self.rotary(torch.arange(targets.shape[1], device=x.device))
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation, or on
+        the last stage the loss (the logits without targets). The sequence length is the targets'
+        when given (activations may be sequence shards)."""
+        seq = (x if targets is None else targets).shape[1]
+        cos, sin = self.rotary(torch.arange(seq, device=x.device))
         if self.first:
             x = self.embed(x)
         for layer in self.layers.values():
