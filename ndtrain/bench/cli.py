@@ -16,6 +16,7 @@ from typing import Callable
 from ndtrain.bench import ddp, fsdp, tp, zero
 from ndtrain.bench import dp_vs_ddp, ps
 from ndtrain.bench import cp
+from ndtrain.bench import pp
 from ndtrain.bench.harness import BenchOptions, ContestResult
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
@@ -35,7 +36,8 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {"ddp": Scenario(ddp.run), "zero1": Scenario(zero.run), "zero3": Scenario(fsdp.run),
                                  "tp": Scenario(tp.run, lambda world_size: ParallelConfig(tp=world_size)),
                                  "ps": Scenario(ps.run), "dp-vs-ddp": Scenario(dp_vs_ddp.run),
-                                 "cp": Scenario(cp.run, lambda world_size: ParallelConfig(cp=world_size))}
+                                 "cp": Scenario(cp.run, lambda world_size: ParallelConfig(cp=world_size)),
+                                 "pp": Scenario(pp.run, lambda world_size: ParallelConfig(pp=world_size))}
 DEFAULTS = BenchOptions()
 
 
