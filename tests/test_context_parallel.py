@@ -2,9 +2,9 @@
 
 Two spawns: 2 ranks (cp=2: ring attention, whole-model loss and gradients with and without
 recompute, saved-activation bytes, `bench cp`) and 4 ranks (cp=4 ring attention and bytes;
-dp=2 × cp=2 training with our DataParallel; cp=2 × tp=2 loss and gradients with selective
-recompute). The single-process references run inside each worker (one thread each) on the full
-sequence (same seed, same data), so the workers return relative errors."""
+dp=2 × cp=2 training with our DataParallel, alone and with ZeRO-1; cp=2 × tp=2 loss and
+gradients with selective recompute). The single-process references run inside each worker (one
+thread each) on the full sequence (same seed, same data), so the workers return relative errors."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from ndtrain.parallel.ddp import DataParallel
 from ndtrain.parallel.recompute import SavedActivations, apply_recompute
 from ndtrain.parallel.tensor import is_tensor_parallel
 from ndtrain.parallel.tp_plan import parallelize
+from ndtrain.parallel.zero import ZeroOptimizer
 from tests.distributed import init_method, run_distributed
 
 TOL = 1e-5
@@ -140,7 +141,8 @@ def four_ranks() -> dict[str, Any]:
     result: dict[str, Any] = {"ring": ring_errors(ctx, 32), "bytes": saved_bytes(ctx)}
     result["positions"] = shard_sequence(torch.zeros(1, 16), torch.zeros(1, 16), ctx)[2].tolist()
     ctx = init(ParallelConfig(dp=2, cp=2), init_method=init_method())
-    result["trained"] = train_dp_cp(ctx)
+    result["trained"] = train_dp_cp(ctx, zero=False)
+    result["trained zero1"] = train_dp_cp(ctx, zero=True)
     ctx = init(ParallelConfig(cp=2, tp=2), init_method=init_method())
     result["cp_tp"] = model_errors(ctx, "selective", cp_first=False, tp=True)
     return result
@@ -152,9 +154,13 @@ def batches(cfg) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (TRAIN_STEPS, 4, cfg.seq_len + 1), generator=gen)
 
 
-def train(model: torch.nn.Module, data: torch.Tensor, shard) -> dict[str, torch.Tensor]:
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
+
+
+def train(model: torch.nn.Module, data: torch.Tensor, shard, optimizer=None) -> dict[str, torch.Tensor]:
     """TRAIN_STEPS AdamW steps; returns the gradients of the first."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
+    optimizer = optimizer or adamw(model.parameters())
     first: dict[str, torch.Tensor] = {}
     for step in range(TRAIN_STEPS):
         model(*shard(data[step, :, :-1], data[step, :, 1:])).backward()
@@ -164,15 +170,16 @@ def train(model: torch.nn.Module, data: torch.Tensor, shard) -> dict[str, torch.
     return first
 
 
-def train_dp_cp(ctx: ParallelContext) -> dict[str, float]:
-    """dp=2 × cp=2: each dp rank trains on half the sequences, each cp rank on its shard of them;
-    the single-process reference trains on all of them (here: workers run one thread each)."""
+def train_dp_cp(ctx: ParallelContext, zero: bool) -> dict[str, float]:
+    """dp=2 × cp=2 (with ZeRO-1 over dp×cp if `zero`): each dp rank trains on half the sequences,
+    each cp rank on its shard of them; the single-process reference trains on all of them."""
     cfg = tiny()
     data = batches(cfg)
     per_dp = data.shape[1] // ctx.size("dp")
     mine = data[:, ctx.coord("dp") * per_dp : (ctx.coord("dp") + 1) * per_dp]
     model = DataParallel(apply_context_parallel(build_model(cfg, SEED), ctx), ctx)
-    grads = train(model, mine, lambda x, y: shard_sequence(x, y, ctx))
+    optimizer = ZeroOptimizer(model, ctx, adamw) if zero else None
+    grads = train(model, mine, lambda x, y: shard_sequence(x, y, ctx), optimizer)
     reference = build_model(cfg, SEED)
     ref_grads = train(reference, data, lambda x, y: (x, y))
     expected = dict(reference.named_parameters())
@@ -213,9 +220,10 @@ def test_model_at_cp2_equals_single_process(two: list[dict[str, Any]]) -> None:
                 _assert_small({f"{key} {k}": v for k, v in errors.items()})
 
 
-def test_dp2_cp2_training_equals_single_process(four: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("run", ["trained", "trained zero1"])
+def test_dp2_cp2_training_equals_single_process(four: list[dict[str, Any]], run: str) -> None:
     for rank in four:
-        _assert_small(rank["trained"])
+        _assert_small(rank[run])
 
 
 def test_cp2_tp2_model_equals_single_process(four: list[dict[str, Any]]) -> None:
