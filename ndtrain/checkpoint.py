@@ -11,6 +11,13 @@ is it renamed and `latest` replaced (os.replace), so a crash mid-save never dama
 previous checkpoint. Model and optimizer state go through DCP's `get_state_dict`, keyed by
 parameter name, so a checkpoint can be loaded under another layout. DCP writes each replicated
 tensor once (deduplicated across ranks); cost: Ψ·(4 + 8) bytes for fp32 AdamW on disk.
+
+Sharded runs resume only under the same layout: with a sharded optimizer (ZeRO 1/2, mixed
+precision's fp32 masters) each rank writes its own optimizer state to `optim/rankNNNNN.pt`; with
+a sharded model (ZeRO-3, an object with `sharded_state_dict`/`load_sharded_state_dict`/
+`full_state_dict`) each rank also writes its parameter shards to `model/rankNNNNN.pt`, which is
+what resuming reads; the gathered full model still goes through DCP (written once, by
+deduplication), so `load_model_weights` (generate, eval) reads any checkpoint.
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
     extra: dict[str, Any], ctx: ParallelContext, keep: int, sharded_optimizer: bool = False,
+    sharded_model: Any = None,
 ) -> Path:
     """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep`.
 
@@ -84,9 +92,13 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     ctx.comm.barrier(ctx.group("world"))
-    state = _dcp_state(model, optimizer, sharded_optimizer)
+    state = {"model": sharded_model.full_state_dict()} if sharded_model is not None else _dcp_state(
+        model, optimizer, sharded_optimizer)
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=partial)
+    if sharded_model is not None:
+        (partial / "model").mkdir(exist_ok=True)
+        torch.save(sharded_model.sharded_state_dict(), partial / "model" / f"rank{ctx.rank:05d}.pt")
     if sharded_optimizer:
         (partial / "optim").mkdir(exist_ok=True)
         torch.save(optimizer.state_dict(), partial / "optim" / f"rank{ctx.rank:05d}.pt")
@@ -111,16 +123,21 @@ def save_checkpoint(
 
 def load_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
-    sharded_optimizer: bool = False,
+    sharded_optimizer: bool = False, sharded_model: Any = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the saved progress."""
     state = _dcp_state(model, optimizer, sharded_optimizer)
     shard_file = path / "optim" / f"rank{ctx.rank:05d}.pt"
     try:
         extra = json.loads((path / PROGRESS).read_text())
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path)
+        if sharded_model is not None:
+            sharded_model.load_sharded_state_dict(torch.load(path / "model" / f"rank{ctx.rank:05d}.pt", weights_only=False))
+        else:
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=path)
         shard = torch.load(shard_file, weights_only=False) if sharded_optimizer else None
+    except UserError:
+        raise
     except (Exception, CheckpointException) as e:  # corrupt files and shape mismatches come in many forms
         raise UserError(
             f"cannot load checkpoint {str(path)!r} ({_reason(e)}): it is corrupt or was written "
@@ -129,7 +146,8 @@ def load_checkpoint(
     if shard is None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
-        model.load_state_dict(state["model"])
+        if sharded_model is None:
+            model.load_state_dict(state["model"])
         optimizer.load_state_dict(shard)
     rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
     if rng_file.exists():

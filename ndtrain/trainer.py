@@ -125,16 +125,20 @@ class Trainer:
                 raise UserError(f"--resume: no checkpoint in {str(self.checkpoints)!r}; drop --resume to start a new run")
             return 0
         progress = load_checkpoint(
-            path, self.engine.model, self.engine.optimizer, self.ctx, sharded_optimizer=self.engine.sharded_optimizer
+            path, self.engine.model, self.engine.optimizer, self.ctx, sharded_optimizer=self.engine.sharded_optimizer,
+            sharded_model=self.engine.sharded_model,
         )
         self.engine.scheduler.load_state_dict(progress["scheduler"])
+        self.engine.load_extra_state(progress.get("engine", {}))
         return int(progress["step"])
 
     def save(self, step: int) -> None:
-        progress = {"step": step, "scheduler": self.engine.scheduler.state_dict(), "world_size": self.ctx.world_size}
+        progress = {"step": step, "scheduler": self.engine.scheduler.state_dict(), "world_size": self.ctx.world_size,
+                    "engine": self.engine.extra_state()}
         save_checkpoint(
             self.checkpoints, step, self.engine.model, self.engine.optimizer, progress, self.ctx,
             keep=self.cfg.checkpoint.keep, sharded_optimizer=self.engine.sharded_optimizer,
+            sharded_model=self.engine.sharded_model,
         )
 
     def run(self) -> dict[str, Any]:
@@ -192,6 +196,7 @@ class Trainer:
             "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes_max_rank": int(peak.item()),
             "world_size": ctx.world_size, "parameters": count_parameters(self.engine.model),
             "model_state_bytes_rank0": self.engine.model_state_bytes(),
+            "skipped_steps": self.engine.scaler.skipped_steps if self.engine.scaler else 0,
         }
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -204,6 +209,7 @@ class Trainer:
             "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_s": result.tokens / elapsed, "step_time_s": elapsed,
             "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes": peak,
+            "skipped": result.skipped, "loss_scale": result.loss_scale,
         }
 
     def describe(self, start: int) -> str:
@@ -230,6 +236,7 @@ class Trainer:
             ("comm per step", f"{human_bytes(s['comm_bytes_per_step'])} sent per rank"),
             ("model state, rank 0", ", ".join(f"{k} {human_bytes(v)}" for k, v in s["model_state_bytes_rank0"].items())),
             ("peak memory", f"{human_bytes(s['peak_memory_bytes_max_rank'])} (max over ranks)"),
+            ("skipped steps", f"{s['skipped_steps']} (fp16 inf/NaN gradients)"),
             ("run directory", str(self.run_dir)),
         ]
         return format_table(rows, "ndtrain: summary")

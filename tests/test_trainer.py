@@ -163,3 +163,47 @@ def test_model_state_bytes_follow_the_zero_formulas(tmp_path: Path) -> None:
     assert 0 < sum(r["optimizer"] for r in sharded) - 8 * psi <= step_counters * 2 * 21
     for rank in range(2):
         assert abs(sharded[rank]["optimizer"] - 8 * psi / 2) <= 0.05 * 8 * psi / 2
+
+
+
+SHARDED_RUNS = {"zero2": {"parallel.zero": 2}, "zero3": {"parallel.zero": 3},
+                "zero2-fp16": {"parallel.zero": 2, "parallel.precision": "fp16"}}
+
+
+def _sharded_resume_worker(data: str, root: str) -> dict[str, dict[str, object]]:
+    """Per layout of SHARDED_RUNS: an uninterrupted run and one stopped after 2 steps and resumed, both to step 4."""
+
+    def run(out: str, parallel: dict[str, object], **more: object) -> dict[str, torch.Tensor]:
+        cfg = tiny_config(data, out, **{"parallel.bucket_mb": 0.01, "schedule.micro_batch": 2, "schedule.steps": 4,
+                                        **parallel, **more})
+        trainer = Trainer(cfg, init(cfg.parallel, init_method=init_method()))
+        trainer.run()
+        return trainer.engine.full_state_dict()
+
+    results = {}
+    for name, parallel in SHARDED_RUNS.items():
+        full = run(f"{root}/{name}/full", parallel)
+        run(f"{root}/{name}/split", parallel, **{"checkpoint.exit_after": 2})
+        resumed = run(f"{root}/{name}/split", parallel)
+        step = Path(f"{root}/{name}/split/checkpoints/step_00000004")
+        files = {d: sorted(p.name for p in (step / d).iterdir()) for d in ("optim", "model") if (step / d).is_dir()}
+        metrics = [json.loads(line) for line in Path(f"{root}/{name}/split/metrics.jsonl").read_text().splitlines()]
+        results[name] = {"full": full, "resumed": resumed, "files": files, "metrics": metrics}
+    return results
+
+
+def test_sharded_runs_resume_exactly(tmp_path: Path) -> None:
+    """zero=2, zero=3, zero=2 + fp16: save → resume equals uninterrupted training; each rank wrote its own shards."""
+    data = corpus_file(tmp_path)
+    out = run_distributed(_sharded_resume_worker, 2, data, str(tmp_path))
+    ranks = ["rank00000.pt", "rank00001.pt"]
+    for name, parallel in SHARDED_RUNS.items():
+        for o in out:
+            for key in o[name]["full"]:
+                assert torch.equal(o[name]["full"][key], o[name]["resumed"][key]), (name, key)
+        assert out[0][name]["files"] == ({"optim": ranks, "model": ranks} if parallel["parallel.zero"] == 3
+                                         else {"optim": ranks})
+        steps = [m for m in out[0][name]["metrics"] if "loss" in m]
+        assert [m["step"] for m in steps] == [1, 2, 3, 4]
+        assert all(m["skipped"] is False for m in steps)
+        assert steps[0]["loss_scale"] == (2.0**16 if name.endswith("fp16") else 1.0)
