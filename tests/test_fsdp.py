@@ -151,11 +151,15 @@ def _train(ctx: ParallelContext, kind: str, *, accumulate: int = 1, clip: bool =
     return out
 
 
-def _roundtrip(ctx: ParallelContext, saved: dict[str, Any], wanted: State) -> float:
-    """A fresh wrapper loading this rank's saved shards reproduces the trained model."""
+def _roundtrip(ctx: ParallelContext, saved: dict[str, Any], wanted: State) -> dict[str, Any]:
+    """A fresh wrapper loading this rank's saved shards reproduces the trained model; an evaluation
+    forward (no grad) gives its logits and leaves nothing gathered."""
     model = FullyShardedDataParallel(make("llama"), ctx)
     model.load_sharded_state_dict(saved)
-    return max_relative_error(model.full_state_dict(), wanted)
+    with torch.no_grad():
+        logits = model(batch("llama", 0)[0])
+    return {"error": max_relative_error(model.full_state_dict(), wanted), "logits": logits,
+            "held": model.state_bytes(), "shards": sum(4 * u.size for u in model.units)}
 
 
 def _prefetch_depth(ctx: ParallelContext) -> list[tuple[str, int, list[int]]]:
@@ -282,8 +286,15 @@ def test_bf16_tracks_fp32(world: tuple[int, dict[str, Any]]) -> None:
     assert all(t.dtype == torch.float32 for t in results["llama_bf16"]["state"].values())
 
 
-def test_sharded_state_dict_roundtrip(world: tuple[int, dict[str, Any]]) -> None:
-    assert world[1]["roundtrip"] == 0.0
+def test_sharded_state_dict_roundtrip_and_eval_forward(world: tuple[int, dict[str, Any]]) -> None:
+    got = world[1]["roundtrip"]
+    assert got["error"] == 0.0
+    assert got["held"] == {"parameters": got["shards"], "gradients": got["shards"]}
+    model = make("llama")
+    model.load_state_dict(world[1]["llama"]["state"])
+    with torch.no_grad():
+        expected = model(batch("llama", 0)[0])
+    assert ((got["logits"] - expected).abs().max() / expected.abs().max()).item() <= 1e-5
 
 
 def test_prefetch_keeps_at_most_two_blocks_gathered(world: tuple[int, dict[str, Any]]) -> None:
