@@ -137,7 +137,7 @@ class Engine:
         for i, (x, y) in enumerate(micro_batches):
             local = i < count - 1 and self.stage < 2  # stages 2/3 reduce-scatter every micro-batch
             with self.wrapped.no_sync() if local else contextlib.nullcontext():
-                loss = self.wrapped(x.to(self.ctx.device), y.to(self.ctx.device))
+                loss = self.wrapped(self._input(x), self._input(y))
                 (loss * (scale / count)).backward()
             loss_sum += loss.detach().float()
             tokens += y.numel()
@@ -158,6 +158,11 @@ class Engine:
             loss=totals[0].item() / dp, tokens=int(totals[1].item()), grad_norm=grad_norm, lr=lr,
             comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before, skipped=found_inf, loss_scale=scale,
         )
+
+    def _input(self, t: torch.Tensor) -> torch.Tensor:
+        """On the device; floating-point inputs in the compute dtype (token ids stay integers)."""
+        t = t.to(self.ctx.device)
+        return t.to(self.compute_dtype) if t.is_floating_point() else t
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
         """The gradient tensors the optimizer will read (fp32; shards under ZeRO), to unscale or clip in place."""
@@ -265,7 +270,7 @@ class Engine:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for x, y in batches:
-            loss = self.wrapped(x.to(self.ctx.device), y.to(self.ctx.device))
+            loss = self.wrapped(self._input(x), self._input(y))
             totals[0] += loss.double() * y.numel()
             totals[1] += y.numel()
         self.ctx.comm.all_reduce(totals, self.ctx.group("dp"))
