@@ -1,4 +1,4 @@
-"""Scenario `zero1`: ndtrain's `DataParallel` + `ZeroOptimizer` against PyTorch's DDP + `ZeroRedundancyOptimizer`.
+"""Scenarios `zero1` (below) and `zero2` (`run_zero2`). `zero1`: ndtrain's `DataParallel` + `ZeroOptimizer` against PyTorch's DDP + `ZeroRedundancyOptimizer`.
 
 Both train the same Llama (same preset, seed and initial weights) with AdamW (one parameter group,
 the same LR) on the same random token batches (a different stream per rank, the same for both
@@ -19,7 +19,7 @@ the optimizer-state bytes rank 0 actually holds: `ours_rank0_state_bytes`, `torc
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -29,8 +29,9 @@ from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.ddp import MB, DataParallel, pack
 from ndtrain.parallel.zero import ZeroOptimizer
+from ndtrain.parallel.zero2 import Zero2DataParallel
 
 LR = 3e-4
 
@@ -100,3 +101,80 @@ def _from_rank0(ctx: ParallelContext, value: int) -> int:
     tensor = torch.tensor([float(value)], dtype=torch.float64, device=ctx.device)
     ctx.comm.broadcast(tensor, ctx.group("world"), src=0)
     return int(tensor.item())
+
+
+def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
+    """Scenario `zero2`: our `Zero2DataParallel` + `ZeroOptimizer` against FSDP2 with `reshard_after_forward=False`.
+
+    PyTorch has no separate ZeRO-2 wrapper; the closest equivalent is FSDP2's `fully_shard` per block
+    and on the model with `reshard_after_forward=False`, which its documentation calls ZeRO-2:
+    parameters are gathered once per step (in forward) and kept for backward, gradients are
+    reduce-scattered, optimizer state is sharded. The difference: FSDP2 frees the gathered
+    parameters after backward (4Ψ/N between steps, then gathers them in the next forward) where ours
+    keeps the whole 4Ψ parameters and all-gathers them right after the optimizer step. The
+    communication is the same volume: per step (N−1)/N · 4Ψ' reduce-scattered and all-gathered.
+    Same model, data, seed, LR and loop as `zero1`; ours reduce-scatters in buckets of `bucket_mb`.
+    Expected model state per rank between steps: ours 4Ψ' + 4Ψ'/N + 8Ψ/N, torch's 4Ψ/N + 4Ψ/N + 8Ψ/N
+    (`ours_rank0_state_bytes`, `torch_rank0_state_bytes`, measured after one step).
+    """
+    if ctx.world_size < 2:
+        raise UserError("bench zero2 compares gradient sharding: run it with --nproc >= 2")
+    work = llama_workload(ctx, options)
+    group = ctx.group("dp_cp")
+    n = group.size
+
+    def ours() -> tuple[Step, Callable[[], int]]:
+        model = Zero2DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
+        optimizer = ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(groups, lr=LR))
+
+        def state_bytes() -> int:
+            return (sum(s.flat.numel() * s.flat.element_size() for s in optimizer._shards)
+                    + model.gradient_bytes + optimizer.state_bytes())
+
+        return training_step(model, optimizer, work.tokens), state_bytes
+
+    def torch_fsdp2() -> tuple[Step, Callable[[], int]]:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(group.process_group, device_type=ctx.device.type)
+        model = build_model(work.model, options.seed, ctx.device)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+        def state_bytes() -> int:
+            tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+            local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+            state = [t.to_local() if hasattr(t, "to_local") else t
+                     for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            return sum(t.numel() * t.element_size() for t in local + state)
+
+        return training_step(model, optimizer, work.tokens), state_bytes
+
+    facts: dict[str, Any] = {
+        "preset": options.preset, "parameters": work.parameters, "gradient_bytes": work.gradient_bytes,
+        "tokens_per_rank_step": options.micro_batch * options.seq_len,
+    }
+    contestants = [Contestant("ours", lambda: ours()[0], counted=True),
+                   Contestant("torch", lambda: torch_fsdp2()[0], counted=False)]
+    result = run_contest(ctx, "zero2", contestants, options, reference="torch", facts=facts)
+
+    measured: dict[str, int] = {}
+    for name, build in (("ours", ours), ("torch", torch_fsdp2)):
+        step, state_bytes = build()
+        step(0)
+        measured[f"{name}_rank0_state_bytes"] = _from_rank0(ctx, state_bytes())
+        del step, state_bytes
+    padded = sum(-(-sum(p.numel() for p in run) // n) * n for run in _bucket_params(work, options))
+    volume = (n - 1) * 4 * padded // n
+    result.facts = {**facts, **measured, "padded_parameters": padded,
+                    "reduce_scatter_bytes": volume, "all_gather_bytes": volume, "comm_bytes": 2 * volume}
+    return result
+
+
+def _bucket_params(work: Any, options: BenchOptions) -> list[list[torch.Tensor]]:
+    """Our buckets' parameters (DDP's packing rule), to compute Ψ' without building the contestant."""
+    params = [p for p in build_model(work.model, options.seed, "cpu").parameters() if p.requires_grad][::-1]
+    return [[params[i] for i in run] for run in pack(params, max(1, int(options.bucket_mb * MB)))]
