@@ -292,3 +292,22 @@ def test_factory_that_ignores_its_groups_is_a_clear_error() -> None:
         ZeroOptimizer(model, ctx, lambda groups: groups)  # type: ignore[arg-type, return-value]
     with pytest.raises(UserError, match="DataParallel-wrapped"):
         ZeroOptimizer(model.module, ctx, adamw)  # type: ignore[arg-type]
+
+
+def test_zero2_keeps_only_the_gradient_shard() -> None:
+    """ZeRO-2 frees autograd's gradients at once and holds at most MAX_IN_FLIGHT + 1 staging buckets."""
+    from ndtrain.parallel import zero2
+
+    ctx = init(ParallelConfig())
+    model = zero2.Zero2DataParallel(make_net(NET, SEED), ctx, bucket_mb=PER_PARAM_BUCKET_MB)  # 7 buckets
+    zero = ZeroOptimizer(model, ctx, adamw)
+    live: list[int] = []
+    for p in model.module.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: live.append(sum(b.staging is not None for b in model.buckets)))
+    model(*net_batch(NET, 0)).backward()
+    assert len(model.buckets) == 7 and len(live) == 7
+    assert max(live) <= zero2.MAX_IN_FLIGHT + 1 and max(live) >= 2  # counted after the wrapper's hook
+    assert all(p.grad is None for p in model.module.parameters())
+    assert all(b.staging is None and b.received is None for b in model.buckets)
+    assert model.gradient_bytes == 4 * sum(p.numel() for p in model.module.parameters())  # N = 1: the shard is all
+    zero.step()
