@@ -106,11 +106,11 @@ def max_relative_error(ours: State, ref: State) -> float:
 
 # ------------------------------------------------------------------------------------ workers
 def _train(ctx: ParallelContext, kind: str, *, accumulate: int = 1, clip: bool = True, reshard: bool = True,
-           param_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+           param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     n, rank = ctx.world_size, ctx.rank
     group = ctx.group("dp_cp")
     model = FullyShardedDataParallel(make(kind), ctx, wrap=WRAP[kind], reshard_after_forward=reshard,
-                                     param_dtype=param_dtype)
+                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     opt = torch.optim.AdamW(model.parameter_groups(no_decay_for_vectors), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
     out: dict[str, Any] = {"losses": [], "comm": [], "bytes": [],
                            "units": [(u.name, u.numel, u.padded) for u in model.units]}
@@ -198,6 +198,7 @@ SCENARIOS: list[tuple[str, dict[str, Any]]] = [
     ("mlp_accumulate_noclip", {"kind": "mlp", "accumulate": 2, "clip": False}),
     ("mlp_keep", {"kind": "mlp", "reshard": False, "clip": False}),
     ("llama_bf16", {"kind": "llama", "param_dtype": torch.bfloat16, "clip": False}),
+    ("llama_bf16_reduce", {"kind": "llama", "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16, "clip": False}),
 ]
 
 
@@ -220,24 +221,25 @@ def test_parity_with_single_process_adamw(world: tuple[int, dict[str, Any]], nam
 
 @pytest.mark.parametrize("name", [s for s, _ in SCENARIOS])
 def test_collective_calls_and_bytes_match_the_formula(world: tuple[int, dict[str, Any]], name: str) -> None:
-    """Per step: all-gathers k·(R + U + U·reshard), reduce-scatters R + U, bytes Σ Ψ'ᵤ·itemsize."""
+    """Per step: all-gathers k·(R + U + U·reshard) of Ψ'ᵤ·c bytes, reduce-scatters R + U of Ψ'ᵤ·r bytes."""
     n, results = world
     kw = dict(SCENARIOS)[name]
     got = results[name]
     k, reshard = kw.get("accumulate", 1), kw.get("reshard", True)
     c = 2 if kw.get("param_dtype") == torch.bfloat16 else 4
+    r = 2 if kw.get("reduce_dtype") == torch.bfloat16 else 4
     units = got["units"]
     root = [p for u, _, p in units if u == ""]
     blocks = [p for u, _, p in units if u != ""]
     gather_calls = k * (len(root) + len(blocks) * (2 if reshard else 1))
     gather_bytes = k * c * (sum(root) + sum(blocks) * (2 if reshard else 1))
-    scatter_bytes = 4 * (sum(root) + sum(blocks))
+    scatter_bytes = r * (sum(root) + sum(blocks))
     expected = {
         "all_gather/dp_cp": {"calls": gather_calls, "payload_bytes": gather_bytes,
                              "wire_bytes": sum((n - 1) * c * p // n for p in root) * k
                              + sum((n - 1) * c * p // n for p in blocks) * k * (2 if reshard else 1)},
         "reduce_scatter/dp_cp": {"calls": len(units), "payload_bytes": scatter_bytes,
-                                 "wire_bytes": sum((n - 1) * 4 * p // n for _, _, p in units)},
+                                 "wire_bytes": sum((n - 1) * r * p // n for _, _, p in units)},
         "all_reduce/dp_cp": {"calls": 2 if kw.get("clip", True) else 1, "payload_bytes": 4 + 4 * kw.get("clip", True),
                              "wire_bytes": (2 if kw.get("clip", True) else 1) * (2 * (n - 1) * 4 // n)},
     }
@@ -275,15 +277,16 @@ def test_model_state_memory(world: tuple[int, dict[str, Any]], name: str) -> Non
         assert gathered <= 2 * c * root + 2 * 2 * c * block + 2 * 4 * biggest // n + (2 * 4 * biggest if c == 2 else 0)
 
 
-def test_bf16_tracks_fp32(world: tuple[int, dict[str, Any]]) -> None:
-    """bf16 compute (8-bit mantissa, unit roundoff 2^-8 ≈ 0.4%) from fp32 masters: every step's loss
-    within 1% of the fp32 run, a few roundoffs of a mean over many tokens, while the masters,
-    their gradients and AdamW state stay fp32 (so the update itself loses nothing)."""
+@pytest.mark.parametrize("name", ["llama_bf16", "llama_bf16_reduce"])
+def test_bf16_tracks_fp32(world: tuple[int, dict[str, Any]], name: str) -> None:
+    """bf16 compute (8-bit mantissa, unit roundoff 2^-8 ≈ 0.4%) from fp32 masters, with fp32 or bf16
+    reduce-scatters: every step's loss within 1% of the fp32 run, a few roundoffs of a mean over many
+    tokens, while the masters, their gradients and AdamW state stay fp32 (the update loses nothing)."""
     n, results = world
     fp32 = reference("llama", n, clip=False)[1]
-    assert results["llama_bf16"]["losses"] == pytest.approx(fp32, rel=BF16_LOSS_RTOL)
-    assert results["llama_bf16"]["shard_dtype"] == "torch.float32"
-    assert all(t.dtype == torch.float32 for t in results["llama_bf16"]["state"].values())
+    assert results[name]["losses"] == pytest.approx(fp32, rel=BF16_LOSS_RTOL)
+    assert results[name]["shard_dtype"] == "torch.float32"
+    assert all(t.dtype == torch.float32 for t in results[name]["state"].values())
 
 
 def test_sharded_state_dict_roundtrip_and_eval_forward(world: tuple[int, dict[str, Any]]) -> None:
