@@ -2,12 +2,14 @@
 at p=2 and p=4 with uneven layer counts, tied embeddings, a sequential model, dp=2×pp=2 AdamW
 training, and bad input failing with UserError on every rank instead of hanging.
 
-One spawn per world size runs every scenario; the parent computes the references.
+One spawn per world size (a module fixture) runs every scenario; the parent computes the references.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,6 +31,20 @@ STEPS = 3
 LR = 1e-2
 
 Grads = dict[str, torch.Tensor]
+# (schedule, virtual stages, layers, tied embeddings): layer counts that do not divide evenly
+P2_CASES = [("naive", 1, 5, False), ("gpipe", 1, 5, False), ("1f1b", 1, 5, True), ("interleaved", 2, 5, False),
+            ("zb", 1, 5, True)]
+P4_CASES = [("naive", 1, 6, False), ("gpipe", 1, 6, True), ("1f1b", 1, 6, False), ("interleaved", 2, 9, True),
+            ("zb", 1, 6, False)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """The references are tiny: one thread is fastest, and many shared-core threads are very slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def model_config(layers: int, tied: bool = False) -> ModelConfig:
@@ -62,7 +78,7 @@ def _grads(stages: list[nn.Module]) -> Grads:
 
 # ------------------------------------------------------------------------------------------ workers
 def _schedules_worker(p: int, cases: list[tuple[str, int, int, bool]]) -> dict[str, Any]:
-    ctx = init(ParallelConfig(pp=p), init_method=init_method())
+    ctx = init(ParallelConfig(pp=p), init_method=init_method())  # later init()s reuse the world
     out: dict[str, Any] = {}
     for schedule, v, layers, tied in cases:
         stages = split_model(build_model(model_config(layers, tied), SEED), ctx, virtual=v)
@@ -102,6 +118,12 @@ def _bad_inputs(ctx: Any, p: int) -> list[str]:
             errors.append(str(e))
     run_pipeline(stages, micro_batches(p, 0), ctx, "gpipe")  # the group still works: nothing was half-sent
     return errors
+
+
+def _world4_worker() -> dict[str, Any]:
+    """Every 4-rank scenario in one spawn: pp=4 schedules, dp=2×pp=2, pp=2×tp=2 (± sequence parallel)."""
+    return {"schedules": _schedules_worker(4, P4_CASES), "dp_pp": _dp_pp_worker(),
+            "pp_tp": {sp: _pp_tp_worker(sp) for sp in (False, True)}}
 
 
 def _dp_pp_worker() -> dict[str, torch.Tensor]:
@@ -145,8 +167,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert error <= TOLERANCE, f"{what}: relative error {error:.2e}"
 
 
-def check_schedules(p: int, cases: list[tuple[str, int, int, bool]]) -> None:
-    results = run_distributed(_schedules_worker, p, p, cases)
+def check_schedules(p: int, cases: list[tuple[str, int, int, bool]], results: list[dict[str, Any]]) -> None:
     for schedule, v, layers, tied in cases:
         key = f"{schedule}/v{v}/L{layers}/tied{tied}"
         ref_loss, ref = reference(model_config(layers, tied), micro_batches(2 * p, SEED))
@@ -178,18 +199,26 @@ def check_schedules(p: int, cases: list[tuple[str, int, int, bool]]) -> None:
         assert all("\n" not in e for e in result["errors"])
 
 
-def test_every_schedule_matches_single_process_p2() -> None:
-    check_schedules(2, [("naive", 1, 5, False), ("gpipe", 1, 5, False), ("1f1b", 1, 5, True),
-                        ("interleaved", 2, 5, False), ("zb", 1, 5, True)])
+@pytest.fixture(scope="module")
+def world2() -> list[dict[str, Any]]:
+    return run_distributed(_schedules_worker, 2, 2, P2_CASES)
 
 
-def test_every_schedule_matches_single_process_p4() -> None:
-    check_schedules(4, [("naive", 1, 6, False), ("gpipe", 1, 6, True), ("1f1b", 1, 6, False),
-                        ("interleaved", 2, 9, True), ("zb", 1, 6, False)])
+@pytest.fixture(scope="module")
+def world4() -> list[dict[str, Any]]:
+    return run_distributed(_world4_worker, 4, timeout=300)  # four scenarios in one spawn
 
 
-def test_dp2_pp2_adamw_training_equals_single_process() -> None:
-    results = run_distributed(_dp_pp_worker, 4)
+def test_every_schedule_matches_single_process_p2(world2: list[dict[str, Any]]) -> None:
+    check_schedules(2, P2_CASES, world2)
+
+
+def test_every_schedule_matches_single_process_p4(world4: list[dict[str, Any]]) -> None:
+    check_schedules(4, P4_CASES, [r["schedules"] for r in world4])
+
+
+def test_dp2_pp2_adamw_training_equals_single_process(world4: list[dict[str, Any]]) -> None:
+    results = [r["dp_pp"] for r in world4]
     cfg = model_config(3, tied=True)
     model = build_model(cfg, SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -207,11 +236,11 @@ def test_dp2_pp2_adamw_training_equals_single_process() -> None:
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_pp2_tp2_matches_single_process(sequence_parallel: bool) -> None:
-    results = run_distributed(_pp_tp_worker, 4, sequence_parallel)
+def test_pp2_tp2_matches_single_process(world4: list[dict[str, Any]], sequence_parallel: bool) -> None:
     ref_loss, ref = reference(model_config(3, tied=True), micro_batches(4, SEED))
     seen = set()
-    for rank, (loss, grads) in enumerate(results):
+    for rank, result in enumerate(world4):
+        loss, grads = result["pp_tp"][sequence_parallel]
         assert abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss), f"rank {rank}: loss {loss} vs {ref_loss}"
         for name, (g, shard) in grads.items():
             want = ref[name] if shard is None else ref[name].narrow(shard.dim, shard.start, shard.length)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -18,6 +20,15 @@ from ndtrain.parallel.pipeline.schedules import (
 CASES = [(s, p, m, v) for p in (1, 2, 3, 4, 5) for m in (p, 2 * p, 3 * p + (p > 1)) for s, v in
          [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3)]
          if not (s == "interleaved" and m % p)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """The references are tiny: one thread is fastest, and many shared-core threads are very slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def closed_form(schedule: str, p: int, m: int, v: int) -> float:

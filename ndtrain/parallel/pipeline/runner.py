@@ -7,10 +7,11 @@ What is communicated, and when (all through `ctx.comm.batch_send_recv` on the pp
 - Shapes and dtypes are never configured: the first activation crossing each boundary in a step
   is preceded by a 10-element int64 header (dtype, ndim, sizes); a gradient has the shape of the
   activation it belongs to, which its receiver sent.
-- Ordering: sends are posted asynchronously right after the producing action. A receive is
-  posted when needed, after posting (in the sender's order, which every rank can compute because
-  schedules are pure functions of (p, m, v)) every earlier message from that peer, so messages
-  of one pair of ranks are always matched in order and a valid schedule cannot deadlock.
+- Ordering: sends are posted asynchronously right after the producing action. Receives from a
+  peer are posted in that peer's sending order (every rank can compute it: schedules are pure
+  functions of (p, m, v)): when one is needed, it and every earlier one are posted; once it has
+  arrived, the next one is posted ahead (one buffer per peer) so its transfer overlaps compute.
+  Messages of a pair of ranks are thus always matched in order; a valid schedule cannot deadlock.
 - After the schedule: the tied embedding/head gradient is exchanged between the first and last
   stage (V·d elements each way) and the loss is broadcast from the last stage (one scalar).
 
@@ -19,8 +20,17 @@ accumulated into `.grad` (never zeroed here) are those of the mean loss over mic
 single-process gradient accumulation. A micro-batch's activations are dropped at its backward
 (its weight pass W under zb), so the live count follows the schedule: m for gpipe, ≤ p for 1f1b.
 
+Split backward (zb): I is `autograd.grad` to the stage input only (autograd skips the weight
+products) with the graph kept; W is `autograd.backward(..., inputs=parameters)`, which re-walks
+the activation-gradient path to reach every weight: W costs about a full backward, so zb spends
+roughly one extra activation-gradient pass per micro-batch and stage to shrink the bubble (a
+per-operator split, as ZB's paper does, would avoid it). Stage 0 has no input gradient: its I is
+free. Sent tensors are kept until the end of the step (a c10d send needs its buffer until done).
+
 Data parallel: stages wrapped in `DataParallel` synchronise only in the last gradient-producing
-action of each stage (the others run under `no_sync()`): the usual 2(N−1)/N·G per step, once.
+action of each stage (the others run under `no_sync()`): the usual 2(N−1)/N·G per step, once,
+overlapped with that last backward only. A tied embedding/head weight with data parallel: each
+copy is averaged over dp first, then the two are summed across the pipeline (linear, so exact).
 """
 
 from __future__ import annotations
@@ -105,13 +115,25 @@ class _Step:
 
     def _receive(self, kind: str, mb: int, chunk: int) -> torch.Tensor:
         key = (kind, mb, chunk)
-        if key not in self.received:
-            s = stage_of(self.rank, chunk, self.p)
-            self._post_until(place(s - 1 if kind == "F" else s + 1, self.p)[0], key)
+        s = stage_of(self.rank, chunk, self.p)
+        peer = place(s - 1 if kind == "F" else s + 1, self.p)[0]
+        if peer != self.rank:
+            self._post_until(peer, key)
         buffer, pending = self.received.pop(key)
         if pending is not None:
             pending.wait()
+        if peer != self.rank:
+            self._post_next(peer)
         return buffer
+
+    def _post_next(self, peer: int) -> None:
+        """Post the peer's next message now, so its transfer overlaps this rank's compute (one
+        buffer ahead per peer), when its shape is already known."""
+        queue = self.expected[peer]
+        if queue and queue[0][0] != "H":
+            kind, _, chunk = queue[0]
+            if chunk in (self.in_meta if kind == "F" else self.out_meta):
+                self._post_until(peer, queue[0])
 
     def _send(self, kind: str, mb: int, chunk: int) -> None:
         tensor = self.to_send.pop((kind, mb, chunk))

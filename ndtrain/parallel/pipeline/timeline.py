@@ -100,7 +100,7 @@ def write_chrome_trace(ranks: list[list[Event]], path: Path) -> None:
 
 
 def write_png(ranks: list[list[Event]], path: Path, title: str = "") -> None:
-    """One row per rank, one box per action labelled with its micro-batch (matplotlib, Agg)."""
+    """One row per rank, one box per action labelled micro-batch[.chunk] (matplotlib, Agg); grey: waiting."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,7 +113,8 @@ def write_png(ranks: list[list[Event]], path: Path, title: str = "") -> None:
                 continue
             ax.barh(r, (e.end - e.start) * 1e3, left=e.start * 1e3, color=_COLORS[e.kind], edgecolor="black", linewidth=0.3)
             if e.kind in COMPUTE:
-                ax.text((e.start + e.end) / 2 * 1e3, r, str(e.mb), ha="center", va="center", fontsize=6)
+                label = str(e.mb) if e.chunk == 0 else f"{e.mb}.{e.chunk}"
+                ax.text((e.start + e.end) / 2 * 1e3, r, label, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
