@@ -134,7 +134,7 @@ def _dp_pp_worker() -> dict[str, torch.Tensor]:
     optimizer = torch.optim.AdamW(params, lr=LR)
     for step in range(STEPS):
         batches = micro_batches(8, 100 + step)[dp * 4 : dp * 4 + 4]  # this dp rank's half of the step
-        run_pipeline(stages, batches, ctx, "1f1b")
+        run_pipeline(stages, batches, ctx, ("1f1b", "zb", "gpipe")[step % 3])
         optimizer.step()
         for s in stages:
             s.zero_grad()

@@ -135,3 +135,34 @@ def test_too_few_layers_for_the_stages() -> None:
         split_model(build_model(_tiny(3, False), 0), ctx, virtual=4)
     with pytest.raises(UserError, match="loss_fn"):
         split_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), ctx)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_split_backward_equals_full_backward(last: bool) -> None:
+    """zb's I then W: the input gradient and every weight gradient of one backward, with W
+    restarting only at the weights' own operations (the split is complete for a Llama stage)."""
+    from ndtrain.parallel.pipeline.partition import LlamaStage
+    from ndtrain.parallel.pipeline.split_backward import WeightPasses
+
+    model = build_model(_tiny(3, False), 2)
+    stage = LlamaStage(model, [1, 2], first=False, last=last)
+    params = list(stage.parameters())
+    x0 = torch.randn(2, 8, 32)
+    targets = torch.randint(0, 64, (2, 8))
+    grad = None if last else torch.randn(2, 8, 32)
+    x = x0.clone().requires_grad_()
+    torch.autograd.backward(stage(x, targets), grad)
+    want_x, want = x.grad, [q.grad.clone() for q in params]
+    stage.zero_grad(set_to_none=True)
+
+    x = x0.clone().requires_grad_()
+    out = stage(x, targets)
+    passes = WeightPasses(out, params)
+    (gx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+    passes.input_pass_done()
+    assert passes.complete and len(passes.boundary) >= 7 * 2
+    assert all(q.grad is None for q in params)  # I computed no weight gradient
+    passes.run()
+    assert torch.allclose(gx, want_x, rtol=1e-5, atol=1e-7)
+    for q, w in zip(params, want):
+        assert torch.allclose(q.grad, w, rtol=1e-5, atol=1e-7)

@@ -20,12 +20,10 @@ accumulated into `.grad` (never zeroed here) are those of the mean loss over mic
 single-process gradient accumulation. A micro-batch's activations are dropped at its backward
 (its weight pass W under zb), so the live count follows the schedule: m for gpipe, ≤ p for 1f1b.
 
-Split backward (zb): I is `autograd.grad` to the stage input only (autograd skips the weight
-products) with the graph kept; W is `autograd.backward(..., inputs=parameters)`, which re-walks
-the activation-gradient path to reach every weight: W costs about a full backward, so zb spends
-roughly one extra activation-gradient pass per micro-batch and stage to shrink the bubble (a
-per-operator split, as ZB's paper does, would avoid it). Stage 0 has no input gradient: its I is
-free. Sent tensors are kept until the end of the step (a c10d send needs its buffer until done).
+Split backward (zb): I computes the stage input's gradient only, W the weight gradients from the
+gradients I left at each weight's operation (`split_backward`): together about one full backward.
+Stage 0 has no input gradient: its I is free, its W the whole backward. Sent tensors are kept
+until the end of the step (a c10d send needs its buffer until done).
 
 Data parallel: stages wrapped in `DataParallel` synchronise only in the last gradient-producing
 action of each stage (the others run under `no_sync()`): the usual 2(N−1)/N·G per step, once,
@@ -44,6 +42,7 @@ from torch import nn
 from ndtrain.comm import Pending
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.pipeline.schedules import Action, build, place, stage_of
+from ndtrain.parallel.pipeline.split_backward import WeightPasses
 from ndtrain.parallel.pipeline.timeline import Timeline
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
@@ -78,6 +77,7 @@ class _Step:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_out: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.weight_passes: dict[tuple[int, int], WeightPasses] = {}
         self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         self.sends: list[tuple[Pending, list[torch.Tensor]]] = []
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
@@ -184,17 +184,24 @@ class _Step:
         else:
             grad = None if s == self.last else self._receive("B", mb, chunk)
         x, out = self.inputs[key], self.outputs[key]
+        stage = self.stages[chunk]
+        params = [p for p in stage.parameters() if p.requires_grad]
         if part == "I":
             self.grad_out[key] = grad
             if s > 0:
+                passes = WeightPasses(out, params)
                 (gx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+                passes.input_pass_done()
+                self.weight_passes[key] = passes
                 self._hand_over("B", mb, chunk, gx)
             return
-        stage = self.stages[chunk]
-        sync = self.final[chunk] == index or not hasattr(stage, "no_sync")
-        with contextlib.nullcontext() if sync else stage.no_sync():
-            if part == "W":
-                params = [p for p in stage.parameters() if p.requires_grad]
+        ddp = hasattr(stage, "no_sync")
+        final = self.final[chunk] == index
+        with stage.no_sync() if ddp and not final else contextlib.nullcontext():
+            passes = self.weight_passes.pop(key, None)
+            if part == "W" and passes is not None and passes.complete and not (ddp and final):
+                passes.run()  # DDP's sync needs the final W as one backward: re-walk instead
+            elif part == "W":
                 torch.autograd.backward(out, grad, inputs=params)
             else:
                 torch.autograd.backward(out, grad)
