@@ -15,10 +15,16 @@ Expected communication per step and rank, m micro-batches of b·T·d activations
 each stage boundary carries m activations forward and m gradients back, so a middle rank sends
 2·m·b·T·d·4 bytes (the first and last send half), ×v boundaries per rank when interleaved (plus
 ours: a 10-element header per boundary and the loss broadcast; torch: its own shape metadata).
+
+After the contest each of our schedules runs one recorded step: the facts gain its measured bubble
+fraction (`bubble_<schedule>`) and the most micro-batches whose activations each rank held at once
+(`live_<schedule>`: m for gpipe, p − r for 1f1b), and rank 0 writes its timeline to
+bench-results/pp-n<p>-<schedule>.json (Chrome trace, opens in Perfetto) and .png.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -30,7 +36,7 @@ from ndtrain.config import ModelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.pipeline import run_pipeline, split_model
+from ndtrain.parallel.pipeline import Timeline, bubble_fraction, run_pipeline, split_model, write_chrome_trace, write_png
 
 LR = 3e-4
 MICRO_BATCHES = 8
@@ -130,4 +136,30 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         "bubble_theory_1f1b": round((p - 1) / (MICRO_BATCHES + p - 1), 3),
         "bubble_theory_interleaved": round((p - 1) / (2 * MICRO_BATCHES + p - 1), 3),
     }
-    return run_contest(ctx, "pp", contestants, options, reference="torch_1f1b", facts=facts)
+    result = run_contest(ctx, "pp", contestants, options, reference="torch_1f1b", facts=facts)
+    for schedule, v in OURS:
+        if v == 1 or interleave:
+            result.facts.update(_timeline(ctx, cfg, options, tokens, schedule, v))
+    return result
+
+
+def _timeline(ctx: ParallelContext, cfg: ModelConfig, options: BenchOptions, tokens: torch.Tensor,
+              schedule: str, virtual: int) -> dict[str, object]:
+    """One step after one untimed step, recorded: measured bubble fraction, live micro-batches
+    per rank (gathered with one all-reduce of p numbers), and rank 0 writes the Chrome trace and
+    PNG to bench-results/pp-n{p}-{schedule}.{json,png}."""
+    stages = split_model(build_model(cfg, options.seed, ctx.device), ctx, virtual=virtual)
+    micro = [(x[:, :-1], x[:, 1:]) for x in tokens[0].to(ctx.device).chunk(MICRO_BATCHES)]
+    run_pipeline(stages, micro, ctx, schedule)
+    timeline = Timeline()
+    run_pipeline(stages, micro, ctx, schedule, timeline)
+    ranks = timeline.gather(ctx)
+    group = ctx.group("pp")
+    live = torch.zeros(group.size, dtype=torch.float64)
+    live[group.rank] = timeline.peak_live
+    ctx.comm.all_reduce(live, group)
+    if ctx.is_main:
+        stem = Path("bench-results") / f"pp-n{group.size}-{schedule}"
+        write_chrome_trace(ranks, stem.with_suffix(".json"))
+        write_png(ranks, stem.with_suffix(".png"), title=f"{schedule}, p={group.size}, m={MICRO_BATCHES}")
+    return {f"bubble_{schedule}": round(bubble_fraction(ranks), 3), f"live_{schedule}": [int(n) for n in live]}
