@@ -104,7 +104,7 @@ class _Step:
         while key not in self.received:
             kind, mb, chunk = item = self.expected[peer].popleft()
             if kind == "H":
-                header = torch.empty(_HEADER, dtype=torch.int64)
+                header = torch.empty(_HEADER, dtype=torch.int64, device=self.ctx.device)
                 self.ctx.comm.batch_send_recv([], [(header, peer)], self.group).wait()
                 dtype, ndim = _DTYPES[int(header[0])], int(header[1])
                 self.in_meta[chunk] = (dtype, torch.Size(header[2 : 2 + ndim].tolist()))
@@ -142,9 +142,8 @@ class _Step:
         tensors = [tensor]
         if kind == "F" and chunk not in self.header_sent:
             self.header_sent.add(chunk)
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+            meta = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+            header = torch.tensor(meta + [0] * (_HEADER - len(meta)), dtype=torch.int64, device=tensor.device)
             tensors.insert(0, header)
         pending = self.ctx.comm.batch_send_recv([(t, peer) for t in tensors], [], self.group)
         self.sends.append((pending, tensors))
