@@ -21,7 +21,7 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.ddp import DataParallel
-from ndtrain.parallel.pipeline import is_pipeline_duplicate, run_pipeline, split_model
+from ndtrain.parallel.pipeline import eval_pipeline, is_pipeline_duplicate, run_pipeline, split_model
 from ndtrain.parallel.tp_plan import parallelize
 from tests.distributed import init_method, run_distributed
 
@@ -90,6 +90,10 @@ def _schedules_worker(p: int, cases: list[tuple[str, int, int, bool]]) -> dict[s
         doubled = _grads(stages)
         dup = sorted(n for s in stages for n, q in s.named_parameters() if is_pipeline_duplicate(q))
         out[f"{schedule}/v{v}/L{layers}/tied{tied}"] = (loss.item(), tokens, grads_once, doubled, dup)
+    for v in (1, 2):  # evaluation: m = 3 need not be a multiple of p; nothing accumulates into .grad
+        stages = split_model(build_model(model_config(2 * p + 1, tied=True), SEED), ctx, virtual=v)
+        loss, tokens = eval_pipeline(stages, micro_batches(3, SEED + 1), ctx)
+        out[f"eval/v{v}"] = (loss.item(), tokens, all(q.grad is None for s in stages for q in s.parameters()))
     seq_stages = split_model(sequential_model(), ctx, loss_fn=mse)
     loss, _ = run_pipeline(seq_stages, sequential_batches(2 * p), ctx, "1f1b")
     out["sequential"] = (loss.item(), _grads(seq_stages))
@@ -194,6 +198,13 @@ def check_schedules(p: int, cases: list[tuple[str, int, int, bool]], results: li
     assert set(got) == set(ref_seq)
     for n in ref_seq:
         assert_close(got[n], ref_seq[n], f"sequential {n}")
+    with torch.no_grad():
+        model = build_model(model_config(2 * p + 1, tied=True), SEED)
+        eval_loss = sum(model(x, y).item() for x, y in micro_batches(3, SEED + 1))
+    for result in results:
+        for v in (1, 2):
+            loss, tokens, no_grads = result[f"eval/v{v}"]
+            assert abs(loss - eval_loss) <= TOLERANCE * eval_loss and tokens == 3 * 2 * 16 and no_grads
     for result in results:
         assert "no error" not in result["errors"], result["errors"]
         assert all("\n" not in e for e in result["errors"])

@@ -41,7 +41,7 @@ from torch import nn
 
 from ndtrain.comm import Pending
 from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.pipeline.schedules import Action, build, place, stage_of
+from ndtrain.parallel.pipeline.schedules import Action, build, forward_actions, place, stage_of, with_communication
 from ndtrain.parallel.pipeline.split_backward import WeightPasses
 from ndtrain.parallel.pipeline.timeline import Timeline
 
@@ -57,12 +57,13 @@ class _Step:
     """The state of one `run_pipeline` call on one rank."""
 
     def __init__(self, stages: list[nn.Module], micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 ctx: ParallelContext, schedule: str, timeline: Timeline | None) -> None:
+                 ctx: ParallelContext, plans: list[list[Action]], timeline: Timeline | None,
+                 forward_only: bool = False) -> None:
         self.stages, self.micro_batches, self.ctx, self.timeline = stages, micro_batches, ctx, timeline
         self.group = ctx.group("pp")
         self.p, self.rank, self.v, self.m = self.group.size, self.group.rank, len(stages), len(micro_batches)
         self.last = self.p * self.v - 1
-        plans = build(schedule, self.p, self.m, self.v)
+        self.forward_only = forward_only
         self.plan = plans[self.rank]
         peers = {(self.rank + 1) % self.p, (self.rank - 1) % self.p} - {self.rank}  # wrap-around: interleaved
         self.expected = {q: deque(self._messages_to_me(plans[q], q)) for q in peers}
@@ -169,6 +170,8 @@ class _Step:
         else:
             self.out_meta[chunk] = (out.dtype, out.shape)
             self._hand_over("F", mb, chunk, out.detach())
+        if self.forward_only:
+            return
         self.inputs[(mb, chunk)], self.outputs[(mb, chunk)] = x, out
         self.live += 1
         if self.timeline is not None:
@@ -247,7 +250,9 @@ def run_pipeline(
 
     Returns (Σ over micro-batches of the micro-batch mean loss, on every pp rank; target count).
     Gradients of the mean loss over micro-batches are accumulated into `.grad`."""
-    step = _Step(stages, micro_batches, ctx, schedule, timeline)  # validates (p, m, v) first
+    p = ctx.group("pp").size
+    plans = build(schedule, p, len(micro_batches), len(stages))  # validates (p, m, v) first
+    step = _Step(stages, micro_batches, ctx, plans, timeline)
     tied = _tied_weight(stages) if step.p > 1 else None
     stash = None
     if tied is not None and tied.grad is not None:
@@ -263,6 +268,20 @@ def run_pipeline(
         tied.grad.add_(other)
         if stash is not None:
             tied.grad.add_(stash)
+    loss = step.loss_sum
+    ctx.comm.broadcast(loss, step.group, src=place(step.last, step.p)[0])
+    return loss, sum(int(targets.numel()) for _, targets in micro_batches)
+
+
+@torch.no_grad()
+def eval_pipeline(
+    stages: list[nn.Module], micro_batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: ParallelContext,
+) -> tuple[torch.Tensor, int]:
+    """Forward only (GPipe's forward order, nothing kept for backward): (Σ over micro-batches of the
+    micro-batch mean loss, on every pp rank; target count)."""
+    p, m, v = ctx.group("pp").size, len(micro_batches), len(stages)
+    step = _Step(stages, micro_batches, ctx, with_communication(forward_actions(p, m, v), p, v), None, forward_only=True)
+    step.run()
     loss = step.loss_sum
     ctx.comm.broadcast(loss, step.group, src=place(step.last, step.p)[0])
     return loss, sum(int(targets.numel()) for _, targets in micro_batches)

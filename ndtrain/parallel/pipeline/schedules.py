@@ -61,6 +61,13 @@ def compute_actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[Acti
     return [_RANK_SCHEDULES[schedule](r, p, m, v) for r in range(p)]
 
 
+def forward_actions(p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Evaluation: every forward, chunk by chunk, micro-batches in order (nothing to keep for a backward)."""
+    if m < 1:
+        raise UserError(f"pipeline needs at least one micro-batch, got m={m}")
+    return [[Action("F", i, c) for c in range(v) for i in range(m)] for _ in range(p)]
+
+
 def _naive(r: int, p: int, m: int, v: int) -> list[Action]:
     return [a for i in range(m) for a in (Action("F", i, 0), Action("B", i, 0))]
 
