@@ -1,4 +1,6 @@
-"""The one executor of pipeline schedules: runs this rank's action list for one training step.
+"""The one executor of pipeline schedules: runs this rank's action list for one training step
+(`run_pipeline`), or only the forwards, chunk by chunk, for evaluation (`eval_pipeline`: any m,
+under no_grad, nothing kept).
 
 What is communicated, and when (all through `ctx.comm.batch_send_recv` on the pp group):
 - SEND_F / RECV_F: the activation leaving a stage for the next one, [b, T, d] per micro-batch;
