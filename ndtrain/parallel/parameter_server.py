@@ -30,7 +30,10 @@ Version and staleness: a server's version is its clock, min over workers of the 
 worker pulled before computing it: how many steps ahead of the slowest worker's applied work it
 was. sync: always 0; ssp(s): ≤ s by construction; async: unbounded. Each server records every
 application. LR schedule: the multiplier of schedule step k, with k = the step in sync and
-k = (updates applied) // W in async/ssp, so the schedule spans the same number of samples.
+k = (updates applied) // W in async/ssp, so the schedule spans the same number of samples. In
+async/ssp a push carries 1/W of the global batch and is applied with lr/W, so W pushes move the
+parameters about as far as one sync step (exactly, for SGD without staleness); at the full lr
+per push, AdamW's steps (≈ lr each whatever the batch) would move them W× further per sample.
 
 Straggler: `slow_worker=(rank, F)` makes that worker wait (F−1)× its measured compute time after
 each backward (an experiment knob: the wait is the feature, not synchronisation).
@@ -38,9 +41,9 @@ each backward (an experiment knob: the wait is the feature, not synchronisation)
 Cost per worker step, with Ψ parameter elements (fp32): a worker sends 4Ψ + 4S bytes and
 receives 4Ψ + 4S; server j sends and receives W·(4Ψ_j + 4) per round, so its link carries
 2W·4Ψ/S bytes per step: the servers' bandwidth, not the workers', bounds the step once W > S.
-Memory: workers 4Ψ parameters + 4Ψ gradients + 4Ψ push buffers, no optimizer state; server j
-4Ψ (the model it builds; its shard is the master) + 4Ψ_j gradient buffer (W·4Ψ_j in sync) +
-8Ψ_j AdamW state.
+Memory: workers 4Ψ parameters + 4Ψ gradients + 8Ψ push and pull buffers, no optimizer state; server j
+4Ψ (the model it builds; its shard is the master) + 4Ψ_j gradient + an inbox of 4Ψ_j (async,
+ssp) or W·4Ψ_j (sync) + 8Ψ_j AdamW state.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from ndtrain.parallel.zero import GroupFn, no_decay_for_vectors
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
 
 @dataclass(frozen=True)
 class Roles:
@@ -186,7 +190,7 @@ class ParameterServer:
             torch.sum(torch.stack([b[1:] for b in self.inbox]), dim=0, out=self.grad)
             self.grad.div_(workers)
             self._record(list(range(workers)))
-            self._apply(self._global_sqnorm(), step)
+            self._apply(self._global_sqnorm(), step, 1.0)
             self.pushes = [c + 1 for c in self.pushes]
             if step < self.setup.steps - 1:
                 for w in range(workers):
@@ -199,7 +203,7 @@ class ParameterServer:
             w = self.ctx.comm.recv_any(box, self.world)
             self.grad.copy_(box[1:])
             self._record([w])
-            self._apply(box[0].item(), self.report.updates // setup.roles.workers)
+            self._apply(box[0].item(), self.report.updates // setup.roles.workers, 1.0 / setup.roles.workers)
             self.pushes[w] += 1
             if self.pushes[w] < setup.steps:
                 waiting.append(w)
@@ -226,12 +230,12 @@ class ParameterServer:
         return sum(others[j].item() for j in range(servers))
 
     @torch.no_grad()
-    def _apply(self, sqnorm: float, schedule_step: int) -> None:
+    def _apply(self, sqnorm: float, schedule_step: int, lr_scale: float) -> None:
         if self.grad_clip > 0:
             scale = min(1.0, self.grad_clip / (sqnorm**0.5 + 1e-6))
             if scale < 1.0:
                 self.grad.mul_(scale)
-        multiplier = self.lr_lambda(schedule_step)
+        multiplier = self.lr_lambda(schedule_step) * lr_scale
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * multiplier
         self.optimizer.step()
