@@ -91,7 +91,6 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         overrides["checkpoint.resume"] = True
     overrides.update(parse_override(item) for item in args.set)
     cfg = load_config(args.config, overrides)
-    cfg.parallel.check_implemented()
     return cfg
 
 

@@ -135,25 +135,30 @@ class ParallelConfig:
             )
         if not [p for p in self.fsdp_wrap.split(",") if p.strip()]:
             raise UserError("parallel.fsdp_wrap is empty: give module-name patterns such as 'layers.*'")
+        self._check_combination()
         if self.pp_virtual > 1 and self.pp_schedule != "interleaved":
             raise UserError(
                 f"parallel.pp_virtual={self.pp_virtual} needs parallel.pp_schedule=interleaved "
                 f"(got {self.pp_schedule!r})"
             )
 
-    def check_implemented(self) -> None:
-        """Reject the options whose strategies do not exist yet, before any process is started.
-
-        One entry per missing piece; a strategy deletes its entry when it lands."""
-        missing = {
-            "parallel.tp": self.tp != 1,
-            "parallel.pp": self.pp != 1,
-            "parallel.cp": self.cp != 1,
-            "parallel.recompute": self.recompute != "none",
+    def _check_combination(self) -> None:
+        """Refuse the layouts the engine does not support (no test covers them)."""
+        refused = {
+            "parallel.sequence_parallel=true needs tp > 1": self.sequence_parallel and self.tp == 1,
+            f"parallel.zero={self.zero} with tp/pp > 1 is not supported: use zero=0 or 1 with model parallelism":
+                self.zero >= 2 and self.tp * self.pp > 1,
+            "pipeline with context parallel (pp > 1 and cp > 1) is not supported: use one of them":
+                self.pp > 1 and self.cp > 1,
+            "precision=fp16 with pp > 1 is not supported (the loss scale cannot reach every stage's "
+            "micro-batches): use precision=bf16": self.precision == "fp16" and self.pp > 1,
+            "pp_virtual > 1 needs zero=0 and precision=fp32 (one optimizer over several stage chunks)":
+                self.pp_virtual > 1 and (self.zero > 0 or self.precision != "fp32"),
+            "dp_mode=single-process with tp/pp/cp > 1 is not supported": self.dp_mode != "ddp" and self.tp * self.pp * self.cp > 1,
         }
-        for option, requested in missing.items():
-            if requested:
-                raise UserError(f"{option}: not implemented yet; leave it at its default")
+        for message, bad in refused.items():
+            if bad:
+                raise UserError(message)
 
     def resolve_dp(self, world_size: int) -> int:
         """The dp degree for this world, checking that the axes multiply to it exactly."""

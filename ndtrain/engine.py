@@ -35,20 +35,18 @@ from torch import nn
 
 from ndtrain.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
+from ndtrain.models.llama import count_parameters
+from ndtrain.parallel.compose import ModelParallelState, norm_weight, prepare_model
+from ndtrain.parallel.context import shard_sequence
 from ndtrain.parallel.ddp import DataParallel
 from ndtrain.parallel.fsdp import FullyShardedDataParallel
+from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
 from ndtrain.parallel.precision import DTYPES, LossScaler
 from ndtrain.parallel.replicate import SingleProcessDataParallel
 from ndtrain.parallel.zero import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
 from ndtrain.parallel.zero2 import Zero2DataParallel
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
-MpSharded = Callable[[str, nn.Parameter], bool]
-
-
-def replicated_over_mp(name: str, param: nn.Parameter) -> bool:
-    """Default `mp_sharded` predicate: False (every parameter is whole on every model-parallel rank)."""
-    return False
 
 
 @dataclass
@@ -74,23 +72,26 @@ class Engine:
         group_fn: GroupFn = no_decay_for_vectors,
         scheduler_fn: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
         grad_clip: float = 0.0,
-        mp_sharded: MpSharded = replicated_over_mp,
         loss_scaler: LossScaler | None = None,
     ) -> None:
         """`optimizer_fn(groups)` builds the optimizer from parameter groups (`group_fn(name, param)`
         gives each parameter's group options); under ZeRO the groups hold this rank's shards.
-        `mp_sharded(name, param)` says which parameters are split over the model-parallel group
-        (their squares are summed over "mp" for the norm; the others are counted once).
-        `loss_scaler` overrides fp16's default `LossScaler(ctx)`."""
+        `model_fn()` builds the whole model; with tp/cp/pp/recompute it is transformed in place
+        and cut to this rank's part (compose.py). `loss_scaler` overrides fp16's `LossScaler(ctx)`."""
         cfg = ctx.config
-        cfg.check_implemented()
         self.ctx = ctx
         self.stage = cfg.zero
         self.grad_clip = grad_clip
-        self.mp_sharded = mp_sharded
         self.compute_dtype = DTYPES[cfg.precision]
         comm_dtype = DTYPES[cfg.comm_dtype]
-        self.model = model_fn().to(ctx.device)
+        full = model_fn().to(ctx.device)
+        self.parameter_count = count_parameters(full)
+        full_shapes = {name: p.shape for name, p in full.named_parameters(remove_duplicate=False)}
+        self.model = prepare_model(full, ctx)
+        self.model_parallel = ctx.group("mp").size > 1
+        self.mp_state = ModelParallelState(self.model, ctx, full_shapes) if self.model_parallel else None
+        self.pipeline = cfg.pp > 1
+        self.timeline: Timeline | None = None  # set one to record the next steps' pipeline actions
         self.fsdp: FullyShardedDataParallel | None = None
         if self.stage == 3:
             self.fsdp = FullyShardedDataParallel(
@@ -106,6 +107,10 @@ class Engine:
                 self.model.to(self.compute_dtype)
             if self.stage == 2:
                 self.wrapped = Zero2DataParallel(self.model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype)
+            elif isinstance(self.model, nn.ModuleList):  # interleaved pipeline: one DDP per stage chunk
+                self.wrapped = nn.ModuleList(
+                    DataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in self.model
+                )
             else:
                 module = self.model  # dp_mode=single-process: replicas on threads inside this process
                 if cfg.dp_mode == "single-process":
@@ -128,19 +133,18 @@ class Engine:
         """One optimizer step over this rank's micro-batches (equal sizes, full-length samples)."""
         comm_before = self.ctx.comm.stats.total_wire_bytes()
         self.model.train()
-        (self.optimizer if isinstance(self.optimizer, ZeroOptimizer) else self.wrapped).zero_grad()
+        self._zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]
         scale = self.scaler.scale if self.scaler else 1.0
         count = len(micro_batches)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        tokens = 0
-        for i, (x, y) in enumerate(micro_batches):
-            local = i < count - 1 and self.stage < 2  # stages 2/3 reduce-scatter every micro-batch
-            with self.wrapped.no_sync() if local else contextlib.nullcontext():
-                loss = self.wrapped(self._input(x), self._input(y))
-                (loss * (scale / count)).backward()
-            loss_sum += loss.detach().float()
-            tokens += y.numel()
+        if self.pipeline:
+            batches = [(self._input(x), self._input(y)) for x, y in micro_batches]
+            loss_sum, tokens = run_pipeline(
+                list(self.wrapped) if isinstance(self.wrapped, nn.ModuleList) else [self.wrapped],
+                batches, self.ctx, self.ctx.config.pp_schedule, self.timeline,
+            )
+        else:
+            loss_sum, tokens = self._forward_backward(micro_batches, scale)
         found_inf = self.scaler.unscale_and_check(self._optimizer_grads()) if self.scaler else False
         grad_norm = self.clip_gradients()
         if found_inf:
@@ -159,6 +163,35 @@ class Engine:
             comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before, skipped=found_inf, loss_scale=scale,
         )
 
+    def _forward_backward(self, micro_batches: Sequence[Batch], scale: float) -> tuple[torch.Tensor, int]:
+        """Σ of the micro-batch mean losses and the token count; gradients of their mean (× scale)."""
+        count = len(micro_batches)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        tokens = 0
+        for i, (x, y) in enumerate(micro_batches):
+            local = i < count - 1 and self.stage < 2  # stages 2/3 reduce-scatter every micro-batch
+            with self.wrapped.no_sync() if local else contextlib.nullcontext():
+                loss = self.wrapped(*self._model_inputs(x, y))
+                (loss * (scale / count)).backward()
+            loss_sum += loss.detach().float()
+            tokens += y.numel()
+        return loss_sum, tokens
+
+    def _model_inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(tokens, targets) on the device; under context parallelism this rank's sequence shard
+        and its global positions (the cp ranks' token counts add up to the batch's)."""
+        x, y = self._input(x), self._input(y)
+        return shard_sequence(x, y, self.ctx) if self.ctx.config.cp > 1 else (x, y)
+
+    def _zero_grad(self) -> None:
+        if isinstance(self.optimizer, ZeroOptimizer):
+            self.optimizer.zero_grad()
+        elif isinstance(self.wrapped, nn.ModuleList):
+            for chunk in self.wrapped:
+                chunk.zero_grad()
+        else:
+            self.wrapped.zero_grad()
+
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         """On the device; floating-point inputs in the compute dtype (token ids stay integers)."""
         t = t.to(self.ctx.device)
@@ -173,11 +206,19 @@ class Engine:
     def _grad_squares(self) -> torch.Tensor:
         """Σ g² of the whole model's gradient, identical on every rank.
 
-        Sharded over dp_cp (stages 1–3, each rank's shard, padding excluded): summed over dp_cp.
-        Replicated (stage 0): local; a parameter that `mp_sharded` names is summed over "mp",
-        the others are divided by the mp size before that sum so they count once.
-        TP/PP with ZeRO: extend the sharded branch with the same per-parameter split."""
+        Model parallel (tp/pp, stages 0–1, gradients reduced over dp): each rank's Σg² weighted by
+        `compose.norm_weight` (tp shards once, tp-replicated parameters 1/tp each, a pipeline-tied
+        copy not at all) and summed over "mp". Otherwise sharded over dp_cp (stages 1–3, each
+        rank's shard, padding excluded): summed over dp_cp; replicated (stage 0): local."""
         device = self.ctx.device
+        if self.model_parallel:  # zero 0/1 only (config validation): every rank holds whole, reduced gradients
+            tp = self.ctx.group("tp").size
+            squares = torch.zeros((), device=device)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    squares += norm_weight(p, tp) * p.grad.detach().float().pow(2).sum()
+            self.ctx.comm.all_reduce(squares, self.ctx.group("mp"))
+            return squares
         if self.fsdp is not None:
             squares = self.fsdp.local_grad_squares().float()
             self.ctx.comm.all_reduce(squares, self.ctx.group("dp_cp"))
@@ -190,17 +231,8 @@ class Engine:
         if isinstance(self.optimizer, ZeroOptimizer):  # stage 0 with fp32 masters: one unsharded "shard"
             grads = self.optimizer.prepare_grads()
             return torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
-        mp = self.ctx.group("mp")
-        split, whole = torch.zeros((), device=device), torch.zeros((), device=device)
-        for name, p in self.model.named_parameters():
-            if p.grad is not None:
-                if self.mp_sharded(name, p):
-                    split += p.grad.detach().float().pow(2).sum()
-                else:
-                    whole += p.grad.detach().float().pow(2).sum()
-        squares = split + whole / mp.size
-        self.ctx.comm.all_reduce(squares, mp)
-        return squares
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
 
     def clip_gradients(self) -> float:
         """Global L2 norm of the gradient the optimizer will use; clip it if `grad_clip` > 0.
@@ -231,8 +263,10 @@ class Engine:
         if isinstance(self.wrapped, Zero2DataParallel):
             gradients = self.wrapped.gradient_bytes
         else:
+            chunks = list(self.wrapped) if isinstance(self.wrapped, nn.ModuleList) else [self.wrapped]
             gradients = sum(
-                tensor_bytes(b.flat) + (tensor_bytes(b.comm) if b.comm is not b.flat else 0) for b in self.wrapped.buckets
+                tensor_bytes(b.flat) + (tensor_bytes(b.comm) if b.comm is not b.flat else 0)
+                for chunk in chunks for b in chunk.buckets
             )
         return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer}
 
@@ -242,13 +276,14 @@ class Engine:
 
     @property
     def sharded_optimizer(self) -> bool:
-        """True when each rank checkpoints its own optimizer state (ZeRO shards, fp32 masters)."""
-        return isinstance(self.optimizer, ZeroOptimizer) or self.fsdp is not None
+        """True when each rank checkpoints its own optimizer state (ZeRO shards, fp32 masters, tp/pp parts)."""
+        return isinstance(self.optimizer, ZeroOptimizer) or self.fsdp is not None or self.model_parallel
 
     @property
-    def sharded_model(self) -> FullyShardedDataParallel | None:
-        """The FSDP wrapper whose `sharded_state_dict` each rank checkpoints (zero=3), else None."""
-        return self.fsdp
+    def sharded_model(self) -> FullyShardedDataParallel | ModelParallelState | None:
+        """What each rank checkpoints as its own part of the model (zero=3: FSDP shards; tp/pp: its
+        slices and stages), else None (the model is whole on every rank)."""
+        return self.fsdp if self.fsdp is not None else self.mp_state
 
     def extra_state(self) -> dict[str, Any]:
         """Engine state outside model and optimizer (the fp16 loss scaler), JSON-serialisable."""
@@ -259,9 +294,10 @@ class Engine:
             self.scaler.load_state_dict(state["loss_scaler"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights (gathered under zero=3; collective then), for eval/generate/export."""
-        if self.fsdp is not None:
-            return self.fsdp.full_state_dict()
+        """The model's weights with their original names and shapes (collective under zero=3 and tp:
+        gathered); under pp only this rank's stages' parameters."""
+        if self.sharded_model is not None:
+            return self.sharded_model.full_state_dict()
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     @torch.no_grad()
@@ -270,9 +306,14 @@ class Engine:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for x, y in batches:
-            loss = self.wrapped(self._input(x), self._input(y))
-            totals[0] += loss.double() * y.numel()
-            totals[1] += y.numel()
-        self.ctx.comm.all_reduce(totals, self.ctx.group("dp"))
+            if self.pipeline:
+                stages = list(self.wrapped) if isinstance(self.wrapped, nn.ModuleList) else [self.wrapped]
+                loss, count = eval_pipeline(stages, [(self._input(x), self._input(y))], self.ctx)
+            else:
+                inputs = self._model_inputs(x, y)
+                loss, count = self.wrapped(*inputs), inputs[1].numel()
+            totals[0] += loss.double() * count
+            totals[1] += count
+        self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))
         tokens = int(totals[1].item())
         return (totals[0].item() / tokens if tokens else float("nan")), tokens

@@ -194,7 +194,7 @@ class Trainer:
             "steps": stop, "resumed_from": start, "final_loss": result.loss, "val_loss": last_val,
             "tokens": tokens_seen, "seconds": wall, "tokens_per_s": tokens_seen / wall,
             "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes_max_rank": int(peak.item()),
-            "world_size": ctx.world_size, "parameters": count_parameters(self.engine.model),
+            "world_size": ctx.world_size, "parameters": self.engine.parameter_count,
             "model_state_bytes_rank0": self.engine.model_state_bytes(),
             "skipped_steps": self.engine.scaler.skipped_steps if self.engine.scaler else 0,
         }
@@ -217,7 +217,7 @@ class Trainer:
         layout = " × ".join(f"{a}={ctx.size(a)}" for a in ("dp", "cp", "pp", "tp"))
         action = f"resuming at step {start}" if start else "starting"
         return (
-            f"ndtrain: {action}: model {cfg.model.preset} ({count_parameters(self.engine.model) / 1e6:.2f} M params), "
+            f"ndtrain: {action}: model {cfg.model.preset} ({self.engine.parameter_count / 1e6:.2f} M params), "
             f"{layout} on {ctx.world_size} {ctx.device.type} process(es), backend {ctx.backend}, "
             f"{torch.get_num_threads()} thread(s)/process\n"
             f"ndtrain: data {self.corpus_description}: {len(self.train_set)} train / {len(self.val_set)} val windows "

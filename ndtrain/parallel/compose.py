@@ -1,0 +1,112 @@
+"""Composing the model-parallel strategies on one model, in the one order that works.
+
+The engine builds the whole seeded model, then this module transforms it in place:
+tensor parallel (`tp_plan.parallelize`: slices the weights over tp), activation recomputation
+(`recompute.apply_recompute`), context parallel (`context.apply_context_parallel`: ring
+attention over cp), and finally the pipeline cut (`pipeline.split_model`: this rank's stages).
+Nothing here communicates while building; the strategies' own docstrings give their costs.
+
+Also here, because they need to know every axis at once (the unsupported combinations are
+refused earlier, by `ParallelConfig.validate`):
+- `norm_weight`: how much a parameter's Σg² counts in the global gradient norm summed over the
+  model-parallel group (pp × tp): 1 for a tp shard, 1/tp for a parameter replicated over tp
+  (each tp rank holds the same gradient), 0 for the head's copy of a pipeline-tied embedding;
+- `ModelParallelState`: what the checkpoint writes for a tp/pp run: each rank's own parameters
+  (same-layout resume), and the full model with the original parameter names (tp shards gathered
+  over tp, each pipeline stage contributing its own parameters), which any layout and
+  `ndtrain generate` can read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ndtrain.errors import UserError
+from ndtrain.mesh import ParallelContext
+from ndtrain.parallel.context import apply_context_parallel
+from ndtrain.parallel.pipeline import is_pipeline_duplicate, split_model
+from ndtrain.parallel.recompute import apply_recompute
+from ndtrain.parallel.tensor import GatherLastDim
+from ndtrain.parallel.tp_plan import is_tensor_parallel, parallelize
+
+
+def prepare_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
+    """`model` split over tp, recomputed, with ring attention over cp, cut to this rank's pipeline
+    stage (one module, or a ModuleList of v chunks for interleaved schedules)."""
+    cfg = ctx.config
+    if cfg.tp > 1:
+        parallelize(model, ctx, sequence_parallel=cfg.sequence_parallel)
+    apply_recompute(model, cfg.recompute)
+    if cfg.cp > 1:
+        apply_context_parallel(model, ctx)
+    if cfg.pp == 1:
+        return model
+    stages = split_model(model, ctx, virtual=cfg.pp_virtual, balance=cfg.pp_balance, sample=_sample(model, ctx))
+    return stages[0] if len(stages) == 1 else nn.ModuleList(stages)
+
+
+def _sample(model: nn.Module, ctx: ParallelContext) -> torch.Tensor | None:
+    """A batch of one sequence for `pp_balance=measured` (timing each piece), seeded like the model."""
+    if ctx.config.pp_balance != "measured":
+        return None
+    cfg = model.cfg  # type: ignore[attr-defined]
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(cfg.vocab_size, (1, cfg.seq_len), generator=generator).to(ctx.device)
+
+
+def norm_weight(param: torch.Tensor, tp: int) -> float:
+    """The share of this rank's Σg² of `param` in the norm summed over the pp × tp group."""
+    if is_pipeline_duplicate(param):
+        return 0.0
+    return 1.0 if is_tensor_parallel(param) else 1.0 / tp
+
+
+class ModelParallelState:
+    """Checkpoint state of a tp/pp model (the interface `checkpoint.py` uses for sharded models)."""
+
+    def __init__(self, module: nn.Module, ctx: ParallelContext, full_shapes: dict[str, torch.Size]) -> None:
+        """`full_shapes`: the unsharded model's parameter shapes by name (taken before `prepare_model`)."""
+        self.module = module
+        self.ctx = ctx
+        self.full_shapes = full_shapes
+        cfg = ctx.config
+        self.layout = {"tp": cfg.tp, "pp": cfg.pp, "pp_virtual": cfg.pp_virtual, "tp_rank": ctx.coord("tp"),
+                       "pp_rank": ctx.coord("pp")}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout, "state": {k: v.detach().clone() for k, v in self.module.state_dict().items()}}
+
+    def load_sharded_state_dict(self, saved: dict[str, Any]) -> None:
+        if saved.get("layout") != self.layout:
+            raise UserError(
+                f"this checkpoint was written by layout {saved.get('layout')}, not {self.layout}: "
+                "resume with the same tp/pp layout"
+            )
+        self.module.load_state_dict(saved["state"])
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Original names and full shapes (collective over tp): each stage's own parameters."""
+        out: dict[str, torch.Tensor] = {}
+        tp = self.ctx.group("tp")
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            name = _original_name(name, self.ctx.config.pp_virtual)
+            if name in out:
+                continue
+            if is_tensor_parallel(param):
+                shard = param.tp_shard  # type: ignore[attr-defined]
+                moved = param.detach().movedim(shard.dim, -1).contiguous()
+                full = GatherLastDim.apply(moved, self.ctx.comm, tp).movedim(-1, shard.dim)
+                out[name] = full.narrow(shard.dim, 0, self.full_shapes[name][shard.dim]).clone()
+            else:
+                out[name] = param.detach().clone()
+        return out
+
+
+def _original_name(name: str, virtual: int) -> str:
+    """Strip the chunk index a ModuleList of interleaved stages puts in front of each name."""
+    return name.split(".", 1)[1] if virtual > 1 else name
+

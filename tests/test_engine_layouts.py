@@ -1,0 +1,123 @@
+"""Engine on 4 ranks under composed layouts (tp, sp, pp schedules, cp, recompute, ZeRO-1): training
+equals single-process AdamW with clipping; the gathered checkpoint state has the original names
+and shapes; evaluation equals the single-process loss.
+
+One spawn runs every layout on the same 4 processes (the groups of each layout are built in turn
+on the one world); the parent trains the single-process reference on the whole global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ndtrain.config import ModelConfig, ParallelConfig
+from ndtrain.engine import Engine
+from ndtrain.errors import UserError
+from ndtrain.mesh import init
+from ndtrain.models.llama import build_model
+from ndtrain.parallel.zero import no_decay_for_vectors
+from tests.distributed import init_method, run_distributed
+
+STEPS = 3
+GLOBAL_BATCH = 8
+SEQ = 16
+LR = 1e-3
+EPS = 1e-6  # see test_fsdp: with 1e-8 Adam turns 1e-7 summation-order noise on near-zero gradients into 1e-5 steps
+MAX_NORM = 0.3  # below the model's gradient norms: clipping is exercised
+MODEL = ModelConfig(preset="tiny", dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=SEQ)
+
+# (name, layout, micro-batches per rank per step)
+LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
+    ("dp2-tp2-sp-zero1", dict(dp=2, tp=2, sequence_parallel=True, zero=1), 2),
+    ("dp2-pp2-1f1b", dict(dp=2, pp=2, pp_schedule="1f1b"), 2),
+    ("dp2-cp2-selective", dict(dp=2, cp=2, recompute="selective"), 1),
+    ("tp2-pp2-interleaved", dict(dp=1, tp=2, pp=2, pp_schedule="interleaved", pp_virtual=2), 4),
+    ("pp4-zb-full", dict(dp=1, pp=4, pp_schedule="zb", recompute="full"), 4),
+]
+
+State = dict[str, torch.Tensor]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def adamw(groups: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=LR, eps=EPS, weight_decay=0.1)
+
+
+def reference() -> tuple[State, list[float], float]:
+    torch.set_num_threads(1)  # the workers share the cores
+    model = build_model(MODEL, seed=0)
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2]},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    opt = adamw(groups)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        x, y = batch(STEPS)
+        val = model(x, y).item()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, val
+
+
+def train_layouts() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, layout, accumulation in LAYOUTS:
+        ctx = init(ParallelConfig(**layout), init_method=init_method())
+        engine = Engine(lambda: build_model(MODEL, seed=0), adamw, ctx, group_fn=no_decay_for_vectors, grad_clip=MAX_NORM)
+        dp, rank = ctx.size("dp"), ctx.coord("dp")
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step)
+            x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
+            losses.append(engine.train_step(list(zip(x.chunk(accumulation), y.chunk(accumulation)))).loss)
+        x, y = batch(STEPS)
+        val, tokens = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
+        state = engine.full_state_dict()
+        out[name] = {"losses": losses, "val": val, "tokens": tokens, "state": state}
+    return out
+
+
+def test_composed_layouts_train_like_one_process() -> None:
+    ref_state, ref_losses, ref_val = reference()
+    results = run_distributed(train_layouts, 4, timeout=300)
+    for name, _, _ in LAYOUTS:
+        merged: State = {}
+        for rank_result in results:
+            run = rank_result[name]
+            assert run["losses"] == pytest.approx(ref_losses, rel=1e-5), name
+            assert run["val"] == pytest.approx(ref_val, rel=1e-5), name
+            assert run["tokens"] == GLOBAL_BATCH * SEQ, name
+            for key, value in run["state"].items():
+                assert value.shape == ref_state[key].shape, (name, key)
+                merged[key] = value
+        assert merged.keys() == ref_state.keys(), name  # the stages together hold the whole model
+        errors = {k: ((merged[k] - ref_state[k]).abs().max() / ref_state[k].abs().max()).item() for k in ref_state}
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= 1e-5, (name, worst, errors[worst])
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (dict(tp=1, sequence_parallel=True), "sequence_parallel=true needs tp > 1"),
+        (dict(tp=2, zero=2), "parallel.zero=2 with tp/pp > 1 is not supported"),
+        (dict(pp=2, cp=2), "pipeline with context parallel"),
+        (dict(pp=2, precision="fp16"), "precision=fp16 with pp > 1 is not supported"),
+        (dict(pp=2, pp_schedule="interleaved", pp_virtual=2, zero=1), "pp_virtual > 1 needs zero=0"),
+    ],
+)
+def test_unsupported_combinations_are_refused(layout: dict[str, Any], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        ParallelConfig(**layout).validate()
