@@ -1,4 +1,4 @@
-"""Engine on 4 ranks under composed layouts (tp, sp, pp schedules, cp, recompute, ZeRO-1): training
+"""Engine on 4 ranks under composed layouts (tp, sp, pp schedules, cp, recompute, ZeRO 1/2/3): training
 equals single-process AdamW with clipping; the gathered checkpoint state has the original names
 and shapes; evaluation equals the single-process loss.
 
@@ -34,6 +34,8 @@ LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
     ("dp2-tp2-sp-zero1", dict(dp=2, tp=2, sequence_parallel=True, zero=1), 2),
     ("dp2-pp2-1f1b", dict(dp=2, pp=2, pp_schedule="1f1b"), 2),
     ("dp2-cp2-selective", dict(dp=2, cp=2, recompute="selective"), 1),
+    ("dp2-cp2-zero2", dict(dp=2, cp=2, zero=2), 2),
+    ("dp2-cp2-zero3", dict(dp=2, cp=2, zero=3), 1),
     ("tp2-pp2-interleaved", dict(dp=1, tp=2, pp=2, pp_schedule="interleaved", pp_virtual=2), 4),
     ("pp4-zb-full", dict(dp=1, pp=4, pp_schedule="zb", recompute="full"), 4),
 ]
