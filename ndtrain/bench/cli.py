@@ -33,11 +33,17 @@ class Scenario:
     layout: Callable[[int], ParallelConfig] = lambda world_size: ParallelConfig()
 
 
-SCENARIOS: dict[str, Scenario] = {"ddp": Scenario(ddp.run), "zero1": Scenario(zero.run), "zero2": Scenario(zero.run_zero2), "zero3": Scenario(fsdp.run),
-                                 "tp": Scenario(tp.run, lambda world_size: ParallelConfig(tp=world_size)),
-                                 "ps": Scenario(ps.run), "dp-vs-ddp": Scenario(dp_vs_ddp.run),
-                                 "cp": Scenario(cp.run, lambda world_size: ParallelConfig(cp=world_size)),
-                                 "pp": Scenario(pp.run, lambda world_size: ParallelConfig(pp=world_size))}
+SCENARIOS: dict[str, Scenario] = {
+    "ddp": Scenario(ddp.run),
+    "zero1": Scenario(zero.run),
+    "zero2": Scenario(zero.run_zero2),
+    "zero3": Scenario(fsdp.run),
+    "tp": Scenario(tp.run, lambda world_size: ParallelConfig(tp=world_size)),
+    "pp": Scenario(pp.run, lambda world_size: ParallelConfig(pp=world_size)),
+    "cp": Scenario(cp.run, lambda world_size: ParallelConfig(cp=world_size)),
+    "ps": Scenario(ps.run),
+    "dp-vs-ddp": Scenario(dp_vs_ddp.run),
+}
 DEFAULTS = BenchOptions()
 
 
