@@ -17,6 +17,7 @@ from ndtrain.bench import ddp, fsdp, tp, zero
 from ndtrain.bench import dp_vs_ddp, ps
 from ndtrain.bench import cp
 from ndtrain.bench import pp
+from ndtrain.bench import layouts
 from ndtrain.bench.harness import BenchOptions, ContestResult
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
@@ -43,6 +44,7 @@ SCENARIOS: dict[str, Scenario] = {
     "cp": Scenario(cp.run, lambda world_size: ParallelConfig(cp=world_size)),
     "ps": Scenario(ps.run),
     "dp-vs-ddp": Scenario(dp_vs_ddp.run),
+    "layouts": Scenario(layouts.run),
 }
 DEFAULTS = BenchOptions()
 

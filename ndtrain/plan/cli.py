@@ -7,6 +7,8 @@
     ndtrain plan --calibrate [--out PATH]        measure this machine into a CPU profile
     ndtrain plan --profile PATH --gpus 4 ...     plan local CPU processes with that profile
     ndtrain plan --published                     the cluster-scale check against published runs
+    ndtrain plan --validate bench-results/layouts-n4.json --profile plan-profile.json
+                                                 predicted vs measured step times of `bench layouts`
 
 Public API: `add_arguments(parser)` declares the flags, `main(args) -> int` runs them (0 done,
 1 nothing fits, 2 a user mistake, printed as one line `ndtrain: error: ...`).
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ndtrain.errors import UserError
-from ndtrain.plan import arch, calibrate, report
+from ndtrain.plan import arch, calibrate, report, validate
 from ndtrain.plan.hardware import Cluster, gpu, load_profile
 from ndtrain.plan.search import Fixed, search
 
@@ -55,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--explain", action="store_true", help="why rejected layouts fail: counts and examples")
     out.add_argument("--published", action="store_true", help="compare with published large-scale runs")
     out.add_argument("--calibrate", action="store_true", help="measure this machine into a CPU profile")
+    out.add_argument("--validate", type=Path, metavar="RESULT",
+                     help="compare with a `bench layouts` JSON result (needs --profile)")
     out.add_argument("--out", type=Path, default=DEFAULT_PROFILE, help=f"profile path (default {DEFAULT_PROFILE})")
 
 
@@ -75,6 +79,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.published:
         print(report.published_table())
         return 0
+    if args.validate is not None:
+        return _validate(args.validate, args.profile)
     model = _model(args)
     cluster = _cluster(args)
     if args.global_batch is None:
@@ -94,6 +100,15 @@ def _run(args: argparse.Namespace) -> int:
         print("ndtrain: no layout fits in memory: the smallest are shown; add GPUs, recompute or ZeRO",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def _validate(result: Path, profile: Path | None) -> int:
+    if profile is None:
+        raise UserError("--validate needs --profile PATH: write one with `ndtrain plan --calibrate`")
+    bench = validate.load_bench(result)
+    cluster = Cluster(load_profile(profile, bench.world), bench.world, bench.world)
+    print(validate.table(bench, validate.predictions(bench, cluster)))
     return 0
 
 

@@ -5,19 +5,32 @@ Given measured step times per layout (from bench results, once the tp/pp/zero st
     Spearman's ρ   Pearson correlation of the ranks (ties get their average rank; Spearman 1904)
     median |predicted − measured| / measured
 The issue's acceptance: ρ ≥ 0.8 and median relative error ≤ 25 % over ≥ 8 layouts.
+
+`ndtrain plan --validate bench-results/layouts-n4.json --profile plan-profile.json` reads the
+result of `ndtrain bench layouts` (`load_bench`: each layout's `ParallelConfig` fields and median
+step time, the preset, sequence length, global batch and micro-batch size), maps every layout
+onto a planner `Layout` (`layout_of`) of the preset's `ModelSpec`, predicts it with the profile
+for that many processes, and prints one row per layout and the agreement (`table`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
+from ndtrain.errors import UserError
+from ndtrain.plan import arch
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.hardware import Cluster
-from ndtrain.plan.layout import Layout
+from ndtrain.plan.layout import Layout, problem
 from ndtrain.plan.timing import step_time
+
+
+MIN_LAYOUTS = 8  # the issue's acceptance is over at least this many layouts
 
 
 @dataclass(frozen=True)
@@ -65,3 +78,74 @@ def compare(measured: Mapping[Layout, float], model: ModelSpec, cluster: Cluster
     layouts = list(measured)
     predicted = [step_time(model, layout, cluster, global_batch).step for layout in layouts]
     return agreement(predicted, [measured[layout] for layout in layouts])
+
+
+def layout_of(fields: Mapping[str, Any], mbs: int) -> Layout:
+    """The planner's Layout of an Engine layout (`ParallelConfig` fields dp, tp, pp, cp, zero,
+    pp_schedule, pp_virtual, sequence_parallel, recompute) run with micro-batches of `mbs` sequences."""
+    pp = fields["pp"]
+    schedule = fields["pp_schedule"] if pp > 1 else "none"
+    return Layout(
+        tp=fields["tp"], pp=pp, dp=fields["dp"], cp=fields["cp"], zero=fields["zero"], mbs=mbs,
+        vpp=fields["pp_virtual"] if pp > 1 else 1, recompute=fields["recompute"],
+        sp=bool(fields["sequence_parallel"]), schedule=schedule,
+    )
+
+
+@dataclass(frozen=True)
+class BenchLayouts:
+    """What `ndtrain bench layouts` measured: seconds per step of each named layout."""
+
+    model: ModelSpec
+    world: int
+    global_batch: int
+    layouts: dict[str, Layout]
+    measured: dict[str, float]
+
+
+def load_bench(path: Path) -> BenchLayouts:
+    """Read a `bench layouts` JSON result; a file that is not one is a UserError naming the fix."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"--validate {path}: cannot read a bench result ({e}); run `ndtrain bench layouts --nproc 4`")
+    if data.get("scenario") != "layouts":
+        raise UserError(f"--validate {path} is not a `bench layouts` result: run `ndtrain bench layouts --nproc 4`")
+    facts, options = data["facts"], data["options"]
+    model = arch.preset(f"ndtrain-{facts['preset']}", options["seq_len"])
+    mbs, global_batch = facts["micro_batch_size"], facts["global_batch"]
+    layouts = {name: layout_of(fields, mbs) for name, fields in facts["layouts"].items()}
+    for name, fields in facts["layouts"].items():
+        if fields["precision"] != "fp32":
+            raise UserError(f"--validate: layout {name} ran in {fields['precision']}; the CPU profile models fp32 only")
+        wrong = problem(layouts[name], model, data["world_size"], global_batch)
+        if wrong is not None:
+            raise UserError(f"--validate: layout {name} is not one the planner models: {wrong.message}")
+    measured = {name: data["summary"][name]["median_step_s"] for name in layouts}
+    return BenchLayouts(model, data["world_size"], global_batch, layouts, measured)
+
+
+def predictions(bench: BenchLayouts, cluster: Cluster) -> dict[str, float]:
+    """Predicted seconds per step of each measured layout."""
+    return {name: step_time(bench.model, layout, cluster, bench.global_batch).step
+            for name, layout in bench.layouts.items()}
+
+
+def table(bench: BenchLayouts, predicted: Mapping[str, float]) -> str:
+    """One row per layout (predicted, measured, relative error), then ρ, the median error and the verdict."""
+    names = list(bench.layouts)
+    result = agreement([predicted[n] for n in names], [bench.measured[n] for n in names])
+    lines = [
+        f"planner vs `ndtrain bench layouts`: {bench.model.name} (seq {bench.model.seq}), {bench.world} processes, "
+        f"B={bench.global_batch}",
+        f"{'layout':<21}{'planner layout':<42}{'predicted':>11}{'measured':>11}{'error':>9}",
+    ]
+    for name in names:
+        p, m = predicted[name], bench.measured[name]
+        lines.append(f"{name:<21}{bench.layouts[name].label():<42}{p * 1e3:>8.1f} ms{m * 1e3:>8.1f} ms"
+                     f"{(p - m) / m * 100:>+8.1f}%")
+    verdict = "met" if result.acceptable() and result.layouts >= MIN_LAYOUTS else "NOT met"
+    lines.append(f"Spearman ρ = {result.spearman:.3f}, median |error| = {result.median_relative_error * 100:.1f} % "
+                 f"over {result.layouts} layouts; acceptance (ρ ≥ 0.8, error ≤ 25 %, ≥ 8 layouts): "
+                 f"{verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""The planner's local validation: Engine layouts mapped onto planner Layouts, and `ndtrain plan
+--validate` reading a `bench layouts` result (synthetic: no timing is measured or asserted here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ndtrain.bench.layouts import GLOBAL_BATCH, LAYOUTS, MICRO_BATCH_SIZE, WORLD, layout_fields
+from ndtrain.config import ParallelConfig
+from ndtrain.errors import UserError
+from ndtrain.plan import arch, cli, validate
+from ndtrain.plan.hardware import Cluster, load_profile
+from ndtrain.plan.layout import Layout, problem
+
+PROFILE = {
+    "kind": "ndtrain-cpu-profile", "matmul_gflops": {"fp32": {"1": 100.0, "2": 60.0}, "bf16": {"1": 2.0}},
+    "memory_gbs": {"1": 20.0, "2": 12.0}, "memory_total_gib": 16.0, "process_baseline_mib": 300.0,
+    "collectives": {"all_reduce": {"2": {"latency_us": 400.0, "bandwidth_gbs": 0.8},
+                                   "4": {"latency_us": 1500.0, "bandwidth_gbs": 0.5}}},
+}
+BENCH = arch.preset("ndtrain-bench")
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ndtrain plan")
+    cli.add_arguments(parser)
+    return cli.main(parser.parse_args(argv))
+
+
+def test_layout_of_maps_the_engine_fields() -> None:
+    fields = layout_fields(ParallelConfig(dp=1, tp=2, pp=2, pp_schedule="interleaved", pp_virtual=2))
+    assert validate.layout_of(fields, 1) == Layout(
+        tp=2, pp=2, dp=1, cp=1, zero=0, mbs=1, vpp=2, recompute="none", sp=False, schedule="interleaved")
+    fields = layout_fields(ParallelConfig(dp=2, tp=2, zero=1, sequence_parallel=True, recompute="full"))
+    assert validate.layout_of(fields, 4) == Layout(
+        tp=2, pp=1, dp=2, cp=1, zero=1, mbs=4, vpp=1, recompute="full", sp=True, schedule="none")
+    # pp = 1: the config's default schedule ("1f1b") means nothing, the planner's is "none"
+    assert validate.layout_of(layout_fields(ParallelConfig(dp=4, zero=3)), 1).schedule == "none"
+
+
+def test_every_bench_layout_is_a_distinct_layout_the_planner_models() -> None:
+    layouts = [validate.layout_of(layout_fields(ParallelConfig(**f)), MICRO_BATCH_SIZE) for f in LAYOUTS.values()]
+    assert len(set(layouts)) == len(layouts) >= validate.MIN_LAYOUTS
+    for layout in layouts:
+        assert problem(layout, BENCH, WORLD, GLOBAL_BATCH) is None, layout
+        if layout.pp > 1:
+            assert layout.micro_batches(GLOBAL_BATCH) >= 2 * layout.pp  # m ≥ 2p: the bubble is not everything
+
+
+def bench_result(measured: dict[str, float], preset: str = "bench", seq_len: int = 256,
+                 **changes: Any) -> dict[str, Any]:
+    """A `bench layouts` JSON result as the harness writes it (the fields validate reads)."""
+    layouts = {name: layout_fields(ParallelConfig(**LAYOUTS[name])) for name in measured}
+    for name, change in changes.items():
+        layouts[name].update(change)
+    return {
+        "scenario": "layouts", "world_size": WORLD, "reference": "dp4",
+        "options": {"steps": 2, "warmup": 1, "repeats": 1, "seq_len": seq_len, "preset": preset},
+        "facts": {"preset": preset, "global_batch": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH_SIZE,
+                  "skipped": [], "layouts": layouts},
+        "summary": {name: {"median_step_s": s, "ratio": 1.0} for name, s in measured.items()},
+        "runs": {},
+    }
+
+
+def write(tmp_path: Path, name: str, data: dict[str, Any]) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def predicted_by_planner(tmp_path: Path) -> dict[str, float]:
+    cluster = Cluster(load_profile(write(tmp_path, "profile.json", PROFILE), WORLD), WORLD, WORLD)
+    bench = validate.load_bench(write(tmp_path, "seed.json", bench_result({name: 1.0 for name in LAYOUTS})))
+    return validate.predictions(bench, cluster)
+
+
+def test_load_bench_reads_layouts_model_and_times(tmp_path: Path) -> None:
+    bench = validate.load_bench(write(tmp_path, "r.json", bench_result({"dp4": 0.5, "pp4-gpipe": 0.75},
+                                                                        preset="small", seq_len=64)))
+    assert bench.model == arch.preset("ndtrain-small", 64)
+    assert (bench.world, bench.global_batch) == (WORLD, GLOBAL_BATCH)
+    assert bench.measured == {"dp4": 0.5, "pp4-gpipe": 0.75}
+    assert bench.layouts["pp4-gpipe"] == Layout(4 // 4, 4, 1, 1, 0, 1, 1, "none", False, "gpipe")
+
+
+def test_validate_prints_the_table_and_agreement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    predicted = predicted_by_planner(tmp_path)
+    # measured 10 % slower than predicted everywhere: the ranks agree, every error is 1/1.1 − 1
+    result = write(tmp_path, "layouts-n4.json", bench_result({n: 1.1 * s for n, s in predicted.items()}))
+    assert run(["--validate", str(result), "--profile", str(tmp_path / "profile.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(LAYOUTS) + 1
+    for name, line in zip(LAYOUTS, lines[2:]):
+        assert line.startswith(name) and line.endswith("-9.1%"), line
+    assert lines[-1] == (f"Spearman ρ = 1.000, median |error| = 9.1 % over {len(LAYOUTS)} layouts; "
+                         "acceptance (ρ ≥ 0.8, error ≤ 25 %, ≥ 8 layouts): met")
+
+
+def test_validate_reports_a_miss(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    predicted = predicted_by_planner(tmp_path)
+    order = sorted(predicted, key=predicted.__getitem__)
+    reversed_times = {name: predicted[partner] for name, partner in zip(order, reversed(order))}
+    result = write(tmp_path, "layouts-n4.json", bench_result(reversed_times))
+    assert run(["--validate", str(result), "--profile", str(tmp_path / "profile.json")]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    rho = float(last.split()[3].rstrip(","))
+    assert rho < -0.99 and last.endswith(": NOT met"), last  # not −1: the planner ties gpipe and 1f1b
+    # fewer than 8 layouts never meet the acceptance, however well they agree
+    few = {name: predicted[name] for name in order[:3]}
+    assert run(["--validate", str(write(tmp_path, "few.json", bench_result(few))),
+                "--profile", str(tmp_path / "profile.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("over 3 layouts; acceptance (ρ ≥ 0.8, error ≤ 25 %, "
+                                                             "≥ 8 layouts): NOT met")
+
+
+@pytest.mark.parametrize("data, profile, message", [
+    (bench_result({"dp4": 1.0, "dp4-zero1": 1.0}), False, "--validate needs --profile PATH"),
+    ({"scenario": "ddp"}, True, "is not a `bench layouts` result"),
+    (bench_result({"dp4": 1.0, "dp4-zero1": 1.0}, dp4={"precision": "bf16"}), True, "CPU profile models fp32 only"),
+    (bench_result({"dp4": 1.0, "pp4-gpipe": 1.0}, **{"pp4-gpipe": {"pp_schedule": "naive"}}), True,
+     "layout pp4-gpipe is not one the planner models: schedule='naive'"),
+])
+def test_validate_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], data: dict[str, Any],
+                                        profile: bool, message: str) -> None:
+    argv = ["--validate", str(write(tmp_path, "r.json", data))]
+    if profile:
+        argv += ["--profile", str(write(tmp_path, "profile.json", PROFILE))]
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ndtrain: error: ") and message in err, err
+
+
+def test_load_bench_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="cannot read a bench result"):
+        validate.load_bench(tmp_path / "missing.json")
