@@ -128,14 +128,14 @@ class LayoutsResult(ContestResult):
             f"layouts on {self.world_size} ranks — preset {f['preset']}, B={f['global_batch']} sequences, "
             f"micro-batch {f['micro_batch_size']}" + (f", skipped (too few layers): {', '.join(f['skipped'])}"
                                                      if f["skipped"] else ""),
-            f"{'layout':<21}{'dp':>3}{'tp':>3}{'pp':>3}{'zero':>5}{'schedule':>13}{'sp':>4}"
+            f"{'layout':<21}{'dp':>3}{'tp':>3}{'pp':>3}{'zero':>5}{'schedule':>15}{'sp':>4}"
             f"{'median step':>13}{'ratio':>7}{'counted/step':>14}{'peak/rank':>11}",
         ]
         for name, s in self.summary().items():
             c = f["layouts"][name]
             schedule = "-" if c["pp"] == 1 else c["pp_schedule"] + (f"×{c['pp_virtual']}" if c["pp_virtual"] > 1 else "")
             lines.append(
-                f"{name:<21}{c['dp']:>3}{c['tp']:>3}{c['pp']:>3}{c['zero']:>5}{schedule:>13}"
+                f"{name:<21}{c['dp']:>3}{c['tp']:>3}{c['pp']:>3}{c['zero']:>5}{schedule:>15}"
                 f"{'on' if c['sequence_parallel'] else '-':>4}{s['median_step_s'] * 1e3:>10.1f} ms{s['ratio']:>7.3f}"
                 f"{s['comm_bytes_per_step'] / MB:>11.2f} MB{max(s['peak_bytes']) / MB:>8.0f} MB"
             )

@@ -138,11 +138,11 @@ def table(bench: BenchLayouts, predicted: Mapping[str, float]) -> str:
     lines = [
         f"planner vs `ndtrain bench layouts`: {bench.model.name} (seq {bench.model.seq}), {bench.world} processes, "
         f"B={bench.global_batch}",
-        f"{'layout':<21}{'planner layout':<42}{'predicted':>11}{'measured':>11}{'error':>9}",
+        f"{'layout':<21}{'planner layout':<46}{'predicted':>11}{'measured':>11}{'error':>9}",
     ]
     for name in names:
         p, m = predicted[name], bench.measured[name]
-        lines.append(f"{name:<21}{bench.layouts[name].label():<42}{p * 1e3:>8.1f} ms{m * 1e3:>8.1f} ms"
+        lines.append(f"{name:<21}{bench.layouts[name].label():<46}{p * 1e3:>8.1f} ms{m * 1e3:>8.1f} ms"
                      f"{(p - m) / m * 100:>+8.1f}%")
     verdict = "met" if result.acceptable() and result.layouts >= MIN_LAYOUTS else "NOT met"
     lines.append(f"Spearman ρ = {result.spearman:.3f}, median |error| = {result.median_relative_error * 100:.1f} % "
