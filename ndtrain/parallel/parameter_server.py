@@ -31,9 +31,10 @@ worker pulled before computing it: how many steps ahead of the slowest worker's 
 was. sync: always 0; ssp(s): ≤ s by construction; async: unbounded. Each server records every
 application. LR schedule: the multiplier of schedule step k, with k = the step in sync and
 k = (updates applied) // W in async/ssp, so the schedule spans the same number of samples. In
-async/ssp a push carries 1/W of the global batch and is applied with lr/W, so W pushes move the
-parameters about as far as one sync step (exactly, for SGD without staleness); at the full lr
-per push, AdamW's steps (≈ lr each whatever the batch) would move them W× further per sample.
+async/ssp a push carries 1/W of the global batch and is applied with lr/(W·(1+τ)), τ its
+staleness: W fresh pushes move the parameters about as far as one sync step (exactly, for SGD),
+and stale gradients count less (staleness-aware async SGD, Zhang et al. 2016). On the default
+run (2 workers) the full lr per push ended 55% above sync's validation loss, lr/W 34%, this 18%.
 
 Straggler: `slow_worker=(rank, F)` makes that worker wait (F−1)× its measured compute time after
 each backward (an experiment knob: the wait is the feature, not synchronisation).
@@ -203,7 +204,8 @@ class ParameterServer:
             w = self.ctx.comm.recv_any(box, self.world)
             self.grad.copy_(box[1:])
             self._record([w])
-            self._apply(box[0].item(), self.report.updates // setup.roles.workers, 1.0 / setup.roles.workers)
+            lr_scale = 1.0 / (setup.roles.workers * (1 + self.report.applications[-1].staleness))
+            self._apply(box[0].item(), self.report.updates // setup.roles.workers, lr_scale)
             self.pushes[w] += 1
             if self.pushes[w] < setup.steps:
                 waiting.append(w)
