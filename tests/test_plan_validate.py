@@ -1,5 +1,6 @@
-"""The planner's local validation: Engine layouts mapped onto planner Layouts, and `ndtrain plan
---validate` reading a `bench layouts` result (synthetic: no timing is measured or asserted here)."""
+"""The planner's local validation: Engine layouts mapped onto planner Layouts, `ndtrain plan --validate`
+reading a `bench layouts` result (synthetic: no timing is measured or asserted here), and the tp
+collectives the time model charges for our implementation."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 from ndtrain.bench.layouts import GLOBAL_BATCH, LAYOUTS, MICRO_BATCH_SIZE, WORLD, layout_fields
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.plan import arch, cli, validate
+from ndtrain.plan import arch, cli, collectives, validate
 from ndtrain.plan.hardware import Cluster, load_profile
 from ndtrain.plan.layout import Layout, problem
+from ndtrain.plan.timing import step_time
 
 PROFILE = {
     "kind": "ndtrain-cpu-profile", "matmul_gflops": {"fp32": {"1": 100.0, "2": 60.0}, "bf16": {"1": 2.0}},
@@ -139,3 +141,18 @@ def test_validate_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
 def test_load_bench_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="cannot read a bench result"):
         validate.load_bench(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_time_counts_every_collective_of_our_tp(tmp_path: Path, sp: bool) -> None:
+    """Per micro-batch: 4 all-reduces of b·s·h per layer, the embedding's and the head input's,
+    the loss's two (b·s and 2·b·s fp32), and with SP on CPU one per norm gradient (2 per layer + 1)."""
+    hw = load_profile(write(tmp_path, "profile.json", PROFILE), WORLD)
+    layout = Layout(tp=2, pp=1, dp=2, cp=1, zero=0, mbs=1, vpp=1, recompute="none", sp=sp, schedule="none")
+    tokens, l, h = BENCH.seq, BENCH.layers, BENCH.hidden
+    one = collectives.all_reduce(2, tokens * h * 4, hw.intra)
+    loss = collectives.all_reduce(2, tokens * 4, hw.intra) + collectives.all_reduce(2, 2 * tokens * 4, hw.intra)
+    norms = (2 * l + 1) * collectives.all_reduce(2, h * 4, hw.intra) if sp else 0.0
+    per_micro_batch = (4 * l + 2) * one + loss + norms
+    got = step_time(BENCH, layout, Cluster(hw, WORLD, WORLD), GLOBAL_BATCH).tp_comm
+    assert got == pytest.approx(GLOBAL_BATCH // 2 * per_micro_batch, rel=1e-12)

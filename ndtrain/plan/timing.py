@@ -12,6 +12,12 @@ compute   FLOPs / (peak·η)  +  element-wise traffic / HBM bandwidth
 tp        2 all-reduces per layer forward and 2 backward of b·s'·h·β bytes (Shoeybi 2019 §3);
           with SP each becomes an all-gather + reduce-scatter of the same total cost
           (Korthikanti 2022 §4.2.2); full recompute replays the forward's 2. Never overlapped.
+          Vocabulary parallelism adds, per micro-batch on the stage holding them: the embedding's
+          all-reduce of b·s'·h·β (forward), the head input's (backward) and the cross-entropy's
+          two all-reduces of b·s' and 2·b·s' fp32 numbers (forward). With SP on a CPU profile
+          (which plans ndtrain's own processes) each norm weight's gradient (2 per layer + the
+          final norm) is all-reduced over tp in every backward (`sum_gradient_over`: h·4 bytes,
+          latency-bound); Megatron reduces them once per step, negligible at scale, so GPUs skip it.
 cp        ring attention (Liu 2023; Megatron context parallel): c−1 steps per layer, each sending
           the K and V chunk b·s'·2·k_t·d·β (k_t kv heads per tp rank), overlapped with that
           step's attention block; the backward sends K, V and their gradients (2×).
@@ -38,7 +44,7 @@ from dataclasses import dataclass
 
 from ndtrain.plan import collectives, schedules
 from ndtrain.plan.arch import ModelSpec
-from ndtrain.plan.hardware import Cluster
+from ndtrain.plan.hardware import Cluster, Link
 from ndtrain.plan.layout import Layout
 from ndtrain.plan.memory import activation_coefficients, layer_activation_bytes, stage_params
 
@@ -105,8 +111,10 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
 
     tp_link = cluster.link(1, layout.tp)
     tp_one = collectives.all_reduce(layout.tp, tokens * model.hidden * beta, tp_link)
-    tp_f = layers * 2 * tp_one
-    tp_b = layers * (2 + (2 if layout.recompute == "full" else 0)) * tp_one
+    tp_f = layers * 2 * tp_one + _vocab_forward(layout, tokens, tp_one, tp_link)
+    tp_b = layers * (2 + (2 if layout.recompute == "full" else 0)) * tp_one + tp_one  # + the head's input
+    if layout.sp and hw.kind == "cpu":  # ndtrain's norm gradients, per micro-batch: 2 per layer and the final norm
+        tp_b += (2 * layers + 1) * collectives.all_reduce(layout.tp, model.hidden * 4, tp_link)
 
     cp_f = cp_b = 0.0
     if layout.cp > 1:
@@ -122,6 +130,13 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
         boundary = tokens * model.hidden * beta / layout.tp
         pp_f = pp_b = layout.vpp * collectives.send_recv(boundary, cluster.link(layout.tp, layout.pp))
     return _MicroBatch(compute_f, compute_b, tp_f, tp_b, cp_f, cp_b, pp_f, pp_b)
+
+
+def _vocab_forward(layout: Layout, tokens: float, tp_one: float, link: Link) -> float:
+    """Forward tp communication of the vocabulary-parallel ends on the slowest (last) stage: the
+    cross-entropy's max and sum all-reduces (fp32), and the embedding's all-reduce when pp = 1."""
+    loss = collectives.all_reduce(layout.tp, tokens * 4, link) + collectives.all_reduce(layout.tp, 2 * tokens * 4, link)
+    return loss + (tp_one if layout.pp == 1 else 0.0)
 
 
 def _score_bytes(model: ModelSpec, layout: Layout, beta: int) -> float:
