@@ -27,7 +27,7 @@ from ndtrain.plan import arch
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.hardware import Cluster
 from ndtrain.plan.layout import Layout, problem
-from ndtrain.plan.timing import step_time
+from ndtrain.plan.timing import Timing, step_time
 
 
 MIN_LAYOUTS = 8  # the issue's acceptance is over at least this many layouts
@@ -125,25 +125,27 @@ def load_bench(path: Path) -> BenchLayouts:
     return BenchLayouts(model, data["world_size"], global_batch, layouts, measured)
 
 
-def predictions(bench: BenchLayouts, cluster: Cluster) -> dict[str, float]:
-    """Predicted seconds per step of each measured layout."""
-    return {name: step_time(bench.model, layout, cluster, bench.global_batch).step
-            for name, layout in bench.layouts.items()}
+def predictions(bench: BenchLayouts, cluster: Cluster) -> dict[str, Timing]:
+    """The planner's step time, and its parts, of each measured layout."""
+    return {name: step_time(bench.model, layout, cluster, bench.global_batch) for name, layout in bench.layouts.items()}
 
 
-def table(bench: BenchLayouts, predicted: Mapping[str, float]) -> str:
-    """One row per layout (predicted, measured, relative error), then ρ, the median error and the verdict."""
+def table(bench: BenchLayouts, predicted: Mapping[str, Timing]) -> str:
+    """One row per layout (predicted parts — compute with optimizer, exposed communication, bubble —,
+    predicted step, measured, relative error), then ρ, the median error and the verdict."""
     names = list(bench.layouts)
-    result = agreement([predicted[n] for n in names], [bench.measured[n] for n in names])
+    result = agreement([predicted[n].step for n in names], [bench.measured[n] for n in names])
     lines = [
         f"planner vs `ndtrain bench layouts`: {bench.model.name} (seq {bench.model.seq}), {bench.world} processes, "
         f"B={bench.global_batch}",
-        f"{'layout':<21}{'planner layout':<46}{'predicted':>11}{'measured':>11}{'error':>9}",
+        f"{'layout':<21}{'planner layout':<46}{'compute':>11}{'comm':>11}{'bubble':>11}{'predicted':>11}"
+        f"{'measured':>11}{'error':>9}",
     ]
     for name in names:
-        p, m = predicted[name], bench.measured[name]
-        lines.append(f"{name:<21}{bench.layouts[name].label():<46}{p * 1e3:>8.1f} ms{m * 1e3:>8.1f} ms"
-                     f"{(p - m) / m * 100:>+8.1f}%")
+        t, m = predicted[name], bench.measured[name]
+        comm = t.tp_comm + t.cp_comm + t.pp_comm + t.dp_comm
+        cells = "".join(f"{v * 1e3:>8.1f} ms" for v in (t.compute + t.optimizer, comm, t.bubble, t.step, m))
+        lines.append(f"{name:<21}{bench.layouts[name].label():<46}{cells}{(t.step - m) / m * 100:>+8.1f}%")
     verdict = "met" if result.acceptable() and result.layouts >= MIN_LAYOUTS else "NOT met"
     lines.append(f"Spearman ρ = {result.spearman:.3f}, median |error| = {result.median_relative_error * 100:.1f} % "
                  f"over {result.layouts} layouts; acceptance (ρ ≥ 0.8, error ≤ 25 %, ≥ 8 layouts): "
