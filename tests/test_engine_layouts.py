@@ -29,10 +29,14 @@ EPS = 1e-6  # see test_fsdp: with 1e-8 Adam turns 1e-7 summation-order noise on 
 MAX_NORM = 0.3  # below the model's gradient norms: clipping is exercised
 MODEL = ModelConfig(preset="tiny", dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=SEQ)
 
+BF16_LOSS_TOLERANCE = 2e-2  # as test_precision: 10× bf16's rounding of the loss; weights are not compared
+
 # (name, layout, micro-batches per rank per step)
 LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
     ("dp2-tp2-sp-zero1", dict(dp=2, tp=2, sequence_parallel=True, zero=1), 2),
     ("dp2-pp2-1f1b", dict(dp=2, pp=2, pp_schedule="1f1b"), 2),
+    ("dp2-pp2-gpipe-zero1", dict(dp=2, pp=2, pp_schedule="gpipe", zero=1), 2),
+    ("dp2-pp2-bf16", dict(dp=2, pp=2, precision="bf16", comm_dtype="bf16"), 2),
     ("dp2-cp2-selective", dict(dp=2, cp=2, recompute="selective"), 1),
     ("dp2-cp2-zero2", dict(dp=2, cp=2, zero=2), 2),
     ("dp2-cp2-zero3", dict(dp=2, cp=2, zero=3), 1),
@@ -96,15 +100,18 @@ def test_composed_layouts_train_like_one_process() -> None:
     results = run_distributed(train_layouts, 4, timeout=300)
     for name, _, _ in LAYOUTS:
         merged: State = {}
+        bf16 = "bf16" in name
         for rank_result in results:
             run = rank_result[name]
-            assert run["losses"] == pytest.approx(ref_losses, rel=1e-5), name
-            assert run["val"] == pytest.approx(ref_val, rel=1e-5), name
+            assert run["losses"] == pytest.approx(ref_losses, rel=BF16_LOSS_TOLERANCE if bf16 else 1e-5), name
+            assert run["val"] == pytest.approx(ref_val, rel=BF16_LOSS_TOLERANCE if bf16 else 1e-5), name
             assert run["tokens"] == GLOBAL_BATCH * SEQ, name
             for key, value in run["state"].items():
                 assert value.shape == ref_state[key].shape, (name, key)
                 merged[key] = value
         assert merged.keys() == ref_state.keys(), name  # the stages together hold the whole model
+        if bf16:
+            continue
         errors = {k: ((merged[k] - ref_state[k]).abs().max() / ref_state[k].abs().max()).item() for k in ref_state}
         worst = max(errors, key=errors.get)
         assert errors[worst] <= 1e-5, (name, worst, errors[worst])
