@@ -29,7 +29,7 @@ from ndtrain.errors import UserError
 from ndtrain.memory import peak_bytes, reset_peak
 from ndtrain.mesh import ParallelContext
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
-from ndtrain.models.llama import build_model, count_parameters
+from ndtrain.models.llama import build_model
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -24,7 +24,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, llama_workload, run_contest, training_step
+from ndtrain.bench.harness import (
+    BenchOptions, Contestant, ContestResult, Step, Workload, from_rank0, llama_workload, run_contest, training_step,
+)
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
@@ -47,21 +49,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         return model, optimizer, lambda: sum(model.state_bytes().values()) + _local_state_bytes(optimizer)
 
     def torch_fsdp() -> Built:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = DeviceMesh.from_group(group.process_group, device_type=ctx.device.type)
-        model = build_model(work.model, options.seed, ctx.device)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=mesh, reshard_after_forward=True)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-        def state_bytes() -> int:
-            tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-            return sum(_local_bytes(t) for t in tensors) + _local_state_bytes(optimizer)
-
-        return model, optimizer, state_bytes
+        return fsdp2_model(work, options, ctx, reshard_after_forward=True)
 
     def stepper(build: Callable[[], Built]) -> Callable[[], Step]:
         def make() -> Step:
@@ -85,7 +73,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         model, optimizer, state_bytes = build()
         model(work.tokens[0, :, :-1], work.tokens[0, :, 1:]).backward()
         optimizer.step()
-        measured[f"{name}_rank0_state_bytes"] = _from_rank0(ctx, state_bytes())
+        measured[f"{name}_rank0_state_bytes"] = from_rank0(ctx, state_bytes())
         if isinstance(model, FullyShardedDataParallel):
             units = model.units
             root = sum(u.padded for u in units if u.name == "")
@@ -99,6 +87,25 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     return result
 
 
+def fsdp2_model(work: Workload, options: BenchOptions, ctx: ParallelContext, *, reshard_after_forward: bool) -> Built:
+    """PyTorch's FSDP2: `fully_shard` on every block and the root over the dp_cp group, AdamW."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(ctx.group("dp_cp").process_group, device_type=ctx.device.type)
+    model = build_model(work.model, options.seed, ctx.device)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def state_bytes() -> int:
+        tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+        return sum(_local_bytes(t) for t in tensors) + _local_state_bytes(optimizer)
+
+    return model, optimizer, state_bytes
+
+
 def _local_bytes(tensor: torch.Tensor) -> int:
     """Bytes of this rank's part of a tensor (a DTensor's local shard)."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -107,10 +114,3 @@ def _local_bytes(tensor: torch.Tensor) -> int:
 
 def _local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(_local_bytes(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-
-
-def _from_rank0(ctx: ParallelContext, value: int) -> int:
-    """Rank 0's `value` on every rank, so that every rank reports the same facts."""
-    tensor = torch.tensor([float(value)], dtype=torch.float64, device=ctx.device)
-    ctx.comm.broadcast(tensor, ctx.group("world"), src=0)
-    return int(tensor.item())

@@ -276,3 +276,10 @@ def _mb(value: float | None) -> str:
 
 def _fmt_fact(key: str, value: Any) -> str:
     return f"{value / MB:.2f} MB" if key.endswith("_bytes") else str(value)
+
+
+def from_rank0(ctx: ParallelContext, value: int) -> int:
+    """Rank 0's `value` on every rank, so that every rank reports the same facts."""
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=ctx.device)
+    ctx.comm.broadcast(tensor, ctx.group("world"), src=0)
+    return int(tensor.item())

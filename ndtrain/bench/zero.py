@@ -24,7 +24,10 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, llama_workload, run_contest, training_step
+from ndtrain.bench.fsdp import fsdp2_model
+from ndtrain.bench.harness import (
+    BenchOptions, Contestant, ContestResult, Step, from_rank0, llama_workload, run_contest, training_step,
+)
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
@@ -79,7 +82,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     for name, build in (("ours", ours), ("torch", torch_zero)):
         step, state_bytes, padded = build()
         step(0)
-        measured[f"{name}_rank0_state_bytes"] = _from_rank0(ctx, state_bytes())
+        measured[f"{name}_rank0_state_bytes"] = from_rank0(ctx, state_bytes())
         if name == "ours":
             measured["padded_parameters"] = padded()  # Ψ', the same on every rank
         del step, state_bytes, padded
@@ -94,13 +97,6 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         "torch_rank0_state_bytes": measured["torch_rank0_state_bytes"],
     }
     return result
-
-
-def _from_rank0(ctx: ParallelContext, value: int) -> int:
-    """Rank 0's `value` on every rank, so that every rank reports the same facts."""
-    tensor = torch.tensor([float(value)], dtype=torch.float64, device=ctx.device)
-    ctx.comm.broadcast(tensor, ctx.group("world"), src=0)
-    return int(tensor.item())
 
 
 def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
@@ -134,23 +130,7 @@ def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         return training_step(model, optimizer, work.tokens), state_bytes
 
     def torch_fsdp2() -> tuple[Step, Callable[[], int]]:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = DeviceMesh.from_group(group.process_group, device_type=ctx.device.type)
-        model = build_model(work.model, options.seed, ctx.device)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-        def state_bytes() -> int:
-            tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-            local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-            state = [t.to_local() if hasattr(t, "to_local") else t
-                     for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-            return sum(t.numel() * t.element_size() for t in local + state)
-
+        model, optimizer, state_bytes = fsdp2_model(work, options, ctx, reshard_after_forward=False)
         return training_step(model, optimizer, work.tokens), state_bytes
 
     facts: dict[str, Any] = {
@@ -165,7 +145,7 @@ def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     for name, build in (("ours", ours), ("torch", torch_fsdp2)):
         step, state_bytes = build()
         step(0)
-        measured[f"{name}_rank0_state_bytes"] = _from_rank0(ctx, state_bytes())
+        measured[f"{name}_rank0_state_bytes"] = from_rank0(ctx, state_bytes())
         del step, state_bytes
     padded = sum(-(-sum(p.numel() for p in run) // n) * n for run in _bucket_params(work, options))
     volume = (n - 1) * 4 * padded // n
