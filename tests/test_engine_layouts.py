@@ -45,6 +45,7 @@ LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
 ]
 
 State = dict[str, torch.Tensor]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +58,6 @@ def adamw(groups: Any) -> torch.optim.Optimizer:
 
 
 def reference() -> tuple[State, list[float], float]:
-    torch.set_num_threads(1)  # the workers share the cores
     model = build_model(MODEL, seed=0)
     groups = [{"params": [p for p in model.parameters() if p.ndim >= 2]},
               {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]

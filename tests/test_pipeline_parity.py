@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -38,13 +37,7 @@ P4_CASES = [("naive", 1, 6, False), ("gpipe", 1, 6, True), ("1f1b", 1, 6, False)
             ("zb", 1, 6, False)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """The references are tiny: one thread is fastest, and many shared-core threads are very slow."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_config(layers: int, tied: bool = False) -> ModelConfig:

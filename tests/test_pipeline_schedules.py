@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,13 +21,7 @@ CASES = [(s, p, m, v) for p in (1, 2, 3, 4, 5) for m in (p, 2 * p, 3 * p + (p > 
          if not (s == "interleaved" and m % p)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """The references are tiny: one thread is fastest, and many shared-core threads are very slow."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def closed_form(schedule: str, p: int, m: int, v: int) -> float:
