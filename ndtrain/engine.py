@@ -140,8 +140,7 @@ class Engine:
         if self.pipeline:
             batches = [(self._input(x), self._input(y)) for x, y in micro_batches]
             loss_sum, tokens = run_pipeline(
-                list(self.wrapped) if isinstance(self.wrapped, nn.ModuleList) else [self.wrapped],
-                batches, self.ctx, self.ctx.config.pp_schedule, self.timeline,
+                self._chunks, batches, self.ctx, self.ctx.config.pp_schedule, self.timeline,
             )
         else:
             loss_sum, tokens = self._forward_backward(micro_batches, scale)
@@ -183,14 +182,17 @@ class Engine:
         x, y = self._input(x), self._input(y)
         return shard_sequence(x, y, self.ctx) if self.ctx.config.cp > 1 else (x, y)
 
+    @property
+    def _chunks(self) -> list[nn.Module]:
+        """The wrapped model as a list: one module, or an interleaved pipeline's stage chunks."""
+        return list(self.wrapped) if isinstance(self.wrapped, nn.ModuleList) else [self.wrapped]
+
     def _zero_grad(self) -> None:
         if isinstance(self.optimizer, ZeroOptimizer):
             self.optimizer.zero_grad()
-        elif isinstance(self.wrapped, nn.ModuleList):
-            for chunk in self.wrapped:
-                chunk.zero_grad()
         else:
-            self.wrapped.zero_grad()
+            for chunk in self._chunks:
+                chunk.zero_grad()
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         """On the device; floating-point inputs in the compute dtype (token ids stay integers)."""
@@ -263,10 +265,9 @@ class Engine:
         if isinstance(self.wrapped, Zero2DataParallel):
             gradients = self.wrapped.gradient_bytes
         else:
-            chunks = list(self.wrapped) if isinstance(self.wrapped, nn.ModuleList) else [self.wrapped]
             gradients = sum(
                 tensor_bytes(b.flat) + (tensor_bytes(b.comm) if b.comm is not b.flat else 0)
-                for chunk in chunks for b in chunk.buckets
+                for chunk in self._chunks for b in chunk.buckets
             )
         return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer}
 
@@ -307,8 +308,7 @@ class Engine:
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for x, y in batches:
             if self.pipeline:
-                stages = list(self.wrapped) if isinstance(self.wrapped, nn.ModuleList) else [self.wrapped]
-                loss, count = eval_pipeline(stages, [(self._input(x), self._input(y))], self.ctx)
+                loss, count = eval_pipeline(self._chunks, [(self._input(x), self._input(y))], self.ctx)
             else:
                 inputs = self._model_inputs(x, y)
                 loss, count = self.wrapped(*inputs), inputs[1].numel()
