@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from ndtrain.plan import cli
+from ndtrain.plan import arch, cli
+from tests.plan_profiles import bench_pieces, cpu_profile
 
 LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "2", "--cp", "1", "--zero", "1", "--mbs", "1", "--vpp", "1",
           "--recompute", "selective", "--sp", "on", "--schedule", "1f1b"]
@@ -87,19 +88,32 @@ def test_user_errors_are_one_line_and_exit_2(argv: list[str], fragment: str,
 
 
 def test_cpu_profile_plans_local_processes(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    profile = {
-        "kind": "ndtrain-cpu-profile", "matmul_gflops": {"fp32": {"1": 100.0, "2": 60.0}, "bf16": {"1": 2.0}},
-        "memory_gbs": {"1": 20.0, "2": 12.0}, "memory_total_gib": 16.0, "process_baseline_mib": 300.0,
-        "collectives": {"all_reduce": {"2": {"latency_us": 400.0, "bandwidth_gbs": 0.8},
-                                       "4": {"latency_us": 1500.0, "bandwidth_gbs": 0.5}}},
-    }
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps(profile))
+    path.write_text(json.dumps(cpu_profile(pieces={arch.PRESETS["ndtrain-bench"]: bench_pieces()})))
     assert run(["--model", "ndtrain-bench", "--profile", str(path), "--gpus", "4", "--global-batch", "8",
                 "--json", "--top", "20"]) == 0
     candidates = json.loads(capsys.readouterr().out)["candidates"]
     assert len(candidates) == 20 and candidates[0]["step_time_s"] > 0
     assert all(c["mfu"] <= 1.0 for c in candidates)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--calibrate", "--model", "gpt3-125m"], "profiles llama models"),
+    (["--calibrate", "--gpus", "0"], "--gpus 0 must be > 0"),
+])
+def test_calibrate_mistakes_are_refused_before_measuring(argv: list[str], fragment: str, tmp_path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(argv + ["--out", str(tmp_path / "p.json")]) == 2
+    assert fragment in one_error_line(capsys)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_an_old_profile_is_refused_with_the_fix(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**cpu_profile(), "version": 1}))
+    assert run(["--model", "ndtrain-bench", "--profile", str(path), "--gpus", "4", "--global-batch", "8"]) == 2
+    assert "is a version 1 profile; this planner reads version 2: run `ndtrain plan --calibrate` again" in \
+        one_error_line(capsys)
 
 
 def test_published_table(capsys: pytest.CaptureFixture[str]) -> None:

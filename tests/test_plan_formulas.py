@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import math
 
 import pytest
 
 from ndtrain.config import MODEL_PRESETS, ModelConfig
 from ndtrain.plan import arch, collectives, schedules
-from ndtrain.plan.calibrate import fit_alpha_beta
-from ndtrain.plan.hardware import FP32, GIB, MIXED_BF16, Cluster, Link, gpu, load_profile
+from ndtrain.plan.calibrate_comm import fit_alpha_beta
+from ndtrain.plan.hardware import FP32, MIXED_BF16, Cluster, Link, gpu
 from ndtrain.plan.layout import Layout
 from ndtrain.plan.memory import layer_activation_bytes, model_states, stage_activations, stage_params
 from ndtrain.plan.published import RUNS
@@ -232,26 +230,10 @@ def test_compare_predicts_each_measured_layout() -> None:
 
 
 @pytest.mark.parametrize("op, n, c_alpha, c_beta", [
-    ("all_reduce", 4, 6, 1.5), ("all_gather", 4, 3, 0.75), ("send_recv", 2, 1, 1),
+    ("all_reduce", 4, 6, 1.5), ("all_gather", 4, 3, 0.75), ("reduce_scatter", 2, 1, 0.5), ("send_recv", 2, 1, 1),
 ])
 def test_alpha_beta_fit_recovers_synthetic_link(op: str, n: int, c_alpha: float, c_beta: float) -> None:
     alpha, bandwidth = 200e-6, 2e9
     at = lambda m: c_alpha * alpha + c_beta * m / bandwidth  # noqa: E731
     fitted = fit_alpha_beta(op, n, (4096, at(4096)), (8 << 20, at(8 << 20)))
     assert fitted == pytest.approx((alpha, bandwidth))
-
-
-def test_cpu_profile_shares_cores_beyond_the_measured_counts(tmp_path) -> None:
-    profile = {
-        "kind": "ndtrain-cpu-profile", "matmul_gflops": {"fp32": {"1": 100.0, "2": 60.0}},
-        "memory_gbs": {"1": 20.0, "2": 12.0}, "memory_total_gib": 16.0, "process_baseline_mib": 300.0,
-        "collectives": {"all_reduce": {"2": {"latency_us": 400.0, "bandwidth_gbs": 0.8},
-                                       "4": {"latency_us": 1500.0, "bandwidth_gbs": 0.5}}},
-    }
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(profile))
-    two, four = load_profile(path, 2), load_profile(path, 4)
-    assert two.peak_flops == 60e9 and four.peak_flops == 30e9  # best total 120 shared by 4
-    assert (four.intra.bandwidth, four.intra.latency) == pytest.approx((0.5e9, 1.5e-3))
-    assert (two.intra.bandwidth, two.intra.latency) == pytest.approx((0.8e9, 4e-4))
-    assert four.memory_bytes == 4 * GIB and four.precision is FP32 and math.isclose(four.matmul_efficiency, 1.0)

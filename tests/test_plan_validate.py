@@ -15,16 +15,13 @@ from ndtrain.bench.layouts import GLOBAL_BATCH, LAYOUTS, MICRO_BATCH_SIZE, WORLD
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.plan import arch, cli, collectives, validate
-from ndtrain.plan.hardware import Cluster, load_profile
+from ndtrain.plan.cpu_profile import load_profile
+from ndtrain.plan.hardware import Cluster
 from ndtrain.plan.layout import Layout, problem
 from ndtrain.plan.timing import step_time
+from tests.plan_profiles import cpu_profile
 
-PROFILE = {
-    "kind": "ndtrain-cpu-profile", "matmul_gflops": {"fp32": {"1": 100.0, "2": 60.0}, "bf16": {"1": 2.0}},
-    "memory_gbs": {"1": 20.0, "2": 12.0}, "memory_total_gib": 16.0, "process_baseline_mib": 300.0,
-    "collectives": {"all_reduce": {"2": {"latency_us": 400.0, "bandwidth_gbs": 0.8},
-                                   "4": {"latency_us": 1500.0, "bandwidth_gbs": 0.5}}},
-}
+PROFILE = cpu_profile()
 BENCH = arch.preset("ndtrain-bench")
 
 
@@ -112,7 +109,7 @@ def test_validate_reports_a_miss(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert run(["--validate", str(result), "--profile", str(tmp_path / "profile.json")]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     rho = float(last.split()[3].rstrip(","))
-    assert rho < -0.99 and last.endswith(": NOT met"), last  # not −1: the planner ties gpipe and 1f1b
+    assert rho < -0.95 and last.endswith(": NOT met"), last  # not −1: ties (gpipe = 1f1b; pp4 at the shared-cores bound)
     # fewer than 8 layouts never meet the acceptance, however well they agree
     few = {name: predicted[name] for name in order[:3]}
     assert run(["--validate", str(write(tmp_path, "few.json", bench_result(few))),
@@ -145,14 +142,22 @@ def test_load_bench_unreadable_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_time_counts_every_collective_of_our_tp(tmp_path: Path, sp: bool) -> None:
-    """Per micro-batch: 4 all-reduces of b·s·h per layer, the embedding's and the head input's,
-    the loss's two (b·s and 2·b·s fp32), and with SP on CPU one per norm gradient (2 per layer + 1)."""
+    """Per micro-batch: 4 all-reduces of b·s·h per layer, the embedding's and the head input's (with
+    SP each an all-gather + a reduce-scatter of the same bytes), the loss's two (b·s and 2·b·s fp32),
+    and with SP on CPU one per norm gradient (2 per layer + 1); each at the profile's fit for its op
+    in groups of 2 among 4 processes."""
     hw = load_profile(write(tmp_path, "profile.json", PROFILE), WORLD)
+    assert hw.cpu is not None
     layout = Layout(tp=2, pp=1, dp=2, cp=1, zero=0, mbs=1, vpp=1, recompute="none", sp=sp, schedule="none")
     tokens, l, h = BENCH.seq, BENCH.layers, BENCH.hidden
-    one = collectives.all_reduce(2, tokens * h * 4, hw.intra)
-    loss = collectives.all_reduce(2, tokens * 4, hw.intra) + collectives.all_reduce(2, 2 * tokens * 4, hw.intra)
-    norms = (2 * l + 1) * collectives.all_reduce(2, h * 4, hw.intra) if sp else 0.0
+    reduce = hw.cpu.link("all_reduce", 2)
+    assert reduce.latency == pytest.approx((100 * WORLD + 20) * 1e-6)  # the P = 4, n = 2 fit
+    one = collectives.all_reduce(2, tokens * h * 4, reduce)
+    if sp:
+        one = (collectives.all_gather(2, tokens * h * 4, hw.cpu.link("all_gather", 2))
+               + collectives.reduce_scatter(2, tokens * h * 4, hw.cpu.link("reduce_scatter", 2)))
+    loss = collectives.all_reduce(2, tokens * 4, reduce) + collectives.all_reduce(2, 2 * tokens * 4, reduce)
+    norms = (2 * l + 1) * collectives.all_reduce(2, h * 4, reduce) if sp else 0.0
     per_micro_batch = (4 * l + 2) * one + loss + norms
     got = step_time(BENCH, layout, Cluster(hw, WORLD, WORLD), GLOBAL_BATCH).tp_comm
     assert got == pytest.approx(GLOBAL_BATCH // 2 * per_micro_batch, rel=1e-12)

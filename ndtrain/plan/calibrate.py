@@ -1,16 +1,16 @@
-"""`ndtrain plan --calibrate`: measure this machine into the CPU profile `hardware.load_profile` reads.
+"""`ndtrain plan --calibrate`: measure this machine into the CPU profile `cpu_profile.load_profile` reads.
 
 Measured, each in freshly spawned processes that all work at once (so shared cores show):
     matmul      fp32 and bf16 GFLOP/s per process, n = 1 and 2 processes (cores/n threads each):
                 2·N³ FLOPs per N×N product, median over repeats
     memory      copy bandwidth per process, 2·bytes per copy (read + write)
-    collectives gloo all-reduce, all-gather and send/recv on loopback for n = 2 and 4 processes
-                (FileStore rendezvous in a temporary directory), at a small and a large message;
-                α and B are fitted to the α–β ring formulas of `collectives.py`:
-                    T = c_α·α + c_β·M/B,  (c_α, c_β) = (2(n−1), 2(n−1)/n) all-reduce,
-                                                       ((n−1), (n−1)/n) all-gather, (1, 1) send/recv
-                two sizes give two equations; B is "bus bandwidth" in the nccl-tests sense.
-This is the one module of the planner that starts processes or touches torch.distributed.
+    collectives for P = 2 and 4 processes (and --gpus N): each op in groups of n while the
+                processes compute between collectives (calibrate_comm.py)
+    layers      with --model/--arch: the model's block and ends, forward and backward, per tp shard
+                and micro-batch size, and AdamW per element (calibrate_layers.py), for each thread
+                count the planned process counts use
+This and its two workers' modules are the planner's only code that starts processes or touches
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ndtrain.errors import UserError
+from ndtrain.plan import calibrate_comm, cpu_profile
+from ndtrain.plan.arch import ModelSpec
 
 MATMUL_N = 512
-SMALL_BYTES = 4 * 1024
-LARGE_BYTES = 8 * 1024**2
+PROCESS_COUNTS = (1, 2, 4)  # planned local process counts profiled by default
 COPY_BYTES = 128 * 1024**2
 REPEAT_S = 0.6  # time spent on each measurement
-WORKER_TIMEOUT_S = 60.0
+WORKER_TIMEOUT_S = 300.0
 
 
 def _timed(fn: Callable[[], None], budget_s: float = REPEAT_S, min_reps: int = 3) -> float:
@@ -44,27 +45,6 @@ def _timed(fn: Callable[[], None], budget_s: float = REPEAT_S, min_reps: int = 3
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _timed_together(fn: Callable[[], None], dist: Any, budget_s: float) -> float:
-    """Median seconds of `fn`, every rank running the same number of repeats (a collective hangs
-    otherwise): the count comes from the slowest rank's first two calls."""
-    import torch
-
-    dist.barrier()
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    fn()
-    estimate = torch.tensor([(time.perf_counter() - t0) / 2])
-    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
-    reps = int(min(200, max(3, budget_s / max(estimate.item(), 1e-9))))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -85,38 +65,14 @@ def _compute_worker(rank: int, threads: int, barrier: Any, results: Any) -> None
     results.put((rank, {"matmul": rates, "copy_gbs": copy_gbs, "baseline_mib": baseline}))
 
 
-def _comm_worker(rank: int, world: int, store: str, results: Any) -> None:
+def _layers_worker(rank: int, threads: int, model: ModelSpec, tps: list[int], barrier: Any, results: Any) -> None:
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        timings: dict[str, dict[str, float]] = {}
-        for label, nbytes in (("small", SMALL_BYTES), ("large", LARGE_BYTES)):
-            full = torch.ones(nbytes // 4)
-            part = torch.ones(nbytes // 4 // world)
-            parts = [torch.empty_like(part) for _ in range(world)]
+    from ndtrain.plan import calibrate_layers
 
-            def ping_pong() -> None:
-                if rank == 0:
-                    dist.send(full, 1)
-                    dist.recv(full, 1)
-                elif rank == 1:
-                    dist.recv(full, 0)
-                    dist.send(full, 0)
-
-            ops = {
-                "all_reduce": lambda: dist.all_reduce(full),
-                "all_gather": lambda: dist.all_gather(parts, part),
-                "send_recv": ping_pong,
-            }
-            for op, fn in ops.items():
-                seconds = _timed_together(fn, dist, REPEAT_S / 2)
-                timings.setdefault(op, {})[label] = seconds / 2 if op == "send_recv" else seconds
-        results.put((rank, timings))
-    finally:
-        dist.destroy_process_group()
+    torch.set_num_threads(threads)
+    barrier.wait()
+    results.put((rank, calibrate_layers.measure(model, tps, _timed)))
 
 
 def _spawn(ctx: Any, target: Callable[..., None], args: list[tuple]) -> list[Any]:
@@ -154,42 +110,45 @@ def _measure_compute(n: int, cores: int) -> list[dict[str, Any]]:
     return _spawn(ctx, _compute_worker, [(max(1, cores // n), barrier)] * n)
 
 
-def _measure_comm(n: int) -> dict[str, dict[str, float]]:
+def _measure_comm(processes: int) -> dict[str, dict[str, dict[str, float]]]:
     with tempfile.TemporaryDirectory(prefix="ndtrain-calibrate-") as tmp:
         store = os.path.join(tmp, "store")
-        per_rank = _spawn(mp.get_context("spawn"), _comm_worker, [(n, store)] * n)
-    return {op: {label: max(r[op][label] for r in per_rank) for label in per_rank[0][op]} for op in per_rank[0]}
+        per_rank = _spawn(mp.get_context("spawn"), calibrate_comm.worker, [(processes, store)] * processes)
+    return calibrate_comm.fits(per_rank[0])  # every entry is already the slowest rank's
 
 
-def fit_alpha_beta(op: str, n: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
-    """(α seconds, B bytes/s) from two (bytes, seconds) measurements of `op` on n ranks."""
-    c_alpha, c_beta = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
-                       "send_recv": (1, 1)}[op]
-    (m_small, t_small), (m_large, t_large) = small, large
-    slope = max((t_large - t_small) / (m_large - m_small), 1e-15)
-    intercept = max(t_small - slope * m_small, 0.0)
-    return intercept / c_alpha, c_beta / slope
+def _measure_layers(model: ModelSpec, threads: int, concurrency: int, tps: list[int]) -> dict[str, dict[str, float]]:
+    """The median over `concurrency` processes measuring at once, entry by entry."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(concurrency)
+    per_rank = _spawn(ctx, _layers_worker, [(threads, model, tps, barrier)] * concurrency)
+    return {piece: {name: statistics.median(r[piece][name] for r in per_rank) for name in per_rank[0][piece]}
+            for piece in per_rank[0]}
 
 
-def run(out: Path) -> dict[str, Any]:
+def run(out: Path, model: ModelSpec | None = None, processes: tuple[int, ...] = PROCESS_COUNTS) -> dict[str, Any]:
+    """Measure, write the profile to `out`, return it. `processes`: the local process counts to plan."""
     start = time.perf_counter()
     cores = os.cpu_count() or 1
-    profile: dict[str, Any] = {"kind": "ndtrain-cpu-profile", "version": 1, "cores": cores,
-                               "matmul_gflops": {"fp32": {}, "bf16": {}}, "memory_gbs": {}, "collectives": {}}
+    tps = cpu_profile.profiled_tps(model, max(processes)) if model is not None else []
+    profile: dict[str, Any] = {"kind": "ndtrain-cpu-profile", "version": cpu_profile.VERSION, "cores": cores,
+                               "matmul_gflops": {"fp32": {}, "bf16": {}}, "memory_gbs": {}, "collectives": {},
+                               "models": {}}
     for n in (1, 2):
         per_rank = _measure_compute(n, cores)
         for dtype in ("fp32", "bf16"):
             profile["matmul_gflops"][dtype][str(n)] = round(statistics.median(r["matmul"][dtype] for r in per_rank), 3)
         profile["memory_gbs"][str(n)] = round(statistics.median(r["copy_gbs"] for r in per_rank), 3)
         profile["process_baseline_mib"] = round(max(r["baseline_mib"] for r in per_rank), 1)
-    for n in (2, 4):
-        measured = _measure_comm(n)
-        for op, times in measured.items():
-            alpha, bandwidth = fit_alpha_beta(op, n, (SMALL_BYTES, times["small"]), (LARGE_BYTES, times["large"]))
-            profile["collectives"].setdefault(op, {})[str(n)] = {
-                "latency_us": round(alpha * 1e6, 3), "bandwidth_gbs": round(bandwidth / 1e9, 4),
-                "small_ms": round(times["small"] * 1e3, 4), "large_ms": round(times["large"] * 1e3, 4),
-            }
+    for p in sorted(set(processes)):
+        if p > 1:
+            profile["collectives"][str(p)] = _measure_comm(p)
+    if model is not None:
+        by_threads = profile["models"].setdefault(cpu_profile.model_key(model), {})
+        for p in sorted(set(processes)):
+            threads = cpu_profile.threads_for(cores, p)
+            if str(threads) not in by_threads:
+                by_threads[str(threads)] = _measure_layers(model, threads, min(p, max(1, cores // threads)), tps)
     profile["memory_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 2)
     profile["seconds"] = round(time.perf_counter() - start, 1)
     try:
@@ -205,10 +164,11 @@ def summary(profile: dict[str, Any]) -> str:
     for dtype, rates in profile["matmul_gflops"].items():
         lines.append(f"  matmul {dtype}: " + ", ".join(f"{n} proc {r:.1f} GFLOP/s each" for n, r in rates.items()))
     lines.append("  copy: " + ", ".join(f"{n} proc {r:.1f} GB/s each" for n, r in profile["memory_gbs"].items()))
-    for op, fits in profile["collectives"].items():
-        lines.append(f"  {op}: " + ", ".join(
-            f"n={n} α={f['latency_us']:.0f} µs B={f['bandwidth_gbs']:.2f} GB/s" for n, f in fits.items()))
-    return "\n".join(lines)
+    for p, ops in profile["collectives"].items():
+        for op, fits in ops.items():
+            lines.append(f"  {p} processes, {op}: " + ", ".join(
+                f"groups of {n} α={f['latency_us']:.0f} µs B={f['bandwidth_gbs']:.2f} GB/s" for n, f in fits.items()))
+    return "\n".join(lines + cpu_profile.describe(profile))
 
 
 def _rss_mib() -> float:

@@ -4,7 +4,8 @@
     ndtrain plan --arch gpt --layers 48 --hidden 6144 --heads 48 --vocab 51200 --seq 2048 ...
     ndtrain plan ... --tp 8 --pp 4 --dp 2 --cp 1 --zero 1 --mbs 1 --recompute selective --sp on
                  --schedule 1f1b      (every layout flag given: that one layout is evaluated)
-    ndtrain plan --calibrate [--out PATH]        measure this machine into a CPU profile
+    ndtrain plan --calibrate [--out PATH] [--model P | --arch ...] [--gpus N]
+                                                 measure this machine (and the model's layers)
     ndtrain plan --profile PATH --gpus 4 ...     plan local CPU processes with that profile
     ndtrain plan --published                     the cluster-scale check against published runs
     ndtrain plan --validate bench-results/layouts-n4.json --profile plan-profile.json
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from ndtrain.errors import UserError
 from ndtrain.plan import arch, calibrate, report, validate
-from ndtrain.plan.hardware import Cluster, gpu, load_profile
+from ndtrain.plan.cpu_profile import load_profile
+from ndtrain.plan.hardware import Cluster, gpu
 from ndtrain.plan.search import Fixed, search
 
 DEFAULT_PROFILE = Path("plan-profile.json")
@@ -56,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help='print {"candidates": [...]} best first')
     out.add_argument("--explain", action="store_true", help="why rejected layouts fail: counts and examples")
     out.add_argument("--published", action="store_true", help="compare with published large-scale runs")
-    out.add_argument("--calibrate", action="store_true", help="measure this machine into a CPU profile")
+    out.add_argument("--calibrate", action="store_true", help="measure this machine into a CPU profile; with --model/--arch also "
+                     "that model's layers; --gpus N adds a process count to the default 1, 2, 4")
     out.add_argument("--validate", type=Path, metavar="RESULT",
                      help="compare with a `bench layouts` JSON result (needs --profile)")
     out.add_argument("--out", type=Path, default=DEFAULT_PROFILE, help=f"profile path (default {DEFAULT_PROFILE})")
@@ -72,7 +75,11 @@ def main(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.calibrate:
-        profile = calibrate.run(args.out)
+        model = _model(args) if (args.model or args.arch) else None
+        if args.gpus is not None and args.gpus <= 0:
+            raise UserError(f"--gpus {args.gpus} must be > 0")
+        counts = calibrate.PROCESS_COUNTS + ((args.gpus,) if args.gpus else ())
+        profile = calibrate.run(args.out, model, counts)
         print(calibrate.summary(profile))
         print(f"written {args.out}")
         return 0

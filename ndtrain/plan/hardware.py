@@ -13,19 +13,21 @@ GPU figures: NVIDIA A100 and H100/H200 datasheets (bf16 dense 312 / 989 / 989 TF
 collectives on large messages (≈ 80 % of the NVLink per-direction rate, ≈ 95 % of one
 200 Gb/s HDR or 400 Gb/s NDR NIC per GPU), overridable with --intra-bw / --inter-bw.
 
-A CPU profile (JSON written by `ndtrain plan --calibrate`) replaces all of these by what was
-measured on this machine for a given number of local processes (η = 1: the measured matmul rate
-is already what is achieved), and its communication never overlaps compute: gloo runs on the
-same cores.
+A CPU profile (JSON written by `ndtrain plan --calibrate`, read by `cpu_profile.load_profile`)
+replaces all of these by what was measured on this machine for a given number of local processes
+(η = 1: the measured matmul rate is already what is achieved), and its communication never
+overlaps compute: gloo runs on the same cores.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ndtrain.errors import UserError
+
+if TYPE_CHECKING:
+    from ndtrain.plan.cpu_profile import CpuProfile
 
 GIB = 1024**3
 GB = 1e9
@@ -67,6 +69,7 @@ class Hardware:
     inter: Link
     precision: Precision
     overlaps_comm: bool  # GPUs communicate beside compute; CPU collectives run on the computing cores
+    cpu: CpuProfile | None = None  # what a calibrated CPU profile measured beyond these numbers
 
 
 def _gpu(name: str, peak_tflops: float, eta: float, memory_gib: float, hbm_tbs: float, intra_gbs: float,
@@ -128,31 +131,3 @@ def gpu(name: str, intra_bw_gbs: float | None = None, inter_bw_gbs: float | None
     if inter_bw_gbs is not None:
         hw = replace(hw, inter=Link(inter_bw_gbs * GB, hw.inter.latency))
     return hw
-
-
-def load_profile(path: Path, processes: int) -> Hardware:
-    """The "cpu" device of a calibrated profile, for `processes` local ranks sharing the machine."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"--profile {path}: cannot read a calibration profile ({e}); run `ndtrain plan --calibrate`")
-    if data.get("kind") != "ndtrain-cpu-profile":
-        raise UserError(f"--profile {path} is not an ndtrain CPU profile: write one with `ndtrain plan --calibrate`")
-    flops = _per_process(data["matmul_gflops"]["fp32"], processes) * GB
-    memory_bw = _per_process(data["memory_gbs"], processes) * GB
-    fit = data["collectives"]["all_reduce"]
-    nearest = str(min((int(n) for n in fit), key=lambda n: (abs(n - processes), -n)))
-    link = Link(fit[nearest]["bandwidth_gbs"] * GB, fit[nearest]["latency_us"] * 1e-6)
-    ram = data["memory_total_gib"] * GIB / processes
-    reserved = data["process_baseline_mib"] * 1024**2
-    return Hardware("cpu", "cpu", flops, 1.0, ram, reserved, memory_bw, link, link, FP32, False)
-
-
-def _per_process(rates: dict[str, float], processes: int) -> float:
-    """The measured per-process rate at this concurrency; beyond the measured counts, the machine's
-    best total rate shared evenly (more processes than cores only split the same cores)."""
-    if str(processes) in rates:
-        return rates[str(processes)]
-    best_total = max(int(n) * rate for n, rate in rates.items())
-    below = [int(n) for n in rates if int(n) < processes]
-    return min(best_total / processes, rates[str(max(below))]) if below else rates[min(rates, key=int)]

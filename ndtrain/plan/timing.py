@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 from ndtrain.plan import collectives, schedules
 from ndtrain.plan.arch import ModelSpec
-from ndtrain.plan.hardware import Cluster, Link
+from ndtrain.plan.cpu_profile import model_key
+from ndtrain.plan.hardware import Cluster
 from ndtrain.plan.layout import Layout
 from ndtrain.plan.memory import activation_coefficients, layer_activation_bytes, stage_params
 
@@ -61,12 +62,14 @@ class Timing:
     bubble: float
     dp_comm: float
     optimizer: float
+    shared_cores: float  # CPU profiles with more processes than compute slots: see _shared_cores
     model_flops: float  # per step, all ranks, no recompute
     hardware_flops: float  # per step, all ranks, with recompute
 
     @property
     def step(self) -> float:
-        return self.compute + self.tp_comm + self.cp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+        return (self.compute + self.tp_comm + self.cp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+                + self.shared_cores)
 
 
 @dataclass(frozen=True)
@@ -94,33 +97,26 @@ class _MicroBatch:
 def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBatch:
     hw = cluster.hardware
     beta = hw.precision.activation_bytes
-    rate = hw.peak_flops * hw.matmul_efficiency
     tokens = layout.mbs * model.seq / layout.cp
     layers = model.layers if layout.pp == 1 else layout.stage_layers(model.layers)
+    compute_f, compute_b, _ = _compute(model, layout, cluster, layers)
 
-    layer_f = tokens * model.layer_forward_flops_per_token / layout.tp / rate
-    attention_f = tokens * model.attention_forward_flops_per_token / layout.tp / rate
-    logits_f = tokens * model.logits_forward_flops_per_token / layout.tp / rate  # the last stage is the slowest
-    memory_f = 2 * layer_activation_bytes(model, layout, hw.precision, "none") / hw.hbm_bandwidth
-    scores_f = 2 * _score_bytes(model, layout, beta) / hw.hbm_bandwidth
-    recompute = {"none": 0.0, "selective": attention_f + scores_f, "full": layer_f + memory_f}[layout.recompute]
-    if model.flash_attention and layout.recompute == "none":
-        recompute = attention_f
-    compute_f = layers * (layer_f + memory_f) + logits_f
-    compute_b = 2 * compute_f + layers * recompute
-
-    tp_link = cluster.link(1, layout.tp)
-    tp_one = collectives.all_reduce(layout.tp, tokens * model.hidden * beta, tp_link)
-    tp_f = layers * 2 * tp_one + _vocab_forward(layout, tokens, tp_one, tp_link)
+    tp_one = _collective(cluster, "all_reduce", 1, layout.tp, tokens * model.hidden * beta)
+    if layout.sp and hw.cpu is not None:  # each all-reduce becomes an all-gather + a reduce-scatter of
+        # the same bytes: the ring volume is equal (so on GPUs the cost), gloo's measured cost is not
+        tp_one = sum(_collective(cluster, op, 1, layout.tp, tokens * model.hidden * beta)
+                     for op in ("all_gather", "reduce_scatter"))
+    tp_f = layers * 2 * tp_one + _vocab_forward(cluster, layout, tokens, tp_one)
     tp_b = layers * (2 + (2 if layout.recompute == "full" else 0)) * tp_one + tp_one  # + the head's input
     if layout.sp and hw.kind == "cpu":  # ndtrain's norm gradients, per micro-batch: 2 per layer and the final norm
-        tp_b += (2 * layers + 1) * collectives.all_reduce(layout.tp, model.hidden * 4, tp_link)
+        tp_b += (2 * layers + 1) * _collective(cluster, "all_reduce", 1, layout.tp, model.hidden * 4)
 
     cp_f = cp_b = 0.0
     if layout.cp > 1:
         kv_heads = max(1, model.kv_heads // layout.tp)
         chunk = tokens * 2 * kv_heads * model.head_dim * beta
-        ring = (layout.cp - 1) * collectives.send_recv(chunk, cluster.link(layout.tp * layout.pp, layout.cp))
+        ring = (layout.cp - 1) * _collective(cluster, "send_recv", layout.tp * layout.pp, layout.cp, chunk)
+        attention_f = tokens * model.attention_forward_flops_per_token / layout.tp / (hw.peak_flops * hw.matmul_efficiency)
         hidden = attention_f if hw.overlaps_comm else 0.0
         cp_f = layers * max(0.0, ring - hidden)
         cp_b = layers * max(0.0, 2 * ring - 2 * hidden)
@@ -128,14 +124,57 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
     pp_f = pp_b = 0.0
     if layout.pp > 1:
         boundary = tokens * model.hidden * beta / layout.tp
-        pp_f = pp_b = layout.vpp * collectives.send_recv(boundary, cluster.link(layout.tp, layout.pp))
+        pp_f = pp_b = layout.vpp * _collective(cluster, "send_recv", layout.tp, layout.pp, boundary)
     return _MicroBatch(compute_f, compute_b, tp_f, tp_b, cp_f, cp_b, pp_f, pp_b)
 
 
-def _vocab_forward(layout: Layout, tokens: float, tp_one: float, link: Link) -> float:
+def _compute(model: ModelSpec, layout: Layout, cluster: Cluster, layers: int) -> tuple[float, float, float]:
+    """(forward, backward) seconds of one micro-batch through `layers` layers and the model's ends on
+    one rank, and the same for the whole model (all stages) on one tp rank: measured pieces of a CPU
+    profile when it has them, FLOPs at the achievable rate plus element-wise traffic otherwise."""
+    hw = cluster.hardware
+    attention_share = model.attention_forward_flops_per_token / model.layer_forward_flops_per_token
+    pieces = hw.cpu.piece_times(model, layout.tp, layout.mbs) if hw.cpu is not None else None
+    if pieces is not None:  # measured at the full sequence: a cp rank runs 1/cp of the tokens
+        layer_f, ends_f, ends_b = pieces.layer_f / layout.cp, pieces.head_f / layout.cp, pieces.head_b / layout.cp
+        layer_b, attention_f = pieces.layer_b / layout.cp, attention_share * pieces.layer_f / layout.cp
+        recompute = {"none": 0.0, "selective": attention_f, "full": layer_f}[layout.recompute]
+    else:
+        rate = hw.peak_flops * hw.matmul_efficiency
+        tokens = layout.mbs * model.seq / layout.cp
+        beta = hw.precision.activation_bytes
+        flops_f = tokens * model.layer_forward_flops_per_token / layout.tp / rate
+        attention_f = tokens * model.attention_forward_flops_per_token / layout.tp / rate
+        memory_f = 2 * layer_activation_bytes(model, layout, hw.precision, "none") / hw.hbm_bandwidth
+        scores_f = 2 * _score_bytes(model, layout, beta) / hw.hbm_bandwidth
+        recompute = {"none": 0.0, "selective": attention_f + scores_f, "full": flops_f + memory_f}[layout.recompute]
+        if model.flash_attention and layout.recompute == "none":
+            recompute = attention_f
+        layer_f = flops_f + memory_f
+        layer_b = 2 * layer_f
+        ends_f = tokens * model.logits_forward_flops_per_token / layout.tp / rate
+        ends_b = 2 * ends_f
+    forward, backward = layers * layer_f + ends_f, layers * (layer_b + recompute) + ends_b  # the last stage
+    whole = model.layers * (layer_f + layer_b + recompute) + ends_f + ends_b
+    return forward, backward, whole
+
+
+def _collective(cluster: Cluster, op: str, stride: int, n: int, nbytes: float) -> float:
+    """Seconds of `op` over n ranks spaced `stride` apart: the profile's fit for that op and group size
+    on a CPU, the slowest link the group spans on a GPU cluster."""
+    if n == 1 and op != "send_recv":
+        return 0.0
+    cpu = cluster.hardware.cpu
+    link = cpu.link(op, n) if cpu is not None else cluster.link(stride, n)
+    if op == "send_recv":
+        return collectives.send_recv(nbytes, link)
+    return getattr(collectives, op)(n, nbytes, link)
+
+
+def _vocab_forward(cluster: Cluster, layout: Layout, tokens: float, tp_one: float) -> float:
     """Forward tp communication of the vocabulary-parallel ends on the slowest (last) stage: the
     cross-entropy's max and sum all-reduces (fp32), and the embedding's all-reduce when pp = 1."""
-    loss = collectives.all_reduce(layout.tp, tokens * 4, link) + collectives.all_reduce(layout.tp, 2 * tokens * 4, link)
+    loss = sum(_collective(cluster, "all_reduce", 1, layout.tp, nbytes) for nbytes in (tokens * 4, 2 * tokens * 4))
     return loss + (tp_one if layout.pp == 1 else 0.0)
 
 
@@ -150,33 +189,50 @@ def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _Micr
     if n == 1:
         return 0.0
     precision = cluster.hardware.precision
-    link = cluster.link(layout.tp * layout.pp, n)
+
+    def cost(op: str, nbytes: float) -> float:
+        return _collective(cluster, op, layout.tp * layout.pp, n, nbytes)
+
     psi = stage_params(model, layout, "last" if layout.pp > 1 else "only")
     grads, weights = psi * precision.grad_bytes, psi * precision.param_bytes
     bucket = min(BUCKET_BYTES, grads)
     overlap = 1.0 if cluster.hardware.overlaps_comm else 0.0
     window_f, window_b = overlap * mb.compute_f, overlap * mb.compute_b
+    reduce = collectives.exposed(cost("all_reduce", grads), window_b, cost("all_reduce", bucket))
     if layout.zero == 0:
-        return collectives.exposed(collectives.all_reduce(n, grads, link), window_b,
-                                   collectives.all_reduce(n, bucket, link))
+        return reduce
     first_layer = model.layer_params / layout.tp * precision.param_bytes
-    gather = collectives.exposed(collectives.all_gather(n, weights, link), window_f,
-                                 collectives.all_gather(n, min(bucket, first_layer), link))
-    scatter = collectives.exposed(collectives.reduce_scatter(n, grads, link), window_b,
-                                  collectives.reduce_scatter(n, bucket, link))
-    if layout.zero == 1:
-        return scatter + gather
+    gather = collectives.exposed(cost("all_gather", weights), window_f, cost("all_gather", min(bucket, first_layer)))
+    scatter = collectives.exposed(cost("reduce_scatter", grads), window_b, cost("reduce_scatter", bucket))
+    if layout.zero == 1:  # ndtrain's ZeRO-1 keeps DDP's all-reduce (zero.py); Megatron reduce-scatters
+        return (reduce if cluster.hardware.cpu is not None else scatter) + gather
     if layout.zero == 2:
         return m * scatter + gather
-    backward = collectives.all_gather(n, weights, link) + collectives.reduce_scatter(n, grads, link)
-    return m * (gather + collectives.exposed(backward, window_b, collectives.all_gather(n, first_layer, link)))
+    backward = cost("all_gather", weights) + cost("reduce_scatter", grads)
+    return m * (gather + collectives.exposed(backward, window_b, cost("all_gather", first_layer)))
 
 
 def _optimizer(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
     psi = stage_params(model, layout, "last" if layout.pp > 1 else "only")
     if layout.zero >= 1:
         psi /= layout.dp * layout.cp
+    cpu = cluster.hardware.cpu
+    measured = cpu.adamw_s_per_param.get(model_key(model)) if cpu is not None else None
+    if measured is not None:
+        return psi * measured
     return psi * OPTIMIZER_TRAFFIC_BYTES / cluster.hardware.hbm_bandwidth
+
+
+def _shared_cores(model: ModelSpec, layout: Layout, cluster: Cluster, m: int, busy: float, optimizer: float) -> float:
+    """Time added because P processes share S < P compute slots (CPU profiles): the step cannot be
+    shorter than all processes' compute divided over the slots. Every tp rank runs its shard of
+    every micro-batch through all pp stages: Σ = dp·cp·tp · m · (whole model on one tp shard)."""
+    cpu = cluster.hardware.cpu
+    if cpu is None or layout.world <= cpu.slots:
+        return 0.0
+    whole = _compute(model, layout, cluster, model.layers)[2]
+    work = layout.dp * layout.cp * layout.tp * m * whole + layout.world * optimizer
+    return max(0.0, work / cpu.slots - busy)
 
 
 def flops_per_step(model: ModelSpec, layout: Layout, global_batch: int) -> tuple[float, float]:
@@ -194,14 +250,16 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
     mb = _micro_batch(model, layout, cluster)
     bubble = schedules.bubble_time(layout.schedule, layout.pp, layout.vpp, mb.t_f, mb.t_b)
     model_flops, hardware_flops = flops_per_step(model, layout, global_batch)
+    compute, optimizer = m * (mb.compute_f + mb.compute_b), _optimizer(model, layout, cluster)
     return Timing(
-        compute=m * (mb.compute_f + mb.compute_b),
+        compute=compute,
         tp_comm=m * (mb.tp_f + mb.tp_b),
         cp_comm=m * (mb.cp_f + mb.cp_b),
         pp_comm=m * (mb.pp_f + mb.pp_b),
         bubble=bubble,
         dp_comm=_data_parallel(model, layout, cluster, mb, m),
-        optimizer=_optimizer(model, layout, cluster),
+        optimizer=optimizer,
+        shared_cores=_shared_cores(model, layout, cluster, m, compute + bubble + optimizer, optimizer),
         model_flops=model_flops,
         hardware_flops=hardware_flops,
     )

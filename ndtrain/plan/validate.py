@@ -131,20 +131,20 @@ def predictions(bench: BenchLayouts, cluster: Cluster) -> dict[str, Timing]:
 
 
 def table(bench: BenchLayouts, predicted: Mapping[str, Timing]) -> str:
-    """One row per layout (predicted parts — compute with optimizer, exposed communication, bubble —,
-    predicted step, measured, relative error), then ρ, the median error and the verdict."""
+    """One row per layout (predicted parts — compute with optimizer, exposed communication, bubble,
+    shared cores —, predicted step, measured, relative error), then ρ, the median error and the verdict."""
     names = list(bench.layouts)
     result = agreement([predicted[n].step for n in names], [bench.measured[n] for n in names])
     lines = [
         f"planner vs `ndtrain bench layouts`: {bench.model.name} (seq {bench.model.seq}), {bench.world} processes, "
         f"B={bench.global_batch}",
-        f"{'layout':<21}{'planner layout':<46}{'compute':>11}{'comm':>11}{'bubble':>11}{'predicted':>11}"
+        f"{'layout':<21}{'planner layout':<46}{'compute':>11}{'comm':>11}{'bubble':>11}{'shared':>11}{'predicted':>11}"
         f"{'measured':>11}{'error':>9}",
     ]
     for name in names:
         t, m = predicted[name], bench.measured[name]
         comm = t.tp_comm + t.cp_comm + t.pp_comm + t.dp_comm
-        cells = "".join(f"{v * 1e3:>8.1f} ms" for v in (t.compute + t.optimizer, comm, t.bubble, t.step, m))
+        cells = "".join(f"{v * 1e3:>8.1f} ms" for v in (t.compute + t.optimizer, comm, t.bubble, t.shared_cores, t.step, m))
         lines.append(f"{name:<21}{bench.layouts[name].label():<46}{cells}{(t.step - m) / m * 100:>+8.1f}%")
     verdict = "met" if result.acceptable() and result.layouts >= MIN_LAYOUTS else "NOT met"
     lines.append(f"Spearman ρ = {result.spearman:.3f}, median |error| = {result.median_relative_error * 100:.1f} % "

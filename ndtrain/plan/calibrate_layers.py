@@ -1,0 +1,109 @@
+"""The compute part of a CPU profile for one model: measured seconds of its pieces, per tp shard.
+
+`ndtrain plan --calibrate --model PRESET` (or `--arch llama ...`) adds to the machine profile what
+one process of this machine takes to run the model's pieces, the way Alpa and Galvatron profile
+a model's layers before planning it: FLOP counts cannot say what a CPU achieves on small,
+memory-bound shapes (norms, SwiGLU, attention softmax, cross-entropy, autograd), so the planner
+uses these times instead of FLOPs ÷ matmul rate whenever the profile holds them.
+
+Measured, for every tp that divides the query heads and is ≤ the largest planned process count,
+and micro-batch sizes `MICRO_BATCHES`, forward and backward (autograd) separately, median over
+repeats, with `threads` intra-op threads in each of `concurrency` processes running at once (so
+the measurement shares caches and memory bandwidth as the planned processes do):
+    layer   one Llama block on tp rank 0's shard: RMSNorm, q/k/v projections with a/t query heads
+            and k/t key/value heads (all k when t does not divide them: ndtrain replicates
+            them), rotary, causal SDPA, output projection, residual, RMSNorm, SwiGLU with f/t,
+            residual — the ops of ndtrain's `Block` at the shard's shapes
+    head    the embedding lookup of V/t rows, the final RMSNorm, the logits x·W (h × V/t) and the
+            cross-entropy over them (the vocabulary-parallel ends of the first and last stage)
+    adamw   torch.optim.AdamW (foreach) step time per parameter element, over 4 M elements
+Only llama models (ndtrain's family) are profiled (`cpu_profile.profiled_tps` refuses others).
+No collective runs here: tp communication is priced by the collectives part of the profile.
+Imported only inside calibration workers (it needs torch; the planner itself does not).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ndtrain.plan.arch import ModelSpec
+from ndtrain.plan.cpu_profile import shard_key
+
+MICRO_BATCHES = (1, 2)
+ADAMW_ELEMENTS = 4 * 1024**2
+
+
+def measure(model: ModelSpec, tps: list[int], timed: Callable[[Callable[[], None]], float]) -> dict[str, dict[str, float]]:
+    """Seconds of each piece for every (tp, mbs); `timed(fn)` returns the median seconds of fn().
+    Forward is timed with autograd recording (as in training); backward = (forward + backward) − forward."""
+    torch.manual_seed(0)
+    result: dict[str, dict[str, float]] = {}
+    for tp in tps:
+        for mbs in MICRO_BATCHES:
+            shard = _Shard(model, tp, mbs)
+            layer_f, layer_fb = timed(shard.layer), timed(lambda: shard.layer().sum().backward())
+            head_f, head_fb = timed(shard.head), timed(lambda: shard.head().backward())
+            result[shard_key(tp, mbs)] = {"layer_f": layer_f, "layer_b": max(layer_fb - layer_f, 0.0),
+                                          "head_f": head_f, "head_b": max(head_fb - head_f, 0.0)}
+    params = [torch.zeros(ADAMW_ELEMENTS // 16, requires_grad=True) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    result["adamw"] = {"s_per_param": timed(optimizer.step) / ADAMW_ELEMENTS}
+    return result
+
+
+class _Shard:
+    """tp rank 0's share of one Llama block and of the model's ends, for one micro-batch."""
+
+    def __init__(self, model: ModelSpec, tp: int, mbs: int) -> None:
+        h, d, s = model.hidden, model.head_dim, model.seq
+        self.heads = model.heads // tp
+        self.kv = model.kv_heads // tp if model.kv_heads % tp == 0 else model.kv_heads
+        self.d, self.shape = d, (mbs, s, h)
+        ffn, vocab = model.ffn // tp, math.ceil(model.vocab / tp)
+        self.wq, self.wo = _weight(self.heads * d, h), _weight(h, self.heads * d)
+        self.wk, self.wv = _weight(self.kv * d, h), _weight(self.kv * d, h)
+        self.w1, self.w3, self.w2 = _weight(ffn, h), _weight(ffn, h), _weight(h, ffn)
+        self.norms = [torch.ones(h, requires_grad=True) for _ in range(3)]
+        self.embedding, self.output = _weight(vocab, h), _weight(vocab, h)
+        self.tokens = torch.randint(0, vocab, (mbs, s))
+        self.targets = torch.randint(0, vocab, (mbs, s))
+        angles = torch.outer(torch.arange(s, dtype=torch.float32), 10000.0 ** (-torch.arange(0, d, 2) / d))
+        self.cos, self.sin = angles.cos(), angles.sin()
+        self.x = torch.randn(*self.shape, requires_grad=True)
+
+    def layer(self) -> torch.Tensor:
+        b, s, _ = self.shape
+        x = self.x
+        y = _norm(x, self.norms[0])
+        q, k, v = (F.linear(y, w).view(b, s, -1, self.d).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = self._rotary(q), self._rotary(k)
+        if self.kv != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv, dim=1)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + F.linear(attention.transpose(1, 2).reshape(b, s, -1), self.wo)
+        y = _norm(x, self.norms[1])
+        return x + F.linear(F.silu(F.linear(y, self.w1)) * F.linear(y, self.w3), self.w2)
+
+    def head(self) -> torch.Tensor:
+        x = F.embedding(self.tokens, self.embedding) + self.x
+        logits = F.linear(_norm(x, self.norms[2]), self.output)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), self.targets.view(-1))
+
+    def _rotary(self, x: torch.Tensor) -> torch.Tensor:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((even * self.cos - odd * self.sin, even * self.sin + odd * self.cos), -1).flatten(-2)
+
+
+def _weight(rows: int, cols: int) -> torch.Tensor:
+    return (torch.randn(rows, cols) * 0.02).requires_grad_()
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight

@@ -1,0 +1,156 @@
+"""A calibrated CPU profile (`ndtrain plan --calibrate`) as the planner's device: `load_profile`.
+
+The profile plans P local processes on a machine of C cores, each process running
+T = max(1, C // P) intra-op threads (what `ndtrain train`/`bench` set), so at most
+S = C // T processes compute at once ("slots"). It holds, all measured on this machine:
+    matmul_gflops, memory_gbs     per-process rates at 1 and 2 concurrent processes: the FLOP-based
+                                  fallback for models without a layer profile
+    collectives[P][op][n]         α and B of all_reduce, all_gather, reduce_scatter and send_recv in
+                                  groups of n ranks while all P processes exist and compute between
+                                  collectives (see calibrate_comm.py), fitted to the α–β formulas
+    models[key][T][tp mbs]        seconds of one Llama block, of the model's ends (embedding, norm,
+                                  logits, loss) forward and backward on tp rank 0's shard at micro-batch
+                                  mbs, and AdamW seconds per element (calibrate_layers.py), measured with
+                                  T threads in min(P, S) processes at once
+What the planner derives from it (timing.py): per-process compute from the model's measured pieces
+(or FLOPs ÷ matmul rate), collectives from the fit for their op and group size, and — when P > S —
+that the P processes share S slots, so a step takes at least (work of all processes) / S.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ndtrain.errors import UserError
+from ndtrain.plan.arch import ModelSpec
+from ndtrain.plan.hardware import FP32, GB, GIB, Hardware, Link
+
+VERSION = 2
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def model_key(model: ModelSpec) -> str:
+    """The shapes a layer profile is valid for (the name does not matter, the sizes do)."""
+    return f"{model.arch} h{model.hidden} a{model.heads} k{model.kv_heads} f{model.ffn} V{model.vocab} s{model.seq}"
+
+
+def shard_key(tp: int, mbs: int) -> str:
+    return f"tp{tp} mbs{mbs}"
+
+
+def threads_for(cores: int, processes: int) -> int:
+    return max(1, cores // processes)
+
+
+def profiled_tps(model: ModelSpec, max_processes: int) -> list[int]:
+    """The tp degrees a layer profile covers: those dividing the query heads and `max_processes`."""
+    if model.arch != "llama":
+        raise UserError(f"--calibrate --model profiles llama models (ndtrain's family); {model.name} is "
+                        f"{model.arch}: calibrate without --model (its compute is then estimated from FLOPs)")
+    return [t for t in range(1, max_processes + 1) if max_processes % t == 0 and model.heads % t == 0]
+
+
+@dataclass(frozen=True)
+class PieceTimes:
+    """Seconds of one micro-batch through one block, and through the model's two ends, on one process."""
+
+    layer_f: float
+    layer_b: float
+    head_f: float
+    head_b: float
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    cores: int
+    processes: int
+    links: dict[tuple[str, int], Link]
+    pieces: dict[str, dict[str, PieceTimes]] = field(default_factory=dict)  # model key -> shard key -> times
+    adamw_s_per_param: dict[str, float] = field(default_factory=dict)  # model key -> seconds
+
+    @property
+    def threads(self) -> int:
+        return threads_for(self.cores, self.processes)
+
+    @property
+    def slots(self) -> int:
+        """How many of the processes can compute at the same time."""
+        return max(1, self.cores // self.threads)
+
+    def link(self, op: str, n: int) -> Link:
+        """The fit for `op` in groups of n (the nearest measured group size)."""
+        sizes = [size for (o, size) in self.links if o == op]
+        nearest = min(sizes, key=lambda size: (abs(size - n), -size))
+        return self.links[(op, nearest)]
+
+    def piece_times(self, model: ModelSpec, tp: int, mbs: int) -> PieceTimes | None:
+        """Measured pieces at (tp, mbs); another mbs is scaled from the nearest measured one (time ∝
+        tokens); None when this model or tp was not profiled."""
+        table = self.pieces.get(model_key(model), {})
+        measured = {int(key.split()[1][3:]): t for key, t in table.items() if key.split()[0] == f"tp{tp}"}
+        if not measured:
+            return None
+        nearest = min(measured, key=lambda b: (abs(b - mbs), -b))
+        t, scale = measured[nearest], mbs / nearest
+        return PieceTimes(t.layer_f * scale, t.layer_b * scale, t.head_f * scale, t.head_b * scale)
+
+
+def load_profile(path: Path, processes: int) -> Hardware:
+    """The "cpu" device of a calibrated profile, for `processes` local ranks sharing the machine."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"--profile {path}: cannot read a calibration profile ({e}); run `ndtrain plan --calibrate`")
+    if data.get("kind") != "ndtrain-cpu-profile":
+        raise UserError(f"--profile {path} is not an ndtrain CPU profile: write one with `ndtrain plan --calibrate`")
+    if data.get("version") != VERSION:
+        raise UserError(f"--profile {path} is a version {data.get('version')} profile; this planner reads version "
+                        f"{VERSION}: run `ndtrain plan --calibrate` again")
+    cores = int(data["cores"])
+    threads = threads_for(cores, processes)
+    comm = data["collectives"]
+    measured_counts = sorted(int(p) for p in comm)
+    nearest = str(min(measured_counts, key=lambda p: (abs(p - processes), -p)))
+    links = {(op, int(n)): Link(fit["bandwidth_gbs"] * GB, fit["latency_us"] * 1e-6)
+             for op, fits in comm[nearest].items() if op in OPS for n, fit in fits.items()}
+    pieces: dict[str, dict[str, PieceTimes]] = {}
+    adamw: dict[str, float] = {}
+    for key, by_threads in data.get("models", {}).items():
+        table = by_threads.get(str(threads))
+        if table is None:
+            continue
+        adamw[key] = table["adamw"]["s_per_param"]
+        pieces[key] = {shard: PieceTimes(**t) for shard, t in table.items() if shard != "adamw"}
+    cpu = CpuProfile(cores, processes, links, pieces, adamw)
+    flops = _per_process(data["matmul_gflops"]["fp32"], processes) * GB
+    memory_bw = _per_process(data["memory_gbs"], processes) * GB
+    link = cpu.link("all_reduce", processes)
+    ram = data["memory_total_gib"] * GIB / processes
+    reserved = data["process_baseline_mib"] * 1024**2
+    return Hardware("cpu", "cpu", flops, 1.0, ram, reserved, memory_bw, link, link, FP32, False, cpu)
+
+
+def _per_process(rates: dict[str, float], processes: int) -> float:
+    """The measured per-process rate at this concurrency; beyond the measured counts, the machine's
+    best total rate shared evenly (more processes than cores only split the same cores)."""
+    if str(processes) in rates:
+        return rates[str(processes)]
+    best_total = max(int(n) * rate for n, rate in rates.items())
+    below = [int(n) for n in rates if int(n) < processes]
+    return min(best_total / processes, rates[str(max(below))]) if below else rates[min(rates, key=int)]
+
+
+def describe(data: dict[str, Any]) -> list[str]:
+    """Lines summarising the layer profiles of a profile's JSON (for `--calibrate`'s printout)."""
+    lines = []
+    for key, by_threads in data.get("models", {}).items():
+        for threads, table in by_threads.items():
+            shards = ", ".join(f"{shard}: block {t['layer_f'] * 1e3:.1f}+{t['layer_b'] * 1e3:.1f} ms, ends "
+                               f"{t['head_f'] * 1e3:.1f}+{t['head_b'] * 1e3:.1f} ms"
+                               for shard, t in table.items() if shard != "adamw")
+            lines.append(f"  {key}, {threads} thread(s): {shards}; AdamW "
+                         f"{table['adamw']['s_per_param'] * 1e9:.2f} ns/param")
+    return lines

@@ -1,0 +1,47 @@
+"""Synthetic CPU profiles (the JSON `ndtrain plan --calibrate` writes) for the planner's tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ndtrain.plan.cpu_profile import VERSION, model_key, shard_key
+from ndtrain.plan.arch import ModelSpec
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def fit(latency_us: float, bandwidth_gbs: float) -> dict[str, float]:
+    return {"latency_us": latency_us, "bandwidth_gbs": bandwidth_gbs}
+
+
+def cpu_profile(cores: int = 2, pieces: dict[ModelSpec, dict[str, dict[str, float]]] | None = None) -> dict[str, Any]:
+    """A version-2 profile: 100/60 GFLOP/s at 1/2 processes; per op a distinct α–β per (P, n) so a
+    test can tell which fit was used: α = 100·P + 10·n + op index µs, B = 1/(P·n·(op index + 1)) GB/s.
+    `pieces`: model -> {threads: {shard key or "adamw": times}}."""
+    collectives = {
+        str(p): {op: {str(n): fit(100 * p + 10 * n + i, 1 / (p * n * (i + 1)))
+                      for n in (2, 4) if n <= p and (op != "send_recv" or n == 2)}
+                 for i, op in enumerate(OPS)}
+        for p in (2, 4)
+    }
+    return {
+        "kind": "ndtrain-cpu-profile", "version": VERSION, "cores": cores,
+        "matmul_gflops": {"fp32": {"1": 100.0, "2": 60.0}, "bf16": {"1": 2.0}},
+        "memory_gbs": {"1": 20.0, "2": 12.0}, "memory_total_gib": 16.0, "process_baseline_mib": 300.0,
+        "collectives": collectives,
+        "models": {model_key(m): by_threads for m, by_threads in (pieces or {}).items()},
+    }
+
+
+def pieces(layer_f: float, layer_b: float, head_f: float, head_b: float) -> dict[str, float]:
+    return {"layer_f": layer_f, "layer_b": layer_b, "head_f": head_f, "head_b": head_b}
+
+
+def bench_pieces(tps: tuple[int, ...] = (1, 2)) -> dict[str, dict[str, Any]]:
+    """Round numbers for the bench model at 1 thread: a block 40+80 ms at tp1 mbs1, half per tp2 plus 10%,
+    the ends 5+10 ms; AdamW 10 ns per element."""
+    table: dict[str, Any] = {"adamw": {"s_per_param": 1e-8}}
+    for tp in tps:
+        scale = 1.0 if tp == 1 else 1.1 / tp
+        table[shard_key(tp, 1)] = pieces(0.040 * scale, 0.080 * scale, 0.005, 0.010)
+    return {"1": table}

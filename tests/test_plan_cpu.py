@@ -1,0 +1,110 @@
+"""The planner on a calibrated CPU profile: reading it (threads, slots, per-op fits, layer pieces) and
+the step time built from measured pieces, ndtrain's own collectives and processes sharing cores —
+each against a value computed by hand from a synthetic profile (tests/plan_profiles.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ndtrain.errors import UserError
+from ndtrain.plan import arch, collectives
+from ndtrain.plan.cpu_profile import load_profile
+from ndtrain.plan.hardware import Cluster, Hardware
+from ndtrain.plan.layout import Layout
+from ndtrain.plan.memory import stage_params
+from ndtrain.plan.timing import step_time
+from tests.plan_profiles import bench_pieces, cpu_profile
+
+BENCH = arch.PRESETS["ndtrain-bench"]
+B = 8
+
+
+def hardware(tmp_path: Path, processes: int, **kwargs) -> Hardware:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(cpu_profile(**kwargs)))
+    return load_profile(path, processes)
+
+
+def layout(**changes) -> Layout:
+    base = dict(tp=1, pp=1, dp=4, cp=1, zero=0, mbs=1, vpp=1, recompute="none", sp=False, schedule="none")
+    return Layout(**{**base, **changes})
+
+
+def test_threads_slots_and_the_fit_of_each_op_and_group(tmp_path: Path) -> None:
+    four, two, one = (hardware(tmp_path, p) for p in (4, 2, 1))
+    assert (four.cpu.threads, four.cpu.slots) == (1, 2)  # 4 processes share 2 cores
+    assert (two.cpu.threads, two.cpu.slots) == (1, 2)
+    assert (one.cpu.threads, one.cpu.slots) == (2, 1)
+    link = four.cpu.link("reduce_scatter", 4)  # P = 4, n = 4, op index 2
+    assert (link.latency, link.bandwidth) == pytest.approx(((400 + 40 + 2) * 1e-6, 1e9 / (4 * 4 * 3)))
+    assert four.cpu.link("send_recv", 4) == four.cpu.link("send_recv", 2)  # only pairs were measured
+    assert two.cpu.link("all_reduce", 2).latency == pytest.approx((200 + 20) * 1e-6)
+    assert hardware(tmp_path, 8).cpu.link("all_gather", 8).latency == pytest.approx((400 + 40 + 1) * 1e-6)
+    assert four.peak_flops == 30e9  # the FLOP fallback: the best total (120) shared by 4
+
+
+def test_piece_times_scale_to_other_micro_batches_and_stay_per_model(tmp_path: Path) -> None:
+    hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces()})
+    assert hw.cpu.piece_times(BENCH, 1, 1).layer_b == pytest.approx(0.080)
+    assert hw.cpu.piece_times(BENCH, 1, 3).layer_f == pytest.approx(3 * 0.040)  # ∝ tokens from mbs 1
+    assert hw.cpu.piece_times(BENCH, 2, 1).layer_f == pytest.approx(0.040 * 1.1 / 2)
+    assert hw.cpu.piece_times(BENCH, 3, 1) is None
+    assert hw.cpu.piece_times(arch.PRESETS["ndtrain-small"], 1, 1) is None
+    assert hardware(tmp_path, 1, pieces={BENCH: bench_pieces()}).cpu.piece_times(BENCH, 1, 1) is None  # 2 threads
+
+
+def test_dp4_step_from_measured_pieces_and_shared_cores(tmp_path: Path) -> None:
+    """4 processes on 2 slots: each trains m = 2 micro-batches; the step is at least the 4 processes'
+    work over 2 slots, so the shared-cores term doubles the compute; the gradient all-reduce is added."""
+    hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces()})
+    t = step_time(BENCH, layout(), Cluster(hw, 4, 4), B)
+    per_mb = BENCH.layers * (0.040 + 0.080) + 0.005 + 0.010
+    psi = stage_params(BENCH, layout(), "only")
+    assert t.compute == pytest.approx(2 * per_mb)
+    assert t.optimizer == pytest.approx(psi * 1e-8)
+    assert t.dp_comm == pytest.approx(collectives.all_reduce(4, 4 * psi, hw.cpu.link("all_reduce", 4)))
+    assert t.compute + t.optimizer + t.shared_cores == pytest.approx(4 * (2 * per_mb + psi * 1e-8) / 2)
+    assert t.step == pytest.approx(2 * (2 * per_mb + psi * 1e-8) + t.dp_comm)
+
+
+def test_zero_stages_use_ndtrains_collectives_on_cpu(tmp_path: Path) -> None:
+    """ZeRO-1 keeps DDP's all-reduce and adds the all-gather (zero.py); ZeRO-2 reduce-scatters every
+    micro-batch; ZeRO-3 gathers twice and reduce-scatters once per micro-batch; m = 2."""
+    hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces()})
+    grads = 4 * stage_params(BENCH, layout(), "only")
+
+    def cost(op: str) -> float:
+        return getattr(collectives, op)(4, grads, hw.cpu.link(op, 4))
+
+    dp = {z: step_time(BENCH, layout(zero=z), Cluster(hw, 4, 4), B).dp_comm for z in (1, 2, 3)}
+    assert dp[1] == pytest.approx(cost("all_reduce") + cost("all_gather"))
+    assert dp[2] == pytest.approx(2 * cost("reduce_scatter") + cost("all_gather"))
+    assert dp[3] == pytest.approx(2 * (2 * cost("all_gather") + cost("reduce_scatter")))
+
+
+def test_a_pipeline_of_four_on_two_cores_is_bound_by_the_shared_cores(tmp_path: Path) -> None:
+    """pp4 1F1B, m = 8: its critical path (8 + 3 stage-slots) is shorter than the 4 processes' work on 2
+    slots, so the step is that work plus the communication, as for dp4 (the bubble is not idle time
+    when idle stages leave their core to the busy ones)."""
+    hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces()})
+    pp4 = step_time(BENCH, layout(pp=4, dp=1, schedule="1f1b"), Cluster(hw, 4, 4), B)
+    per_mb_whole = BENCH.layers * (0.040 + 0.080) + 0.015
+    optimizer = pp4.optimizer
+    assert pp4.bubble > 0 and pp4.shared_cores > 0
+    assert pp4.step == pytest.approx((4 * 8 * per_mb_whole / 4 + 4 * optimizer) / 2 + pp4.pp_comm)
+
+
+def test_without_a_layer_profile_compute_comes_from_flops(tmp_path: Path) -> None:
+    hw = hardware(tmp_path, 2)
+    t = step_time(BENCH, layout(dp=2), Cluster(hw, 2, 2), B)
+    assert t.shared_cores == 0.0  # 2 processes, 2 slots
+    assert t.compute > 4 * BENCH.seq * BENCH.model_flops_per_token / 60e9  # FLOPs at 60 GFLOP/s + traffic
+
+
+def test_profile_errors(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not an ndtrain CPU profile"):
+        (tmp_path / "x.json").write_text("{}")
+        load_profile(tmp_path / "x.json", 4)
