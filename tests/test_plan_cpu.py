@@ -108,3 +108,49 @@ def test_profile_errors(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not an ndtrain CPU profile"):
         (tmp_path / "x.json").write_text("{}")
         load_profile(tmp_path / "x.json", 4)
+
+
+def test_the_profiled_block_is_ndtrains_block() -> None:
+    """At tp = 1 the calibration's block computes what `models.llama.Block` computes with the same weights."""
+    import torch
+
+    from ndtrain.config import ModelConfig
+    from ndtrain.models.llama import Block
+    from ndtrain.plan.calibrate_layers import Shard
+
+    spec = arch.ModelSpec("t", "llama", 1, 32, 4, 2, 64, 256, 16)
+    shard = Shard(spec, 1, 2)
+    block = Block(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=16))
+    with torch.no_grad():
+        for module, weight in ((block.attention.wq, shard.wq), (block.attention.wk, shard.wk),
+                               (block.attention.wv, shard.wv), (block.attention.wo, shard.wo),
+                               (block.feed_forward.w1, shard.w1), (block.feed_forward.w3, shard.w3),
+                               (block.feed_forward.w2, shard.w2)):
+            module.weight.copy_(weight)
+        block.attention_norm.weight.copy_(torch.rand(32))
+        block.ffn_norm.weight.copy_(torch.rand(32))
+        shard.norms[0].copy_(block.attention_norm.weight)
+        shard.norms[1].copy_(block.ffn_norm.weight)
+        torch.testing.assert_close(shard.layer(), block(shard.x, shard.cos, shard.sin), rtol=1e-6, atol=1e-6)
+
+
+def test_measure_covers_every_tp_and_micro_batch() -> None:
+    """Every piece runs (forward, forward + backward) for each (tp, mbs); the result has the keys the
+    profile reader expects. `timed` is a stand-in that runs the function once."""
+    from ndtrain.plan import calibrate_layers
+    from ndtrain.plan.cpu_profile import PieceTimes, profiled_tps
+
+    spec = arch.ModelSpec("t", "llama", 2, 32, 4, 2, 64, 256, 16)
+    calls: list[str] = []
+
+    def once(fn) -> float:
+        fn()
+        calls.append("x")
+        return 0.5 if len(calls) % 2 else 2.0  # forward 0.5 s, forward + backward 2 s
+
+    tps = profiled_tps(spec, 4)
+    assert tps == [1, 2, 4]
+    result = calibrate_layers.measure(spec, tps, once)
+    assert set(result) == {f"tp{t} mbs{b}" for t in tps for b in calibrate_layers.MICRO_BATCHES} | {"adamw"}
+    assert PieceTimes(**result["tp4 mbs2"]) == PieceTimes(0.5, 1.5, 0.5, 1.5)
+    assert result["adamw"]["s_per_param"] > 0

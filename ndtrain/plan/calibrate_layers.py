@@ -11,8 +11,8 @@ and micro-batch sizes `MICRO_BATCHES`, forward and backward (autograd) separatel
 repeats, with `threads` intra-op threads in each of `concurrency` processes running at once (so
 the measurement shares caches and memory bandwidth as the planned processes do):
     layer   one Llama block on tp rank 0's shard: RMSNorm, q/k/v projections with a/t query heads
-            and k/t key/value heads (all k when t does not divide them: ndtrain replicates
-            them), rotary, causal SDPA, output projection, residual, RMSNorm, SwiGLU with f/t,
+            and k/t key/value heads (when t does not divide k, the one kv head its query heads
+            share: ndtrain's tp_plan replicates it), rotary, causal SDPA, output projection, residual, RMSNorm, SwiGLU with f/t,
             residual — the ops of ndtrain's `Block` at the shard's shapes
     head    the embedding lookup of V/t rows, the final RMSNorm, the logits x·W (h × V/t) and the
             cross-entropy over them (the vocabulary-parallel ends of the first and last stage)
@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ndtrain.models.llama import Attention, apply_rotary, rotary_tables
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.cpu_profile import shard_key
 
@@ -44,7 +45,7 @@ def measure(model: ModelSpec, tps: list[int], timed: Callable[[Callable[[], None
     result: dict[str, dict[str, float]] = {}
     for tp in tps:
         for mbs in MICRO_BATCHES:
-            shard = _Shard(model, tp, mbs)
+            shard = Shard(model, tp, mbs)
             layer_f, layer_fb = timed(shard.layer), timed(lambda: shard.layer().sum().backward())
             head_f, head_fb = timed(shard.head), timed(lambda: shard.head().backward())
             result[shard_key(tp, mbs)] = {"layer_f": layer_f, "layer_b": max(layer_fb - layer_f, 0.0),
@@ -57,13 +58,13 @@ def measure(model: ModelSpec, tps: list[int], timed: Callable[[Callable[[], None
     return result
 
 
-class _Shard:
+class Shard:
     """tp rank 0's share of one Llama block and of the model's ends, for one micro-batch."""
 
     def __init__(self, model: ModelSpec, tp: int, mbs: int) -> None:
         h, d, s = model.hidden, model.head_dim, model.seq
         self.heads = model.heads // tp
-        self.kv = model.kv_heads // tp if model.kv_heads % tp == 0 else model.kv_heads
+        self.kv = model.kv_heads // tp if model.kv_heads % tp == 0 else 1
         self.d, self.shape = d, (mbs, s, h)
         ffn, vocab = model.ffn // tp, math.ceil(model.vocab / tp)
         self.wq, self.wo = _weight(self.heads * d, h), _weight(h, self.heads * d)
@@ -73,37 +74,26 @@ class _Shard:
         self.embedding, self.output = _weight(vocab, h), _weight(vocab, h)
         self.tokens = torch.randint(0, vocab, (mbs, s))
         self.targets = torch.randint(0, vocab, (mbs, s))
-        angles = torch.outer(torch.arange(s, dtype=torch.float32), 10000.0 ** (-torch.arange(0, d, 2) / d))
-        self.cos, self.sin = angles.cos(), angles.sin()
+        self.cos, self.sin = rotary_tables(torch.arange(s), d, 10000.0)
         self.x = torch.randn(*self.shape, requires_grad=True)
 
     def layer(self) -> torch.Tensor:
+        """The ops of ndtrain's `Block.forward` (models/llama.py) at the shard's shapes."""
         b, s, _ = self.shape
         x = self.x
-        y = _norm(x, self.norms[0])
+        y = F.rms_norm(x, (x.shape[-1],), eps=1e-5) * self.norms[0]
         q, k, v = (F.linear(y, w).view(b, s, -1, self.d).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        q, k = self._rotary(q), self._rotary(k)
-        if self.kv != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv, dim=1)
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        attention = Attention.attend(q, k, v)
         x = x + F.linear(attention.transpose(1, 2).reshape(b, s, -1), self.wo)
-        y = _norm(x, self.norms[1])
+        y = F.rms_norm(x, (x.shape[-1],), eps=1e-5) * self.norms[1]
         return x + F.linear(F.silu(F.linear(y, self.w1)) * F.linear(y, self.w3), self.w2)
 
     def head(self) -> torch.Tensor:
         x = F.embedding(self.tokens, self.embedding) + self.x
-        logits = F.linear(_norm(x, self.norms[2]), self.output)
+        logits = F.linear(F.rms_norm(x, (x.shape[-1],), eps=1e-5) * self.norms[2], self.output)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), self.targets.view(-1))
-
-    def _rotary(self, x: torch.Tensor) -> torch.Tensor:
-        even, odd = x[..., 0::2], x[..., 1::2]
-        return torch.stack((even * self.cos - odd * self.sin, even * self.sin + odd * self.cos), -1).flatten(-2)
 
 
 def _weight(rows: int, cols: int) -> torch.Tensor:
     return (torch.randn(rows, cols) * 0.02).requires_grad_()
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
