@@ -79,7 +79,7 @@ def test_nothing_fits_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16", "--sp", "yes"],
      "--sp 'yes'"),
     (["--model", "gpt3-125m", "--gpus", "8", "--profile", "/nonexistent/p.json", "--global-batch", "16"],
-     "cannot read a calibration profile"),
+     "cannot read an ndtrain CPU profile"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv: list[str], fragment: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:

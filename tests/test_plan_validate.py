@@ -136,7 +136,7 @@ def test_validate_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_load_bench_unreadable_file(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="cannot read a bench result"):
+    with pytest.raises(UserError, match="cannot read a `bench layouts` result"):
         validate.load_bench(tmp_path / "missing.json")
 
 

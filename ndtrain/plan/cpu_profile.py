@@ -19,12 +19,12 @@ that the P processes share S slots, so a step takes at least (work of all proces
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ndtrain.errors import UserError
+from ndtrain.plan import jsonfile
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.hardware import FP32, GB, GIB, Hardware, Link
 
@@ -100,12 +100,8 @@ class CpuProfile:
 
 def load_profile(path: Path, processes: int) -> Hardware:
     """The "cpu" device of a calibrated profile, for `processes` local ranks sharing the machine."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"--profile {path}: cannot read a calibration profile ({e}); run `ndtrain plan --calibrate`")
-    if data.get("kind") != "ndtrain-cpu-profile":
-        raise UserError(f"--profile {path} is not an ndtrain CPU profile: write one with `ndtrain plan --calibrate`")
+    data = jsonfile.read(path, "--profile", "an ndtrain CPU profile", "kind", "ndtrain-cpu-profile",
+                         "write one with `ndtrain plan --calibrate`")
     if data.get("version") != VERSION:
         raise UserError(f"--profile {path} is a version {data.get('version')} profile; this planner reads version "
                         f"{VERSION}: run `ndtrain plan --calibrate` again")

@@ -15,7 +15,6 @@ for that many processes, and prints one row per layout and the agreement (`table
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ndtrain.errors import UserError
-from ndtrain.plan import arch
+from ndtrain.plan import arch, jsonfile
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.hardware import Cluster
 from ndtrain.plan.layout import Layout, problem
@@ -105,12 +104,8 @@ class BenchLayouts:
 
 def load_bench(path: Path) -> BenchLayouts:
     """Read a `bench layouts` JSON result; a file that is not one is a UserError naming the fix."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"--validate {path}: cannot read a bench result ({e}); run `ndtrain bench layouts --nproc 4`")
-    if data.get("scenario") != "layouts":
-        raise UserError(f"--validate {path} is not a `bench layouts` result: run `ndtrain bench layouts --nproc 4`")
+    data = jsonfile.read(path, "--validate", "a `bench layouts` result", "scenario", "layouts",
+                         "run `ndtrain bench layouts --nproc 4`")
     facts, options = data["facts"], data["options"]
     model = arch.preset(f"ndtrain-{facts['preset']}", options["seq_len"])
     mbs, global_batch = facts["micro_batch_size"], facts["global_batch"]
