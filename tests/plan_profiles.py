@@ -14,16 +14,19 @@ def fit(latency_us: float, bandwidth_gbs: float) -> dict[str, float]:
     return {"latency_us": latency_us, "bandwidth_gbs": bandwidth_gbs}
 
 
-def cpu_profile(cores: int = 2, pieces: dict[ModelSpec, dict[str, dict[str, float]]] | None = None) -> dict[str, Any]:
+def cpu_profile(cores: int = 2, pieces: dict[ModelSpec, dict[str, dict[str, float]]] | None = None,
+                sharing: float = 1.0) -> dict[str, Any]:
     """A version-2 profile: 100/60 GFLOP/s at 1/2 processes; per op a distinct α–β per (P, n) so a
-    test can tell which fit was used: α = 100·P + 10·n + op index µs, B = 1/(P·n·(op index + 1)) GB/s.
+    test can tell which fit was used: α = 100·P + 10·n + op index µs, B = 1/(P·n·(op index + 1)) GB/s;
+    a compute chunk of 4 ms at P = 2 and 8·`sharing` ms at P = 4.
     `pieces`: model -> {threads: {shard key or "adamw": times}}."""
-    collectives = {
+    collectives: dict[str, Any] = {
         str(p): {op: {str(n): fit(100 * p + 10 * n + i, 1 / (p * n * (i + 1)))
                       for n in (2, 4) if n <= p and (op != "send_recv" or n == 2)}
                  for i, op in enumerate(OPS)}
         for p in (2, 4)
     }
+    collectives["2"]["chunk_ms"], collectives["4"]["chunk_ms"] = 4.0, 8.0 * sharing
     return {
         "kind": "ndtrain-cpu-profile", "version": VERSION, "cores": cores,
         "matmul_gflops": {"fp32": {"1": 100.0, "2": 60.0}, "bf16": {"1": 2.0}},

@@ -11,7 +11,7 @@ import pytest
 
 from ndtrain.errors import UserError
 from ndtrain.plan import arch, collectives
-from ndtrain.plan.cpu_profile import load_profile
+from ndtrain.plan.cpu_profile import load_profile, sharing_ratio
 from ndtrain.plan.hardware import Cluster, Hardware
 from ndtrain.plan.layout import Layout
 from ndtrain.plan.memory import stage_params
@@ -56,18 +56,37 @@ def test_piece_times_scale_to_other_micro_batches_and_stay_per_model(tmp_path: P
     assert hardware(tmp_path, 1, pieces={BENCH: bench_pieces()}).cpu.piece_times(BENCH, 1, 1) is None  # 2 threads
 
 
+def test_sharing_is_the_chunk_slowdown_beyond_splitting_the_cores(tmp_path: Path) -> None:
+    assert hardware(tmp_path, 4, sharing=1.25).cpu.sharing == pytest.approx(1.25)  # 10 ms vs 4 ms × 4/2
+    assert hardware(tmp_path, 4, sharing=0.9).cpu.sharing == 1.0  # never below the ideal split
+    assert hardware(tmp_path, 2, sharing=1.25).cpu.sharing == 1.0  # 2 processes, 2 slots: nothing shared
+
+
+def test_the_models_own_sharing_is_preferred_and_is_the_blocks_slowdown(tmp_path: Path) -> None:
+    alone = {"tp1 mbs1": {"layer_f": 0.01, "layer_b": 0.02}, "tp2 mbs1": {"layer_f": 0.005, "layer_b": 0.015},
+             "adamw": {"s_per_param": 1.0}}
+    shared = {"tp1 mbs1": {"layer_f": 0.03, "layer_b": 0.05}, "tp2 mbs1": {"layer_f": 0.01, "layer_b": 0.03}}
+    assert sharing_ratio(alone, shared, 2.0) == pytest.approx((0.08 + 0.04) / (0.03 + 0.02) / 2)  # 1.2
+    table = bench_pieces()
+    table["1"]["sharing"] = {"4": 1.3}
+    hw = hardware(tmp_path, 4, pieces={BENCH: table}, sharing=1.1)
+    assert hw.cpu.sharing_for(BENCH) == pytest.approx(1.3)
+    assert hw.cpu.sharing_for(arch.PRESETS["ndtrain-small"]) == pytest.approx(1.1)  # no layer profile: the chunk's
+
+
 def test_dp4_step_from_measured_pieces_and_shared_cores(tmp_path: Path) -> None:
     """4 processes on 2 slots: each trains m = 2 micro-batches; the step is at least the 4 processes'
-    work over 2 slots, so the shared-cores term doubles the compute; the gradient all-reduce is added."""
-    hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces()})
+    work over 2 slots (× 1.1 for sharing), so the shared-cores term more than doubles the compute;
+    the gradient all-reduce is added."""
+    hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces()}, sharing=1.1)
     t = step_time(BENCH, layout(), Cluster(hw, 4, 4), B)
     per_mb = BENCH.layers * (0.040 + 0.080) + 0.005 + 0.010
     psi = stage_params(BENCH, layout(), "only")
     assert t.compute == pytest.approx(2 * per_mb)
     assert t.optimizer == pytest.approx(psi * 1e-8)
     assert t.dp_comm == pytest.approx(collectives.all_reduce(4, 4 * psi, hw.cpu.link("all_reduce", 4)))
-    assert t.compute + t.optimizer + t.shared_cores == pytest.approx(4 * (2 * per_mb + psi * 1e-8) / 2)
-    assert t.step == pytest.approx(2 * (2 * per_mb + psi * 1e-8) + t.dp_comm)
+    assert t.compute + t.optimizer + t.shared_cores == pytest.approx(1.1 * 4 * (2 * per_mb + psi * 1e-8) / 2)
+    assert t.step == pytest.approx(2.2 * (2 * per_mb + psi * 1e-8) + t.dp_comm)
 
 
 def test_zero_stages_use_ndtrains_collectives_on_cpu(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ Measured, each in freshly spawned processes that all work at once (so shared cor
                 processes compute between collectives (calibrate_comm.py)
     layers      with --model/--arch: the model's block and ends, forward and backward, per tp shard
                 and micro-batch size, and AdamW per element (calibrate_layers.py), for each thread
-                count the planned process counts use
+                count the planned process counts use, with one process per slot; for P > slots
+                again with all P at once, whose slowdown beyond P/slots is the model's `sharing`
 This and its two workers' modules are the planner's only code that starts processes or touches
 torch.distributed.
 """
@@ -110,11 +111,12 @@ def _measure_compute(n: int, cores: int) -> list[dict[str, Any]]:
     return _spawn(ctx, _compute_worker, [(max(1, cores // n), barrier)] * n)
 
 
-def _measure_comm(processes: int) -> dict[str, dict[str, dict[str, float]]]:
+def _measure_comm(processes: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ndtrain-calibrate-") as tmp:
         store = os.path.join(tmp, "store")
         per_rank = _spawn(mp.get_context("spawn"), calibrate_comm.worker, [(processes, store)] * processes)
-    return calibrate_comm.fits(per_rank[0])  # every entry is already the slowest rank's
+    costs = per_rank[0][0]  # every cost is already the slowest rank's
+    return calibrate_comm.fits(costs, max(chunk for _, chunk in per_rank))
 
 
 def _measure_layers(model: ModelSpec, threads: int, concurrency: int, tps: list[int]) -> dict[str, dict[str, float]]:
@@ -147,8 +149,13 @@ def run(out: Path, model: ModelSpec | None = None, processes: tuple[int, ...] = 
         by_threads = profile["models"].setdefault(cpu_profile.model_key(model), {})
         for p in sorted(set(processes)):
             threads = cpu_profile.threads_for(cores, p)
+            slots = max(1, cores // threads)
             if str(threads) not in by_threads:
-                by_threads[str(threads)] = _measure_layers(model, threads, min(p, max(1, cores // threads)), tps)
+                by_threads[str(threads)] = _measure_layers(model, threads, min(p, slots), tps)
+            if p > slots:  # the same pieces with all p processes at once: what sharing the cores costs
+                shared = _measure_layers(model, threads, p, tps)
+                by_threads[str(threads)].setdefault("sharing", {})[str(p)] = round(
+                    cpu_profile.sharing_ratio(by_threads[str(threads)], shared, p / slots), 4)
     profile["memory_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 2)
     profile["seconds"] = round(time.perf_counter() - start, 1)
     try:
@@ -165,7 +172,10 @@ def summary(profile: dict[str, Any]) -> str:
         lines.append(f"  matmul {dtype}: " + ", ".join(f"{n} proc {r:.1f} GFLOP/s each" for n, r in rates.items()))
     lines.append("  copy: " + ", ".join(f"{n} proc {r:.1f} GB/s each" for n, r in profile["memory_gbs"].items()))
     for p, ops in profile["collectives"].items():
+        lines.append(f"  {p} processes computing: {ops['chunk_ms']:.2f} ms per compute chunk")
         for op, fits in ops.items():
+            if op == "chunk_ms":
+                continue
             lines.append(f"  {p} processes, {op}: " + ", ".join(
                 f"groups of {n} α={f['latency_us']:.0f} µs B={f['bandwidth_gbs']:.2f} GB/s" for n, f in fits.items()))
     return "\n".join(lines + cpu_profile.describe(profile))

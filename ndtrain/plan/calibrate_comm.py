@@ -12,6 +12,9 @@ all_gather (into one tensor), reduce_scatter (from one tensor) of M bytes, and s
 ping-pong within pairs: half the round's cost). Two sizes give α and B of the α–β ring formulas
 `T = c_α·α + c_β·M/B`, (c_α, c_β) = (2(n−1), 2(n−1)/n) all-reduce, ((n−1), (n−1)/n) all-gather
 and reduce-scatter, (1, 1) send/recv (Thakur 2005): B is "bus bandwidth" in the nccl-tests sense.
+The chunk's own time in the "alone" loops is kept too ("chunk_ms"): with more processes than
+cores, its ratio to the time at one process per core, divided by the ideal P/S, is what sharing
+the cores costs beyond splitting them (context switches, caches): `cpu_profile.CpuProfile.sharing`.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def fit_alpha_beta(op: str, n: int, small: tuple[float, float], large: tuple[flo
 
 
 def worker(rank: int, world: int, store: str, results: Any) -> None:
-    """One of the P processes: every (op, n, size) cost in seconds, as {op: {n: {size: s}}}."""
+    """One of the P processes: every (op, n, size) cost in seconds, as {op: {n: {size: s}}}, and the
+    median seconds of one compute chunk while all P processes compute (the "alone" loops)."""
     import torch
     import torch.distributed as dist
 
@@ -59,6 +63,7 @@ def worker(rank: int, world: int, store: str, results: Any) -> None:
                 torch.mm(a, b)
 
         costs: dict[str, dict[int, dict[int, float]]] = {}
+        chunks: list[float] = []
         for n in group_sizes(world):
             groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
             group, first = groups[rank // n], rank - rank % n
@@ -67,10 +72,11 @@ def worker(rank: int, world: int, store: str, results: Any) -> None:
                     rounds = []
                     for _ in range(ROUNDS):
                         alone = _loop(dist, torch, chunk, None, REPS[nbytes])
+                        chunks.append(alone)
                         both = _loop(dist, torch, chunk, fn, REPS[nbytes])
                         rounds.append(max(both - alone, 0.0) / (2 if op == "send_recv" else 1))
                     costs.setdefault(op, {}).setdefault(n, {})[nbytes] = statistics.median(rounds)
-        results.put((rank, costs))
+        results.put((rank, (costs, statistics.median(chunks))))
     finally:
         dist.destroy_process_group()
 
@@ -113,9 +119,10 @@ def _loop(dist: Any, torch: Any, chunk: Callable[[], None], collective: Callable
     return elapsed.item()
 
 
-def fits(costs: dict[str, dict[int, dict[int, float]]]) -> dict[str, dict[str, dict[str, float]]]:
-    """The profile's entries: per op and group size, α (µs), B (GB/s) and the two measured costs (ms)."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
+def fits(costs: dict[str, dict[int, dict[int, float]]], chunk_s: float) -> dict[str, Any]:
+    """The profile's entries for one process count: per op and group size, α (µs), B (GB/s) and the
+    two measured costs (ms); and "chunk_ms", the compute chunk's time while all processes compute."""
+    out: dict[str, Any] = {"chunk_ms": round(chunk_s * 1e3, 4)}
     for op, by_n in costs.items():
         for n, by_size in by_n.items():
             alpha, bandwidth = fit_alpha_beta(op, n, (SMALL_BYTES, by_size[SMALL_BYTES]),

@@ -8,13 +8,17 @@ S = C // T processes compute at once ("slots"). It holds, all measured on this m
     collectives[P][op][n]         α and B of all_reduce, all_gather, reduce_scatter and send_recv in
                                   groups of n ranks while all P processes exist and compute between
                                   collectives (see calibrate_comm.py), fitted to the α–β formulas
+    collectives[P]["chunk_ms"]    a compute chunk's time while all P processes compute: its ratio to
+                                  the time at S processes, over the ideal P/S, is the `sharing` factor
     models[key][T][tp mbs]        seconds of one Llama block, of the model's ends (embedding, norm,
                                   logits, loss) forward and backward on tp rank 0's shard at micro-batch
                                   mbs, and AdamW seconds per element (calibrate_layers.py), measured with
                                   T threads in min(P, S) processes at once
+    models[key][T]["sharing"][P]  for P > S, the blocks' slowdown with all P processes at once beyond
+                                  P/S: the model's own `sharing` factor (preferred to the chunk's)
 What the planner derives from it (timing.py): per-process compute from the model's measured pieces
 (or FLOPs ÷ matmul rate), collectives from the fit for their op and group size, and — when P > S —
-that the P processes share S slots, so a step takes at least (work of all processes) / S.
+that the P processes share S slots, so a step takes at least sharing · (work of all processes) / S.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class CpuProfile:
     links: dict[tuple[str, int], Link]
     pieces: dict[str, dict[str, PieceTimes]] = field(default_factory=dict)  # model key -> shard key -> times
     adamw_s_per_param: dict[str, float] = field(default_factory=dict)  # model key -> seconds
+    sharing: float = 1.0  # ≥ 1: what P > S processes lose to sharing the cores beyond splitting them
+    model_sharing: dict[str, float] = field(default_factory=dict)  # model key -> the same, for its layers
 
     @property
     def threads(self) -> int:
@@ -85,6 +91,11 @@ class CpuProfile:
         sizes = [size for (o, size) in self.links if o == op]
         nearest = min(sizes, key=lambda size: (abs(size - n), -size))
         return self.links[(op, nearest)]
+
+    def sharing_for(self, model: ModelSpec) -> float:
+        """The slowdown beyond P/S of P processes sharing S slots: measured on the model's own layers
+        when the profile has them, else on the calibration's matmul chunk."""
+        return self.model_sharing.get(model_key(model), self.sharing)
 
     def piece_times(self, model: ModelSpec, tp: int, mbs: int) -> PieceTimes | None:
         """Measured pieces at (tp, mbs); another mbs is scaled from the nearest measured one (time ∝
@@ -114,19 +125,41 @@ def load_profile(path: Path, processes: int) -> Hardware:
              for op, fits in comm[nearest].items() if op in OPS for n, fit in fits.items()}
     pieces: dict[str, dict[str, PieceTimes]] = {}
     adamw: dict[str, float] = {}
+    model_sharing: dict[str, float] = {}
     for key, by_threads in data.get("models", {}).items():
         table = by_threads.get(str(threads))
         if table is None:
             continue
         adamw[key] = table["adamw"]["s_per_param"]
-        pieces[key] = {shard: PieceTimes(**t) for shard, t in table.items() if shard != "adamw"}
-    cpu = CpuProfile(cores, processes, links, pieces, adamw)
+        pieces[key] = {shard: PieceTimes(**t) for shard, t in table.items() if shard.startswith("tp")}
+        if str(processes) in table.get("sharing", {}):
+            model_sharing[key] = max(1.0, table["sharing"][str(processes)])
+    cpu = CpuProfile(cores, processes, links, pieces, adamw, _sharing(comm, nearest, cores, processes), model_sharing)
     flops = _per_process(data["matmul_gflops"]["fp32"], processes) * GB
     memory_bw = _per_process(data["memory_gbs"], processes) * GB
     link = cpu.link("all_reduce", processes)
     ram = data["memory_total_gib"] * GIB / processes
     reserved = data["process_baseline_mib"] * 1024**2
     return Hardware("cpu", "cpu", flops, 1.0, ram, reserved, memory_bw, link, link, FP32, False, cpu)
+
+
+def sharing_ratio(alone: dict[str, dict[str, float]], shared: dict[str, dict[str, float]], ideal: float) -> float:
+    """Σ block forward + backward over the shards measured with all processes at once, over the same
+    with one process per slot, divided by the ideal slowdown P/S."""
+    def total(table: dict[str, dict[str, float]]) -> float:
+        return sum(t["layer_f"] + t["layer_b"] for shard, t in table.items() if shard.startswith("tp"))
+    return total(shared) / total(alone) / ideal
+
+
+def _sharing(comm: dict[str, Any], measured: str, cores: int, processes: int) -> float:
+    """(compute chunk at P processes) / (chunk at one process per slot × P/S), at least 1; 1 when P ≤ S
+    or the profile has no chunk at a count ≤ S to compare with."""
+    slots = max(1, cores // threads_for(cores, processes))
+    below = [int(p) for p in comm if int(p) <= slots and "chunk_ms" in comm[p]]
+    if processes <= slots or not below or "chunk_ms" not in comm[measured]:
+        return 1.0
+    reference = comm[str(max(below))]["chunk_ms"]
+    return max(1.0, comm[measured]["chunk_ms"] / (reference * int(measured) / slots))
 
 
 def _per_process(rates: dict[str, float], processes: int) -> float:
@@ -146,7 +179,8 @@ def describe(data: dict[str, Any]) -> list[str]:
         for threads, table in by_threads.items():
             shards = ", ".join(f"{shard}: block {t['layer_f'] * 1e3:.1f}+{t['layer_b'] * 1e3:.1f} ms, ends "
                                f"{t['head_f'] * 1e3:.1f}+{t['head_b'] * 1e3:.1f} ms"
-                               for shard, t in table.items() if shard != "adamw")
+                               for shard, t in table.items() if shard.startswith("tp"))
+            sharing = "".join(f"; sharing at {p} processes ×{f:.3f}" for p, f in table.get("sharing", {}).items())
             lines.append(f"  {key}, {threads} thread(s): {shards}; AdamW "
-                         f"{table['adamw']['s_per_param'] * 1e9:.2f} ns/param")
+                         f"{table['adamw']['s_per_param'] * 1e9:.2f} ns/param{sharing}")
     return lines

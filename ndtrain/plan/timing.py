@@ -225,14 +225,14 @@ def _optimizer(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
 
 def _shared_cores(model: ModelSpec, layout: Layout, cluster: Cluster, m: int, busy: float, optimizer: float) -> float:
     """Time added because P processes share S < P compute slots (CPU profiles): the step cannot be
-    shorter than all processes' compute divided over the slots. Every tp rank runs its shard of
+    shorter than all processes' compute divided over the slots, times what sharing costs (`sharing`). Every tp rank runs its shard of
     every micro-batch through all pp stages: Σ = dp·cp·tp · m · (whole model on one tp shard)."""
     cpu = cluster.hardware.cpu
     if cpu is None or layout.world <= cpu.slots:
         return 0.0
     whole = _compute(model, layout, cluster, model.layers)[2]
     work = layout.dp * layout.cp * layout.tp * m * whole + layout.world * optimizer
-    return max(0.0, work / cpu.slots - busy)
+    return max(0.0, cpu.sharing_for(model) * work / cpu.slots - busy)
 
 
 def flops_per_step(model: ModelSpec, layout: Layout, global_batch: int) -> tuple[float, float]:
