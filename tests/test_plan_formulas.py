@@ -235,5 +235,10 @@ def test_compare_predicts_each_measured_layout() -> None:
 def test_alpha_beta_fit_recovers_synthetic_link(op: str, n: int, c_alpha: float, c_beta: float) -> None:
     alpha, bandwidth = 200e-6, 2e9
     at = lambda m: c_alpha * alpha + c_beta * m / bandwidth  # noqa: E731
-    fitted = fit_alpha_beta(op, n, (4096, at(4096)), (8 << 20, at(8 << 20)))
-    assert fitted == pytest.approx((alpha, bandwidth))
+    assert fit_alpha_beta(op, n, [(m, at(m)) for m in (4096, 8 << 20)]) == pytest.approx((alpha, bandwidth))
+    assert fit_alpha_beta(op, n, [(m, at(m)) for m in (32 << 10, 512 << 10, 16 << 20)]) == pytest.approx(
+        (alpha, bandwidth))
+    # noise of ±10 % on the small message moves α by about that much, not by the large message's error
+    noisy = [(32 << 10, 1.1 * at(32 << 10)), (512 << 10, at(512 << 10)), (16 << 20, 0.9 * at(16 << 20))]
+    fitted_alpha, fitted_bandwidth = fit_alpha_beta(op, n, noisy)
+    assert fitted_alpha == pytest.approx(alpha, rel=0.2) and fitted_bandwidth == pytest.approx(bandwidth, rel=0.15)

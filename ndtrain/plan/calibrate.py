@@ -8,8 +8,9 @@ Measured, each in freshly spawned processes that all work at once (so shared cor
                 processes compute between collectives (calibrate_comm.py)
     layers      with --model/--arch: the model's block and ends, forward and backward, per tp shard
                 and micro-batch size, and AdamW per element (calibrate_layers.py), for each thread
-                count the planned process counts use, with one process per slot; for P > slots
-                again with all P at once, whose slowdown beyond P/slots is the model's `sharing`
+                count the planned process counts use, with one process per slot; for P > slots the
+                mean time of a fixed run of blocks with all P at once, whose slowdown beyond P/slots
+                is the model's `sharing` (throughput, so a mean over processes, not a median of calls)
 This and its two workers' modules are the planner's only code that starts processes or touches
 torch.distributed.
 """
@@ -34,6 +35,8 @@ MATMUL_N = 512
 PROCESS_COUNTS = (1, 2, 4)  # planned local process counts profiled by default
 COPY_BYTES = 128 * 1024**2
 REPEAT_S = 0.6  # time spent on each measurement
+LAYER_ROUNDS, LAYER_BUDGET_S = 3, 0.3  # the layer profile: rounds over every piece, time per piece and round
+SHARING_REPS, SHARING_ROUNDS = 12, 3  # block forward + backward per process, alternations
 WORKER_TIMEOUT_S = 300.0
 
 
@@ -73,7 +76,23 @@ def _layers_worker(rank: int, threads: int, model: ModelSpec, tps: list[int], ba
 
     torch.set_num_threads(threads)
     barrier.wait()
-    results.put((rank, calibrate_layers.measure(model, tps, _timed)))
+    rounds = [calibrate_layers.measure(model, tps, lambda fn: _timed(fn, LAYER_BUDGET_S)) for _ in range(LAYER_ROUNDS)]
+    results.put((rank, rounds))
+
+
+def _sharing_worker(rank: int, threads: int, model: ModelSpec, barrier: Any, results: Any) -> None:
+    import torch
+
+    from ndtrain.plan.calibrate_layers import Shard
+
+    torch.set_num_threads(threads)
+    shard = Shard(model, 1, 1)
+    shard.layer().sum().backward()
+    barrier.wait()
+    start = time.perf_counter()
+    for _ in range(SHARING_REPS):
+        shard.layer().sum().backward()
+    results.put((rank, time.perf_counter() - start))
 
 
 def _spawn(ctx: Any, target: Callable[..., None], args: list[tuple]) -> list[Any]:
@@ -120,12 +139,29 @@ def _measure_comm(processes: int) -> dict[str, Any]:
 
 
 def _measure_layers(model: ModelSpec, threads: int, concurrency: int, tps: list[int]) -> dict[str, dict[str, float]]:
-    """The median over `concurrency` processes measuring at once, entry by entry."""
+    """The median over `concurrency` processes measuring at once and `LAYER_ROUNDS` rounds, entry by
+    entry (a round measures every piece once, so a burst of interference spoils one round, not a piece)."""
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(concurrency)
-    per_rank = _spawn(ctx, _layers_worker, [(threads, model, tps, barrier)] * concurrency)
-    return {piece: {name: statistics.median(r[piece][name] for r in per_rank) for name in per_rank[0][piece]}
-            for piece in per_rank[0]}
+    rounds = [r for per_rank in _spawn(ctx, _layers_worker, [(threads, model, tps, barrier)] * concurrency)
+              for r in per_rank]
+    return {piece: {name: statistics.median(r[piece][name] for r in rounds) for name in rounds[0][piece]}
+            for piece in rounds[0]}
+
+
+def _measure_sharing(model: ModelSpec, threads: int, slots: int, processes: int) -> float:
+    """(mean seconds of a fixed amount of block forward + backward when `processes` processes run it at
+    once) / (the same with `slots` processes) / (processes / slots): the throughput lost to sharing the
+    cores beyond splitting them; median of `SHARING_ROUNDS` alternations."""
+    ctx = mp.get_context("spawn")
+    ratios = []
+    for _ in range(SHARING_ROUNDS):
+        mean = {}
+        for n in (slots, processes):
+            barrier = ctx.Barrier(n)
+            mean[n] = statistics.fmean(_spawn(ctx, _sharing_worker, [(threads, model, barrier)] * n))
+        ratios.append(mean[processes] / mean[slots] / (processes / slots))
+    return statistics.median(ratios)
 
 
 def run(out: Path, model: ModelSpec | None = None, processes: tuple[int, ...] = PROCESS_COUNTS) -> dict[str, Any]:
@@ -152,10 +188,9 @@ def run(out: Path, model: ModelSpec | None = None, processes: tuple[int, ...] = 
             slots = max(1, cores // threads)
             if str(threads) not in by_threads:
                 by_threads[str(threads)] = _measure_layers(model, threads, min(p, slots), tps)
-            if p > slots:  # the same pieces with all p processes at once: what sharing the cores costs
-                shared = _measure_layers(model, threads, p, tps)
+            if p > slots:  # what sharing the cores costs p processes beyond splitting them
                 by_threads[str(threads)].setdefault("sharing", {})[str(p)] = round(
-                    cpu_profile.sharing_ratio(by_threads[str(threads)], shared, p / slots), 4)
+                    _measure_sharing(model, threads, slots, p), 4)
     profile["memory_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 2)
     profile["seconds"] = round(time.perf_counter() - start, 1)
     try:

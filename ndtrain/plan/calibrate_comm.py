@@ -9,7 +9,8 @@ consecutive ranks, all groups at once; every rank repeats
 and, alternately, the chunk alone. The collective's cost is the difference of the two loops'
 time per repetition (slowest rank), the median of `ROUNDS` alternations. Ops: all_reduce,
 all_gather (into one tensor), reduce_scatter (from one tensor) of M bytes, and send_recv (a
-ping-pong within pairs: half the round's cost). Two sizes give α and B of the α–β ring formulas
+ping-pong within pairs: half the round's cost), at 32 KiB, 512 KiB and 16 MiB, fitted (least
+squares in relative error) to α and B of the α–β ring formulas
 `T = c_α·α + c_β·M/B`, (c_α, c_β) = (2(n−1), 2(n−1)/n) all-reduce, ((n−1), (n−1)/n) all-gather
 and reduce-scatter, (1, 1) send/recv (Thakur 2005): B is "bus bandwidth" in the nccl-tests sense.
 The chunk's own time in the "alone" loops is kept too ("chunk_ms"): with more processes than
@@ -23,11 +24,10 @@ import statistics
 import time
 from typing import Any, Callable
 
-SMALL_BYTES = 64 * 1024
-LARGE_BYTES = 16 * 1024**2
+SIZES = (32 * 1024, 512 * 1024, 16 * 1024**2)  # bytes per collective
+REPS = {SIZES[0]: 30, SIZES[1]: 30, SIZES[2]: 8}  # repetitions per loop
 CHUNK_PRODUCTS = 2
-ROUNDS = 3
-REPS = {SMALL_BYTES: 40, LARGE_BYTES: 8}
+ROUNDS = 7
 COEFFICIENTS = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
                 "all_gather": lambda n: (n - 1, (n - 1) / n),
                 "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
@@ -38,12 +38,19 @@ def group_sizes(processes: int) -> list[int]:
     return [n for n in (2, 4, 8) if n <= processes and processes % n == 0]
 
 
-def fit_alpha_beta(op: str, n: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
-    """(α seconds, B bytes/s) from two (bytes, seconds) measurements of `op` on n ranks."""
+def fit_alpha_beta(op: str, n: int, points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(α seconds, B bytes/s) of `op` on n ranks from (bytes, seconds) measurements: the least-squares
+    fit of T = c_α·α + c_β·M/B in relative error (each point weighted 1/T², so the small messages'
+    latency counts as much as the large ones' bandwidth); α ≥ 0 and B > 0."""
     c_alpha, c_beta = COEFFICIENTS[op](n)
-    (m_small, t_small), (m_large, t_large) = small, large
-    slope = max((t_large - t_small) / (m_large - m_small), 1e-15)
-    intercept = max(t_small - slope * m_small, 0.0)
+    weights = [1 / max(t, 1e-12) ** 2 for _, t in points]
+    sw = sum(weights)
+    mean_m = sum(w * m for w, (m, _) in zip(weights, points)) / sw
+    mean_t = sum(w * t for w, (_, t) in zip(weights, points)) / sw
+    spread = sum(w * (m - mean_m) ** 2 for w, (m, _) in zip(weights, points))
+    slope = sum(w * (m - mean_m) * (t - mean_t) for w, (m, t) in zip(weights, points)) / spread
+    slope = max(slope, 1e-15)
+    intercept = max(mean_t - slope * mean_m, 0.0)
     return intercept / c_alpha, c_beta / slope
 
 
@@ -67,7 +74,7 @@ def worker(rank: int, world: int, store: str, results: Any) -> None:
         for n in group_sizes(world):
             groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
             group, first = groups[rank // n], rank - rank % n
-            for nbytes in (SMALL_BYTES, LARGE_BYTES):
+            for nbytes in SIZES:
                 for op, fn in _ops(dist, torch, group, rank - first, first, n, nbytes).items():
                     rounds = []
                     for _ in range(ROUNDS):
@@ -125,10 +132,9 @@ def fits(costs: dict[str, dict[int, dict[int, float]]], chunk_s: float) -> dict[
     out: dict[str, Any] = {"chunk_ms": round(chunk_s * 1e3, 4)}
     for op, by_n in costs.items():
         for n, by_size in by_n.items():
-            alpha, bandwidth = fit_alpha_beta(op, n, (SMALL_BYTES, by_size[SMALL_BYTES]),
-                                              (LARGE_BYTES, by_size[LARGE_BYTES]))
+            alpha, bandwidth = fit_alpha_beta(op, n, [(m, by_size[m]) for m in SIZES])
             out.setdefault(op, {})[str(n)] = {
                 "latency_us": round(alpha * 1e6, 3), "bandwidth_gbs": round(bandwidth / 1e9, 4),
-                "small_ms": round(by_size[SMALL_BYTES] * 1e3, 4), "large_ms": round(by_size[LARGE_BYTES] * 1e3, 4),
+                "measured_ms": {str(m): round(by_size[m] * 1e3, 4) for m in SIZES},
             }
     return out

@@ -14,8 +14,9 @@ S = C // T processes compute at once ("slots"). It holds, all measured on this m
                                   logits, loss) forward and backward on tp rank 0's shard at micro-batch
                                   mbs, and AdamW seconds per element (calibrate_layers.py), measured with
                                   T threads in min(P, S) processes at once
-    models[key][T]["sharing"][P]  for P > S, the blocks' slowdown with all P processes at once beyond
-                                  P/S: the model's own `sharing` factor (preferred to the chunk's)
+    models[key][T]["sharing"][P]  for P > S, a fixed run of the model's blocks with all P processes at
+                                  once, its slowdown beyond P/S: the model's own `sharing` factor
+                                  (preferred to the chunk's)
 What the planner derives from it (timing.py): per-process compute from the model's measured pieces
 (or FLOPs ÷ matmul rate), collectives from the fit for their op and group size, and — when P > S —
 that the P processes share S slots, so a step takes at least sharing · (work of all processes) / S.
@@ -141,14 +142,6 @@ def load_profile(path: Path, processes: int) -> Hardware:
     ram = data["memory_total_gib"] * GIB / processes
     reserved = data["process_baseline_mib"] * 1024**2
     return Hardware("cpu", "cpu", flops, 1.0, ram, reserved, memory_bw, link, link, FP32, False, cpu)
-
-
-def sharing_ratio(alone: dict[str, dict[str, float]], shared: dict[str, dict[str, float]], ideal: float) -> float:
-    """Σ block forward + backward over the shards measured with all processes at once, over the same
-    with one process per slot, divided by the ideal slowdown P/S."""
-    def total(table: dict[str, dict[str, float]]) -> float:
-        return sum(t["layer_f"] + t["layer_b"] for shard, t in table.items() if shard.startswith("tp"))
-    return total(shared) / total(alone) / ideal
 
 
 def _sharing(comm: dict[str, Any], measured: str, cores: int, processes: int) -> float:
