@@ -8,8 +8,10 @@ has seen steps × global_batch sequences whatever the mode. Servers (the last S 
 Reported: per logged step (worker 0) its local train loss, step time and pushes/s; at the end
 one evaluation of the final parameters (every worker evaluates its shard of the validation
 windows; loss and tokens summed with one world all-reduce in which servers add zeros), and a
-summary with pushes/s per worker and the staleness histogram (one entry per gradient applied
-by a server, summed over servers), gathered by one world all-reduce of 2W + steps + 1 numbers.
+summary with pushes/s per worker, the staleness histogram (one entry per gradient applied by a
+server, summed over servers: how many updates that server applied between the worker's pull and
+this gradient) and the largest clock lead (ssp's bounded quantity), gathered by one world
+all-reduce of 2W + (W + 1)·steps + 1 numbers.
 Evaluation happens only at the end (async workers are at different steps mid-run), and there
 are no checkpoints in this mode.
 """
@@ -128,16 +130,19 @@ class PSTrainer(Trainer):
 
     def summarise(self, report: ServerReport, loss: float, val_loss: float, wall: float) -> dict[str, Any]:
         cfg, ctx, w, steps = self.cfg, self.ctx, self.workers, self.cfg.schedule.steps
-        stats = torch.zeros(2 * w + steps + 1, dtype=torch.float64)
+        leads = 2 * w + w * steps  # the histograms: staleness < W·steps, clock lead < steps
+        stats = torch.zeros(leads + steps + 1, dtype=torch.float64)
         if self.is_server:
             for a in report.applications:
                 stats[2 * w + a.staleness] += 1
+                stats[leads + a.lead] += 1
             stats[-1] = report.updates
         else:
             stats[ctx.rank] = self.worker.report.pushes_per_s
             stats[w + ctx.rank] = loss
         ctx.comm.all_reduce(stats, ctx.group("world"))
-        histogram = {str(k): int(c) for k, c in enumerate(stats[2 * w : 2 * w + steps].tolist()) if c}
+        histogram = {str(k): int(c) for k, c in enumerate(stats[2 * w : leads].tolist()) if c}
+        max_lead = max((k for k, c in enumerate(stats[leads:-1].tolist()) if c), default=0)
         tokens = steps * cfg.schedule.global_batch * cfg.model.seq_len
         comm = ctx.comm.stats.total_wire_bytes() / steps if not self.is_server else 0
         return {
@@ -148,7 +153,7 @@ class PSTrainer(Trainer):
                 "mode": cfg.ps.mode, "servers": cfg.ps.servers, "workers": w, "staleness_bound": cfg.ps.staleness,
                 "slow_worker": cfg.ps.slow_worker, "pushes_per_s": stats[:w].tolist(),
                 "updates_applied": int(stats[-1].item()), "staleness_histogram": histogram,
-                "max_staleness": max((int(k) for k in histogram), default=0),
+                "max_staleness": max((int(k) for k in histogram), default=0), "max_clock_lead": max_lead,
             },
         }
 
@@ -173,7 +178,9 @@ class PSTrainer(Trainer):
             ("wall time", f"{s['seconds']:.1f} s"),
             ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
             ("pushes/s per worker", ", ".join(f"{p:.2f}" for p in ps["pushes_per_s"])),
-            ("staleness histogram", ", ".join(f"{k}: {v}" for k, v in ps["staleness_histogram"].items())),
+            ("staleness histogram", ", ".join(f"{k}: {v}" for k, v in ps["staleness_histogram"].items())
+             + " (updates between a gradient's pull and its application: count)"),
+            ("max clock lead", f"{ps['max_clock_lead']} step(s) ahead of the slowest worker"),
             ("comm per step", f"{human_bytes(s['comm_bytes_per_step'])} sent per worker"),
             ("run directory", str(self.run_dir)),
         ]

@@ -64,7 +64,7 @@ def run_ps(ctx, ps: PSConfig, steps: int = STEPS) -> dict:
     if setup.roles.is_server(ctx.rank):
         server = ParameterServer(model, ctx, setup, adamw, lr_lambda=lr_lambda, grad_clip=CLIP)
         report = server.serve()
-        return {"role": "server", "applied": [(a.worker, a.step, a.staleness) for a in report.applications],
+        return {"role": "server", "applied": [(a.worker, a.step, a.staleness, a.lead) for a in report.applications],
                 "updates": report.updates}
     worker = PSWorker(model, ctx, setup)
     for step in range(steps):
@@ -80,11 +80,19 @@ def _scenarios() -> dict:
         "sync_s1": run_ps(ctx, PSConfig(servers=1, mode="sync")),
         "ssp": run_ps(ctx, PSConfig(servers=1, mode="ssp", staleness=1, slow_worker="2:4"), steps=8),
         "async": run_ps(ctx, PSConfig(servers=2, mode="async", slow_worker="1:6"), steps=8),
+        "lockstep": run_ps(ctx, PSConfig(servers=1, mode="ssp", staleness=0), steps=4),
         "sent": ctx.comm.stats.snapshot(),
     }
     if ctx.rank == 0:  # the single-process references of the two sync scenarios
         out["reference"] = {2: reference(2), 3: reference(3)}
     return out
+
+
+def _one_worker() -> dict:
+    """One worker + one server: async and ssp have no staleness at all (each push is applied on
+    the parameters it was computed on), so they must be plain single-process training."""
+    ctx = init(init_method=init_method())
+    return {mode: run_ps(ctx, PSConfig(servers=1, mode=mode, staleness=0)) for mode in ("async", "ssp", "sync")}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -94,6 +102,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_distributed(_scenarios, 4)
+
+
+@pytest.fixture(scope="module")
+def one_worker(one_thread: None) -> list[dict]:
+    results = run_distributed(_one_worker, 2)
+    results[0]["reference"] = reference(1)
+    return results
 
 
 @pytest.mark.parametrize("scenario,workers", [("sync_s2", 2), ("sync_s1", 3)])
@@ -110,18 +125,37 @@ def test_sync_equals_single_process(results: list[dict], scenario: str, workers:
     servers = [results[rank][scenario] for rank in range(workers, 4)]
     for s in servers:
         assert s["role"] == "server" and s["updates"] == STEPS
-        assert sorted(s["applied"]) == [(w, c, 0) for w in range(workers) for c in range(STEPS)]  # sync: staleness 0
+        assert sorted(s["applied"]) == [(w, c, 0, 0) for w in range(workers) for c in range(STEPS)]  # sync: staleness 0
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
+def test_one_worker_equals_single_process(one_worker: list[dict], mode: str) -> None:
+    worker, server = one_worker[0][mode], one_worker[1][mode]
+    for got, want in zip(worker["params"], one_worker[0]["reference"]):
+        assert rel_err(got, want) <= TOL
+    assert worker["versions"] == list(range(1, STEPS + 1))
+    assert server["applied"] == [(0, c, 0, 0) for c in range(STEPS)]
 
 
 def test_ssp_never_exceeds_its_bound(results: list[dict]) -> None:
     server = results[3]["ssp"]
     assert server["role"] == "server" and server["updates"] == 3 * 8
-    staleness = [s for _, _, s in server["applied"]]
-    assert len(staleness) == 24 and min(staleness) >= 0
-    assert max(staleness) <= 1
+    leads = [lead for *_, lead in server["applied"]]
+    assert len(leads) == 24 and min(leads) >= 0
+    assert max(leads) <= 1  # the bound is on clocks: at most 1 step ahead of the slowest worker
+    assert max(s for _, _, s, _ in server["applied"]) >= 1
     # Each worker's steps arrive in order, every one of them exactly once.
     for w in range(3):
-        assert [c for u, c, _ in server["applied"] if u == w] == list(range(8))
+        assert [c for u, c, *_ in server["applied"] if u == w] == list(range(8))
+
+
+def test_staleness_counts_the_updates_between_pull_and_apply(results: list[dict]) -> None:
+    """ssp(0) with 3 workers: everyone pulls the same version after each round, so within a round
+    the gradients applied 1st, 2nd, 3rd are 0, 1 and 2 updates stale (clock lead 0)."""
+    applied = results[3]["lockstep"]["applied"]
+    assert len(applied) == 12
+    for c in range(4):
+        assert [(step, s, lead) for _, step, s, lead in applied[3 * c : 3 * c + 3]] == [(c, 0, 0), (c, 1, 0), (c, 2, 0)]
 
 
 def test_async_applies_every_push_as_it_arrives(results: list[dict]) -> None:
@@ -129,10 +163,13 @@ def test_async_applies_every_push_as_it_arrives(results: list[dict]) -> None:
         server = results[rank]["async"]
         assert server["updates"] == 16  # one update per push, not per round
         for w in range(2):
-            assert [c for u, c, _ in server["applied"] if u == w] == list(range(8))
-        assert min(s for _, _, s in server["applied"]) >= 0
-    # The fast worker (0) runs ahead of the 6× slower one: some of its gradients are stale.
-    assert max(s for w, _, s in results[2]["async"]["applied"] if w == 0) >= 1
+            assert [c for u, c, *_ in server["applied"] if u == w] == list(range(8))
+        assert min(s for _, _, s, _ in server["applied"]) >= 0
+    # The slow worker (1) computes while the fast one (0) pushes several times: its gradients are
+    # stale by those updates, and worker 0 runs ahead of worker 1's clock.
+    applied = results[2]["async"]["applied"]
+    assert max(s for w, _, s, _ in applied if w == 1) >= 2
+    assert max(lead for w, _, _, lead in applied if w == 0) >= 1
     assert results[0]["async"]["pushes"] == 8 and results[1]["async"]["pushes"] == 8
 
 
@@ -140,7 +177,7 @@ def test_push_pull_bytes(results: list[dict]) -> None:
     """Worker: one push per server per step = its shard + a 4-byte header; exact byte counts."""
     sent = results[0]["sent"]["send/world"]
     psi = sum(p.numel() for p in tiny().parameters())
-    pushes = {"sync_s2": (STEPS, 2), "sync_s1": (STEPS, 1), "ssp": (8, 1), "async": (8, 2)}
+    pushes = {"sync_s2": (STEPS, 2), "sync_s1": (STEPS, 1), "ssp": (8, 1), "async": (8, 2), "lockstep": (4, 1)}
     assert sent["calls"] == sum(steps * servers for steps, servers in pushes.values())
     assert sent["wire_bytes"] == sum(steps * (4 * psi + 4 * servers) for steps, servers in pushes.values())
 

@@ -25,16 +25,17 @@ Consistency modes:
   alone (clipped by its own norm) and answers the pushing worker at once.
 - ssp(s): as async, but the answer to a worker that has pushed c gradients is held back until
   the slowest worker has pushed at least c − s: no worker computes more than s steps ahead.
-Version and staleness: a server's version is its clock, min over workers of the pushes applied
-(= the step in sync). The staleness of an applied gradient is its step c minus the version the
-worker pulled before computing it: how many steps ahead of the slowest worker's applied work it
-was. sync: always 0; ssp(s): ≤ s by construction; async: unbounded. Each server records every
-application. LR schedule: the multiplier of schedule step k, with k = the step in sync and
-k = (updates applied) // W in async/ssp, so the schedule spans the same number of samples. In
-async/ssp a push carries 1/W of the global batch and is applied with lr/(W·(1+τ)), τ its
-staleness: W fresh pushes move the parameters about as far as one sync step (exactly, for SGD),
-and stale gradients count less (staleness-aware async SGD, Zhang et al. 2016). On the default
-run (2 workers) the full lr per push ended 55% above sync's validation loss, lr/W 34%, this 18%.
+Version, staleness and clock: a server's version is the number of updates it has applied (= the
+step in sync); its clock is min over workers of the pushes applied. The staleness τ of an applied
+gradient is the standard one (Zhang et al. 2016): the updates the server applied between the
+worker's pull and this application. sync: always 0; W balanced async workers: W − 1; one worker:
+0 (async and ssp are then exactly single-process training). ssp bounds the clock lead instead,
+the gradient's step minus the clock the worker pulled (≤ s by construction), which is recorded
+next to τ. Each server records every application. LR schedule: the multiplier of schedule step k,
+with k = the step in sync and k = (updates applied) // W in async/ssp, so the schedule spans the
+same number of samples. In async/ssp a push carries 1/W of the global batch and is applied with
+lr/(W·(1+τ)), τ its staleness: W fresh pushes move the parameters about as far as one sync step
+(exactly, for SGD), and stale gradients count less (staleness-aware async SGD, Zhang et al. 2016).
 
 Straggler: `slow_worker=(rank, F)` makes that worker wait (F−1)× its measured compute time after
 each backward (an experiment knob: the wait is the feature, not synchronisation).
@@ -128,11 +129,13 @@ def _flat_views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torc
 
 @dataclass
 class Application:
-    """One gradient applied by a server."""
+    """One gradient applied by a server: `staleness` = updates the server applied between the
+    worker's pull and this application; `lead` = the worker's step minus the clock it pulled."""
 
     worker: int
     step: int
     staleness: int
+    lead: int
 
 
 @dataclass
@@ -165,12 +168,18 @@ class ParameterServer:
         self.grad = torch.zeros(n)
         for p, g in zip(self.params, _flat_views(self.grad, self.params)):
             p.grad = g
-        self.pushes = [0] * setup.roles.workers       # gradients applied, per worker
-        self.pulled = [0] * setup.roles.workers       # version each worker last pulled
+        self.pushes = [0] * setup.roles.workers        # gradients applied, per worker
+        self.pulled = [(0, 0)] * setup.roles.workers   # (version, clock) each worker last pulled
         self.report = ServerReport()
 
     @property
     def version(self) -> int:
+        """Updates applied so far (the parameters' version)."""
+        return self.report.updates
+
+    @property
+    def clock(self) -> int:
+        """Pushes applied of the slowest worker."""
         return min(self.pushes)
 
     def serve(self) -> ServerReport:
@@ -210,13 +219,16 @@ class ParameterServer:
             if self.pushes[w] < setup.steps:
                 waiting.append(w)
             for u in list(waiting):
-                if setup.mode == "async" or self.version >= self.pushes[u] - setup.staleness:
+                if setup.mode == "async" or self.clock >= self.pushes[u] - setup.staleness:
                     waiting.remove(u)
                     self._reply(u)
 
     def _record(self, workers: list[int]) -> None:
         for w in workers:
-            self.report.applications.append(Application(w, self.pushes[w], self.pushes[w] - self.pulled[w]))
+            version, clock = self.pulled[w]
+            self.report.applications.append(
+                Application(w, self.pushes[w], self.version - version, self.pushes[w] - clock)
+            )
 
     def _global_sqnorm(self) -> float:
         """Squared norm of the averaged gradient over every shard (servers swap their partials)."""
@@ -245,7 +257,7 @@ class ParameterServer:
 
     def _reply(self, worker: int) -> None:
         message = torch.cat([torch.tensor([float(self.version)]), *(p.detach().reshape(-1) for p in self.params)])
-        self.pulled[worker] = self.version
+        self.pulled[worker] = (self.version, self.clock)
         self.ctx.comm.send(message, self.world, worker).wait()
 
 
