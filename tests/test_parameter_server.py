@@ -14,7 +14,9 @@ from ndtrain.config import PSConfig, config_from_dict, load_config
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.parameter_server import ParameterServer, PSSetup, PSWorker, shard_parameters
+from ndtrain.parallel.parameter_server import (
+    ParameterServer, PSSetup, PSWorker, async_beta1, async_lr_scale, shard_parameters,
+)
 from ndtrain.parallel.zero import no_decay_for_vectors, parameter_groups
 from ndtrain.ps_trainer import check_ps_config
 from tests.distributed import init_method, run_distributed
@@ -65,7 +67,7 @@ def run_ps(ctx, ps: PSConfig, steps: int = STEPS) -> dict:
         server = ParameterServer(model, ctx, setup, adamw, lr_lambda=lr_lambda, grad_clip=CLIP)
         report = server.serve()
         return {"role": "server", "applied": [(a.worker, a.step, a.staleness, a.lead) for a in report.applications],
-                "updates": report.updates}
+                "updates": report.updates, "betas": {tuple(round(b, 9) for b in g["betas"]) for g in server.optimizer.param_groups}}
     worker = PSWorker(model, ctx, setup)
     for step in range(steps):
         worker.train_step(micro_batches(ctx.rank, step, model.cfg.vocab_size))
@@ -171,6 +173,18 @@ def test_async_applies_every_push_as_it_arrives(results: list[dict]) -> None:
     assert max(s for w, _, s, _ in applied if w == 1) >= 2
     assert max(lead for w, _, _, lead in applied if w == 0) >= 1
     assert results[0]["async"]["pushes"] == 8 and results[1]["async"]["pushes"] == 8
+
+
+def test_async_rule_by_hand(results: list[dict], one_worker: list[dict]) -> None:
+    """lr/(W(1+τ)) and β1 − (1 − 1/W): 2 workers one update late get lr/4 and β1 0.9 → 0.4."""
+    assert async_lr_scale(2, 1) == 0.25 and async_lr_scale(2, 0) == 0.5 and async_lr_scale(1, 0) == 1.0
+    assert async_lr_scale(4, 3) == 1 / 16
+    assert async_beta1(0.9, 1) == 0.9 and async_beta1(0.9, 2) == pytest.approx(0.4) and async_beta1(0.9, 8) == pytest.approx(0.025)
+    assert async_beta1(0.9, 20) == 0.0  # asynchrony alone exceeds the momentum asked for
+    assert results[2]["async"]["betas"] == {(0.4, 0.999)}  # 2 workers, AdamW's default β2 kept
+    assert results[3]["ssp"]["betas"] == {(round(0.9 - 2 / 3, 9), 0.999)}  # 3 workers
+    assert results[3]["sync_s1"]["betas"] == {(0.9, 0.999)}
+    assert one_worker[1]["async"]["betas"] == {(0.9, 0.999)}
 
 
 def test_push_pull_bytes(results: list[dict]) -> None:
