@@ -126,7 +126,8 @@ def test_profile_errors(tmp_path: Path) -> None:
 
 
 def test_the_profiled_block_is_ndtrains_block() -> None:
-    """At tp = 1 the calibration's block computes what `models.llama.Block` computes with the same weights."""
+    """At tp = 1 the calibration's stack of blocks computes what `models.llama.Block`s compute with the
+    same weights."""
     import torch
 
     from ndtrain.config import ModelConfig
@@ -134,19 +135,20 @@ def test_the_profiled_block_is_ndtrains_block() -> None:
     from ndtrain.plan.calibrate_layers import Shard
 
     spec = arch.ModelSpec("t", "llama", 1, 32, 4, 2, 64, 256, 16)
-    shard = Shard(spec, 1, 2)
-    block = Block(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=16))
+    shard = Shard(spec, 1, 2, blocks=2)
+    blocks = [Block(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=16)) for _ in range(2)]
     with torch.no_grad():
-        for module, weight in ((block.attention.wq, shard.wq), (block.attention.wk, shard.wk),
-                               (block.attention.wv, shard.wv), (block.attention.wo, shard.wo),
-                               (block.feed_forward.w1, shard.w1), (block.feed_forward.w3, shard.w3),
-                               (block.feed_forward.w2, shard.w2)):
-            module.weight.copy_(weight)
-        block.attention_norm.weight.copy_(torch.rand(32))
-        block.ffn_norm.weight.copy_(torch.rand(32))
-        shard.norms[0].copy_(block.attention_norm.weight)
-        shard.norms[1].copy_(block.ffn_norm.weight)
-        torch.testing.assert_close(shard.layer(), block(shard.x, shard.cos, shard.sin), rtol=1e-6, atol=1e-6)
+        for block, w in zip(blocks, shard.weights):
+            for module, name in ((block.attention.wq, "wq"), (block.attention.wk, "wk"), (block.attention.wv, "wv"),
+                                 (block.attention.wo, "wo"), (block.feed_forward.w1, "w1"),
+                                 (block.feed_forward.w3, "w3"), (block.feed_forward.w2, "w2")):
+                module.weight.copy_(w[name])
+            block.attention_norm.weight.copy_(torch.rand(32))
+            block.ffn_norm.weight.copy_(torch.rand(32))
+            w["norms"][0].copy_(block.attention_norm.weight)
+            w["norms"][1].copy_(block.ffn_norm.weight)
+        expected = blocks[1](blocks[0](shard.x, shard.cos, shard.sin), shard.cos, shard.sin)
+        torch.testing.assert_close(shard.stack(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_measure_covers_every_tp_and_micro_batch() -> None:
@@ -167,5 +169,5 @@ def test_measure_covers_every_tp_and_micro_batch() -> None:
     assert tps == [1, 2, 4]
     result = calibrate_layers.measure(spec, tps, once)
     assert set(result) == {f"tp{t} mbs{b}" for t in tps for b in calibrate_layers.MICRO_BATCHES} | {"adamw"}
-    assert PieceTimes(**result["tp4 mbs2"]) == PieceTimes(0.5, 1.5, 0.5, 1.5)
+    assert PieceTimes(**result["tp4 mbs2"]) == PieceTimes(0.25, 0.75, 0.5, 1.5)  # the stack of 2 blocks ÷ 2
     assert result["adamw"]["s_per_param"] > 0

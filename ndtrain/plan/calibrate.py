@@ -36,7 +36,7 @@ PROCESS_COUNTS = (1, 2, 4)  # planned local process counts profiled by default
 COPY_BYTES = 128 * 1024**2
 REPEAT_S = 0.6  # time spent on each measurement
 LAYER_ROUNDS, LAYER_BUDGET_S = 3, 0.3  # the layer profile: rounds over every piece, time per piece and round
-SHARING_REPS, SHARING_ROUNDS = 12, 3  # block forward + backward per process, alternations
+SHARING_REPS, SHARING_ROUNDS = 3, 3  # forward + backward of the block stack per process, alternations
 WORKER_TIMEOUT_S = 300.0
 
 
@@ -86,12 +86,12 @@ def _sharing_worker(rank: int, threads: int, model: ModelSpec, barrier: Any, res
     from ndtrain.plan.calibrate_layers import Shard
 
     torch.set_num_threads(threads)
-    shard = Shard(model, 1, 1)
-    shard.layer().sum().backward()
+    shard = Shard(model, 1, 1, model.layers)
+    shard.stack().sum().backward()
     barrier.wait()
     start = time.perf_counter()
     for _ in range(SHARING_REPS):
-        shard.layer().sum().backward()
+        shard.stack().sum().backward()
     results.put((rank, time.perf_counter() - start))
 
 

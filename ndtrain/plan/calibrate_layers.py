@@ -8,7 +8,8 @@ uses these times instead of FLOPs ÷ matmul rate whenever the profile holds them
 
 Measured, for every tp that divides the query heads and is ≤ the largest planned process count,
 and micro-batch sizes `MICRO_BATCHES`, forward and backward (autograd) separately, median over
-repeats, with `threads` intra-op threads in each of `concurrency` processes running at once (so
+repeats, through a stack of the model's l blocks with their own weights (per block = stack ÷ l:
+weights stream through the caches as in a step; one block repeated would run from warm caches), with `threads` intra-op threads in each of `concurrency` processes running at once (so
 the measurement shares caches and memory bandwidth as the planned processes do):
     layer   one Llama block on tp rank 0's shard: RMSNorm, q/k/v projections with a/t query heads
             and k/t key/value heads (when t does not divide k, the one kv head its query heads
@@ -45,10 +46,10 @@ def measure(model: ModelSpec, tps: list[int], timed: Callable[[Callable[[], None
     result: dict[str, dict[str, float]] = {}
     for tp in tps:
         for mbs in MICRO_BATCHES:
-            shard = Shard(model, tp, mbs)
-            layer_f, layer_fb = timed(shard.layer), timed(lambda: shard.layer().sum().backward())
+            shard, n = Shard(model, tp, mbs, model.layers), model.layers
+            stack_f, stack_fb = timed(shard.stack), timed(lambda: shard.stack().sum().backward())
             head_f, head_fb = timed(shard.head), timed(lambda: shard.head().backward())
-            result[shard_key(tp, mbs)] = {"layer_f": layer_f, "layer_b": max(layer_fb - layer_f, 0.0),
+            result[shard_key(tp, mbs)] = {"layer_f": stack_f / n, "layer_b": max(stack_fb - stack_f, 0.0) / n,
                                           "head_f": head_f, "head_b": max(head_fb - head_f, 0.0)}
     params = [torch.zeros(ADAMW_ELEMENTS // 16, requires_grad=True) for _ in range(16)]
     for p in params:
@@ -59,39 +60,52 @@ def measure(model: ModelSpec, tps: list[int], timed: Callable[[Callable[[], None
 
 
 class Shard:
-    """tp rank 0's share of one Llama block and of the model's ends, for one micro-batch."""
+    """tp rank 0's share of `blocks` Llama blocks (each its own weights) and of the model's ends, for
+    one micro-batch."""
 
-    def __init__(self, model: ModelSpec, tp: int, mbs: int) -> None:
+    def __init__(self, model: ModelSpec, tp: int, mbs: int, blocks: int = 1) -> None:
         h, d, s = model.hidden, model.head_dim, model.seq
         self.heads = model.heads // tp
         self.kv = model.kv_heads // tp if model.kv_heads % tp == 0 else 1
         self.d, self.shape = d, (mbs, s, h)
         ffn, vocab = model.ffn // tp, math.ceil(model.vocab / tp)
-        self.wq, self.wo = _weight(self.heads * d, h), _weight(h, self.heads * d)
-        self.wk, self.wv = _weight(self.kv * d, h), _weight(self.kv * d, h)
-        self.w1, self.w3, self.w2 = _weight(ffn, h), _weight(ffn, h), _weight(h, ffn)
-        self.norms = [torch.ones(h, requires_grad=True) for _ in range(3)]
+        self.weights = [
+            {"wq": _weight(self.heads * d, h), "wk": _weight(self.kv * d, h), "wv": _weight(self.kv * d, h),
+             "wo": _weight(h, self.heads * d), "w1": _weight(ffn, h), "w3": _weight(ffn, h), "w2": _weight(h, ffn),
+             "norms": [torch.ones(h, requires_grad=True) for _ in range(2)]}
+            for _ in range(blocks)
+        ]
+        self.final_norm = torch.ones(h, requires_grad=True)
         self.embedding, self.output = _weight(vocab, h), _weight(vocab, h)
         self.tokens = torch.randint(0, vocab, (mbs, s))
         self.targets = torch.randint(0, vocab, (mbs, s))
         self.cos, self.sin = rotary_tables(torch.arange(s), d, 10000.0)
         self.x = torch.randn(*self.shape, requires_grad=True)
 
-    def layer(self) -> torch.Tensor:
-        """The ops of ndtrain's `Block.forward` (models/llama.py) at the shard's shapes."""
-        b, s, _ = self.shape
+    def stack(self) -> torch.Tensor:
+        """Every block in turn: each block's weights are read once per pass, as in a training step
+        (a single block called again and again would run from warm caches)."""
         x = self.x
-        y = F.rms_norm(x, (x.shape[-1],), eps=1e-5) * self.norms[0]
-        q, k, v = (F.linear(y, w).view(b, s, -1, self.d).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        for i in range(len(self.weights)):
+            x = self.layer(i, x)
+        return x
+
+    def layer(self, i: int = 0, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The ops of ndtrain's `Block.forward` (models/llama.py) at the shard's shapes, block i."""
+        b, s, _ = self.shape
+        w = self.weights[i]
+        x = self.x if x is None else x
+        y = F.rms_norm(x, (x.shape[-1],), eps=1e-5) * w["norms"][0]
+        q, k, v = (F.linear(y, w[name]).view(b, s, -1, self.d).transpose(1, 2) for name in ("wq", "wk", "wv"))
         q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
         attention = Attention.attend(q, k, v)
-        x = x + F.linear(attention.transpose(1, 2).reshape(b, s, -1), self.wo)
-        y = F.rms_norm(x, (x.shape[-1],), eps=1e-5) * self.norms[1]
-        return x + F.linear(F.silu(F.linear(y, self.w1)) * F.linear(y, self.w3), self.w2)
+        x = x + F.linear(attention.transpose(1, 2).reshape(b, s, -1), w["wo"])
+        y = F.rms_norm(x, (x.shape[-1],), eps=1e-5) * w["norms"][1]
+        return x + F.linear(F.silu(F.linear(y, w["w1"])) * F.linear(y, w["w3"]), w["w2"])
 
     def head(self) -> torch.Tensor:
         x = F.embedding(self.tokens, self.embedding) + self.x
-        logits = F.linear(F.rms_norm(x, (x.shape[-1],), eps=1e-5) * self.norms[2], self.output)
+        logits = F.linear(F.rms_norm(x, (x.shape[-1],), eps=1e-5) * self.final_norm, self.output)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), self.targets.view(-1))
 
 
