@@ -36,6 +36,12 @@ dp/ZeRO   over N = dp·c ranks, Ψ the stage's parameters per rank, the slowest 
                     reduce-scatter 2Ψ behind the backward, except one layer's gather (FSDP)
 optimizer Adam reads and writes 28 bytes per (sharded) parameter, at HBM bandwidth.
 Overlap ("behind") holds on GPUs only: on a CPU profile every collective is exposed.
+CPU profile (`cpu_profile.py`): compute is the model's measured block and ends per (tp, mbs)
+          when the profile has them (÷ c for cp; recompute adds the attention's FLOP share of a
+          block forward, or a block forward); each collective uses the fit for its op and group
+          size; ZeRO-1 is ndtrain's all-reduce + all-gather; SP's all-gather + reduce-scatter are
+          priced apart; the optimizer at the measured AdamW rate. With P processes on S < P
+          slots, shared = max(0, sharing · (all processes' compute) / S − critical path).
 """
 
 from __future__ import annotations
