@@ -184,8 +184,7 @@ def run(out: Path, model: ModelSpec | None = None, processes: tuple[int, ...] = 
     if model is not None:
         by_threads = profile["models"].setdefault(cpu_profile.model_key(model), {})
         for p in sorted(set(processes)):
-            threads = cpu_profile.threads_for(cores, p)
-            slots = max(1, cores // threads)
+            threads, slots = cpu_profile.threads_for(cores, p), cpu_profile.slots_for(cores, p)
             if str(threads) not in by_threads:
                 by_threads[str(threads)] = _measure_layers(model, threads, min(p, slots), tps)
             if p > slots:  # what sharing the cores costs p processes beyond splitting them

@@ -50,6 +50,16 @@ def threads_for(cores: int, processes: int) -> int:
     return max(1, cores // processes)
 
 
+def slots_for(cores: int, processes: int) -> int:
+    """How many of `processes` processes (each with `threads_for` threads) can compute at once."""
+    return max(1, cores // threads_for(cores, processes))
+
+
+def _parse_shard_key(key: str) -> tuple[int, int]:
+    tp, mbs = key.split()
+    return int(tp.removeprefix("tp")), int(mbs.removeprefix("mbs"))
+
+
 def profiled_tps(model: ModelSpec, max_processes: int) -> list[int]:
     """The tp degrees a layer profile covers: those dividing the query heads and `max_processes`."""
     if model.arch != "llama":
@@ -73,7 +83,7 @@ class CpuProfile:
     cores: int
     processes: int
     links: dict[tuple[str, int], Link]
-    pieces: dict[str, dict[str, PieceTimes]] = field(default_factory=dict)  # model key -> shard key -> times
+    pieces: dict[str, dict[tuple[int, int], PieceTimes]] = field(default_factory=dict)  # model key -> (tp, mbs) -> times
     adamw_s_per_param: dict[str, float] = field(default_factory=dict)  # model key -> seconds
     sharing: float = 1.0  # ≥ 1: what P > S processes lose to sharing the cores beyond splitting them
     model_sharing: dict[str, float] = field(default_factory=dict)  # model key -> the same, for its layers
@@ -85,7 +95,7 @@ class CpuProfile:
     @property
     def slots(self) -> int:
         """How many of the processes can compute at the same time."""
-        return max(1, self.cores // self.threads)
+        return slots_for(self.cores, self.processes)
 
     def link(self, op: str, n: int) -> Link:
         """The fit for `op` in groups of n (the nearest measured group size)."""
@@ -102,7 +112,7 @@ class CpuProfile:
         """Measured pieces at (tp, mbs); another mbs is scaled from the nearest measured one (time ∝
         tokens); None when this model or tp was not profiled."""
         table = self.pieces.get(model_key(model), {})
-        measured = {int(key.split()[1][3:]): t for key, t in table.items() if key.split()[0] == f"tp{tp}"}
+        measured = {b: times for (shard_tp, b), times in table.items() if shard_tp == tp}
         if not measured:
             return None
         nearest = min(measured, key=lambda b: (abs(b - mbs), -b))
@@ -124,7 +134,7 @@ def load_profile(path: Path, processes: int) -> Hardware:
     nearest = str(min(measured_counts, key=lambda p: (abs(p - processes), -p)))
     links = {(op, int(n)): Link(fit["bandwidth_gbs"] * GB, fit["latency_us"] * 1e-6)
              for op, fits in comm[nearest].items() if op in OPS for n, fit in fits.items()}
-    pieces: dict[str, dict[str, PieceTimes]] = {}
+    pieces: dict[str, dict[tuple[int, int], PieceTimes]] = {}
     adamw: dict[str, float] = {}
     model_sharing: dict[str, float] = {}
     for key, by_threads in data.get("models", {}).items():
@@ -132,7 +142,7 @@ def load_profile(path: Path, processes: int) -> Hardware:
         if table is None:
             continue
         adamw[key] = table["adamw"]["s_per_param"]
-        pieces[key] = {shard: PieceTimes(**t) for shard, t in table.items() if shard.startswith("tp")}
+        pieces[key] = {_parse_shard_key(shard): PieceTimes(**t) for shard, t in table.items() if shard.startswith("tp")}
         if str(processes) in table.get("sharing", {}):
             model_sharing[key] = max(1.0, table["sharing"][str(processes)])
     cpu = CpuProfile(cores, processes, links, pieces, adamw, _sharing(comm, nearest, cores, processes), model_sharing)
@@ -147,7 +157,7 @@ def load_profile(path: Path, processes: int) -> Hardware:
 def _sharing(comm: dict[str, Any], measured: str, cores: int, processes: int) -> float:
     """(compute chunk at P processes) / (chunk at one process per slot × P/S), at least 1; 1 when P ≤ S
     or the profile has no chunk at a count ≤ S to compare with."""
-    slots = max(1, cores // threads_for(cores, processes))
+    slots = slots_for(cores, processes)
     below = [int(p) for p in comm if int(p) <= slots and "chunk_ms" in comm[p]]
     if processes <= slots or not below or "chunk_ms" not in comm[measured]:
         return 1.0

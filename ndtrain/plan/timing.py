@@ -47,6 +47,7 @@ CPU profile (`cpu_profile.py`): compute is the model's measured block and ends p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ndtrain.plan import collectives, schedules
 from ndtrain.plan.arch import ModelSpec
@@ -90,6 +91,7 @@ class _MicroBatch:
     cp_b: float
     pp_f: float
     pp_b: float
+    all_stages: float  # forward + backward through every stage on one tp rank (for the shared-cores bound)
 
     @property
     def t_f(self) -> float:
@@ -105,7 +107,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
     beta = hw.precision.activation_bytes
     tokens = layout.mbs * model.seq / layout.cp
     layers = model.layers if layout.pp == 1 else layout.stage_layers(model.layers)
-    compute_f, compute_b, _ = _compute(model, layout, cluster, layers)
+    compute = _compute(model, layout, cluster, layers)
 
     tp_one = _collective(cluster, "all_reduce", 1, layout.tp, tokens * model.hidden * beta)
     if layout.sp and hw.cpu is not None:  # each all-reduce becomes an all-gather + a reduce-scatter of
@@ -122,8 +124,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
         kv_heads = max(1, model.kv_heads // layout.tp)
         chunk = tokens * 2 * kv_heads * model.head_dim * beta
         ring = (layout.cp - 1) * _collective(cluster, "send_recv", layout.tp * layout.pp, layout.cp, chunk)
-        attention_f = tokens * model.attention_forward_flops_per_token / layout.tp / (hw.peak_flops * hw.matmul_efficiency)
-        hidden = attention_f if hw.overlaps_comm else 0.0
+        hidden = compute.attention_f if hw.overlaps_comm else 0.0
         cp_f = layers * max(0.0, ring - hidden)
         cp_b = layers * max(0.0, 2 * ring - 2 * hidden)
 
@@ -131,13 +132,19 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
     if layout.pp > 1:
         boundary = tokens * model.hidden * beta / layout.tp
         pp_f = pp_b = layout.vpp * _collective(cluster, "send_recv", layout.tp, layout.pp, boundary)
-    return _MicroBatch(compute_f, compute_b, tp_f, tp_b, cp_f, cp_b, pp_f, pp_b)
+    return _MicroBatch(compute.forward, compute.backward, tp_f, tp_b, cp_f, cp_b, pp_f, pp_b, compute.all_stages)
 
 
-def _compute(model: ModelSpec, layout: Layout, cluster: Cluster, layers: int) -> tuple[float, float, float]:
-    """(forward, backward) seconds of one micro-batch through `layers` layers and the model's ends on
-    one rank, and the same for the whole model (all stages) on one tp rank: measured pieces of a CPU
-    profile when it has them, FLOPs at the achievable rate plus element-wise traffic otherwise."""
+class _Compute(NamedTuple):
+    forward: float  # one micro-batch through the stage's layers and the model's ends, one rank
+    backward: float
+    all_stages: float  # forward + backward through all layers and ends, one tp rank
+    attention_f: float  # one layer's attention core forward (what cp's ring can hide behind)
+
+
+def _compute(model: ModelSpec, layout: Layout, cluster: Cluster, layers: int) -> _Compute:
+    """Seconds of one micro-batch's compute: measured pieces of a CPU profile when it has them, FLOPs
+    at the achievable rate plus element-wise traffic otherwise."""
     hw = cluster.hardware
     attention_share = model.attention_forward_flops_per_token / model.layer_forward_flops_per_token
     pieces = hw.cpu.piece_times(model, layout.tp, layout.mbs) if hw.cpu is not None else None
@@ -161,15 +168,13 @@ def _compute(model: ModelSpec, layout: Layout, cluster: Cluster, layers: int) ->
         ends_f = tokens * model.logits_forward_flops_per_token / layout.tp / rate
         ends_b = 2 * ends_f
     forward, backward = layers * layer_f + ends_f, layers * (layer_b + recompute) + ends_b  # the last stage
-    whole = model.layers * (layer_f + layer_b + recompute) + ends_f + ends_b
-    return forward, backward, whole
+    all_stages = model.layers * (layer_f + layer_b + recompute) + ends_f + ends_b
+    return _Compute(forward, backward, all_stages, attention_f)
 
 
 def _collective(cluster: Cluster, op: str, stride: int, n: int, nbytes: float) -> float:
     """Seconds of `op` over n ranks spaced `stride` apart: the profile's fit for that op and group size
     on a CPU, the slowest link the group spans on a GPU cluster."""
-    if n == 1 and op != "send_recv":
-        return 0.0
     cpu = cluster.hardware.cpu
     link = cpu.link(op, n) if cpu is not None else cluster.link(stride, n)
     if op == "send_recv":
@@ -229,15 +234,15 @@ def _optimizer(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
     return psi * OPTIMIZER_TRAFFIC_BYTES / cluster.hardware.hbm_bandwidth
 
 
-def _shared_cores(model: ModelSpec, layout: Layout, cluster: Cluster, m: int, busy: float, optimizer: float) -> float:
+def _shared_cores(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _MicroBatch, m: int, busy: float,
+                  optimizer: float) -> float:
     """Time added because P processes share S < P compute slots (CPU profiles): the step cannot be
     shorter than all processes' compute divided over the slots, times what sharing costs (`sharing`). Every tp rank runs its shard of
     every micro-batch through all pp stages: Σ = dp·cp·tp · m · (whole model on one tp shard)."""
     cpu = cluster.hardware.cpu
     if cpu is None or layout.world <= cpu.slots:
         return 0.0
-    whole = _compute(model, layout, cluster, model.layers)[2]
-    work = layout.dp * layout.cp * layout.tp * m * whole + layout.world * optimizer
+    work = layout.dp * layout.cp * layout.tp * m * mb.all_stages + layout.world * optimizer
     return max(0.0, cpu.sharing_for(model) * work / cpu.slots - busy)
 
 
@@ -265,7 +270,7 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
         bubble=bubble,
         dp_comm=_data_parallel(model, layout, cluster, mb, m),
         optimizer=optimizer,
-        shared_cores=_shared_cores(model, layout, cluster, m, compute + bubble + optimizer, optimizer),
+        shared_cores=_shared_cores(model, layout, cluster, mb, m, compute + bubble + optimizer, optimizer),
         model_flops=model_flops,
         hardware_flops=hardware_flops,
     )
