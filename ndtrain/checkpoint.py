@@ -1,23 +1,27 @@
-"""Checkpoints with `torch.distributed.checkpoint` (DCP): layout-agnostic, written atomically.
+"""Checkpoints with `torch.distributed.checkpoint` (DCP): layout-agnostic, atomic, verified.
 
 Layout of RUN_DIR/checkpoints:
     step_00000050/          one DCP checkpoint of model and optimizer state
         progress.json       trainer progress and LR schedule (JSON, written by rank 0)
         rng/rank00000.pt    each rank's RNG states (written by that rank only)
+        manifest.json       every file's size and SHA-256, step, layout, versions (written last)
     latest                  name of the newest complete checkpoint
 
-A checkpoint is written into `step_XXXXXXXX.partial`, and only after every rank has finished
-is it renamed and `latest` replaced (os.replace), so a crash mid-save never damages the
-previous checkpoint. Model and optimizer state go through DCP's `get_state_dict`, keyed by
-parameter name, so a checkpoint can be loaded under another layout. DCP writes each replicated
-tensor once (deduplicated across ranks); cost: Ψ·(4 + 8) bytes for fp32 AdamW on disk.
+A checkpoint is written into `step_XXXXXXXX.partial`; after every rank has finished, rank 0
+writes the manifest (`checkpoint_manifest`), renames the directory and replaces `latest`
+(os.replace), so a crash mid-save never damages the previous checkpoint. Resuming uses the
+newest checkpoint that verifies against its manifest, naming each damaged one; rotation keeps the
+newest `keep` verified checkpoints. Model and optimizer state go through DCP's `get_state_dict`,
+keyed by parameter name, so a checkpoint can be loaded under another layout. DCP writes each
+replicated tensor once (deduplicated across ranks); cost: Ψ·(4 + 8) bytes for fp32 AdamW on disk.
+Nothing is unpickled with arbitrary classes (`safe_pickle`).
 
 Sharded runs resume only under the same layout: with a sharded optimizer (ZeRO 1/2, mixed
 precision's fp32 masters) each rank writes its own optimizer state to `optim/rankNNNNN.pt`; with
 a sharded model (ZeRO-3, an object with `sharded_state_dict`/`load_sharded_state_dict`/
 `full_state_dict`) each rank also writes its parameter shards to `model/rankNNNNN.pt`, which is
 what resuming reads; the gathered full model still goes through DCP (written once, by
-deduplication), so `load_model_weights` (generate, eval) reads any checkpoint.
+deduplication), so `load_model_weights` (generate, eval, export) reads any checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,30 +42,75 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ndtrain.checkpoint_manifest import PARTIAL, Choice, choose, obsolete, write_manifest
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
+from ndtrain.safe_pickle import SafePlanner, SafeReader, load_tensors
 
 LATEST = "latest"
-PARTIAL = ".partial"
 PROGRESS = "progress.json"
+_NONE, _FAILED = -1, -2  # broadcast codes of `select_checkpoint` besides a step number
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest complete checkpoint in `directory`, or None when there is none."""
+def newest_verified(directory: Path) -> Path | None:
+    """The newest checkpoint of `directory` that verifies (one process: generate, export).
+
+    Each damaged newer one is named on stderr; step directories none of which verifies are a
+    UserError, so a damaged run is never mistaken for one without checkpoints.
+    """
+    choice = choose(directory)
+    _report(choice, directory)
+    if choice.path is None and choice.candidates:
+        raise UserError(_none_verified(choice, directory, "restore one of them from a copy"))
+    return choice.path
+
+
+def select_checkpoint(directory: Path, ctx: ParallelContext, start_over: bool) -> Path | None:
+    """The checkpoint every rank resumes from, or None to start at step 0 (collective).
+
+    Rank 0 chooses (`checkpoint_manifest.choose`) and broadcasts the step. With `start_over`
+    (--overwrite) rank 0 first deletes the old checkpoints; without it, step directories of
+    which none verifies are a UserError (a run never silently starts over on top of them).
+    """
+    code, error = _NONE, None
+    if ctx.is_main:
+        try:
+            if start_over:
+                shutil.rmtree(directory, ignore_errors=True)
+            choice = choose(directory)
+            _report(choice, directory)
+            if choice.path is None and choice.candidates:
+                raise UserError(_none_verified(choice, directory, "restore one from a copy, or pass --overwrite "
+                                                                  "to delete them and start over"))
+            code = _NONE if choice.path is None else int(choice.path.name.removeprefix("step_"))
+        except UserError as e:
+            code, error = _FAILED, e
+    decided = torch.tensor([code], dtype=torch.int64, device=ctx.device)
+    ctx.comm.broadcast(decided, ctx.group("world"))
+    if error is not None:
+        raise error
+    code = int(decided.item())
+    if code == _FAILED:
+        raise UserError("rank 0 found no usable checkpoint (its message says why)")
+    return None if code == _NONE else directory / checkpoint_name(code)
+
+
+def _report(choice: Choice, directory: Path) -> None:
+    lines = choice.report()
     pointer = directory / LATEST
-    if not pointer.exists():
-        return None
-    path = directory / pointer.read_text().strip()
-    if not (path / ".metadata").exists():
-        raise UserError(
-            f"checkpoint {str(path)!r} named by {str(pointer)!r} is missing or incomplete: "
-            f"restore it or delete {str(pointer)!r} to start over"
-        )
-    return path
+    if choice.path is not None and not pointer.exists():
+        lines.append(f"{str(pointer)!r} is missing: using the newest verified checkpoint {choice.path.name}")
+    for line in lines:
+        print(f"ndtrain: warning: {line}", file=sys.stderr, flush=True)
+
+
+def _none_verified(choice: Choice, directory: Path, fix: str) -> str:
+    names = ", ".join(p.name for p in choice.candidates)
+    return f"no checkpoint in {str(directory)!r} verifies ({names}; newest: {choice.damaged[0][1]}): {fix}"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -81,7 +131,7 @@ def save_checkpoint(
     extra: dict[str, Any], ctx: ParallelContext, keep: int, sharded_optimizer: bool = False,
     sharded_model: Any = None,
 ) -> Path:
-    """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep`.
+    """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep` verified.
 
     With `sharded_optimizer` (ZeRO) each rank writes its own optimizer shard to
     `optim/rankNNNNN.pt`; such a checkpoint resumes only under the same dp×cp size.
@@ -109,13 +159,14 @@ def save_checkpoint(
     torch.save(_rng_state(), rng_dir / f"rank{ctx.rank:05d}.pt")
     ctx.comm.barrier(ctx.group("world"))
     if ctx.is_main:
-        shutil.rmtree(final, ignore_errors=True)
+        layout = {axis: ctx.size(axis) for axis in ("dp", "cp", "pp", "tp")} | {"zero": ctx.config.zero}
+        write_manifest(partial, step, layout)
+        shutil.rmtree(final, ignore_errors=True)  # only ever an unverified one: resuming takes the newest verified
         partial.rename(final)
         pointer_tmp = directory / (LATEST + PARTIAL)
         pointer_tmp.write_text(final.name + "\n")
         os.replace(pointer_tmp, directory / LATEST)
-        old = sorted(p for p in directory.glob("step_*") if p.is_dir() and not p.name.endswith(PARTIAL))
-        for path in old[:-keep]:
+        for path in obsolete(directory, keep, final):
             shutil.rmtree(path, ignore_errors=True)
     ctx.comm.barrier(ctx.group("world"))
     return final
@@ -125,23 +176,23 @@ def load_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
     sharded_optimizer: bool = False, sharded_model: Any = None,
 ) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG from `path`; return the saved progress."""
+    """Restore model, optimizer and this rank's RNG from the verified checkpoint `path`; return the saved progress."""
     state = _dcp_state(model, optimizer, sharded_optimizer)
-    shard_file = path / "optim" / f"rank{ctx.rank:05d}.pt"
     try:
         extra = json.loads((path / PROGRESS).read_text())
         if sharded_model is not None:
-            sharded_model.load_sharded_state_dict(torch.load(path / "model" / f"rank{ctx.rank:05d}.pt", weights_only=False))
+            sharded_model.load_sharded_state_dict(load_tensors(path / "model" / f"rank{ctx.rank:05d}.pt"))
         else:
-            with _single_process_quiet():
-                dcp.load(state, checkpoint_id=path)
-        shard = torch.load(shard_file, weights_only=False) if sharded_optimizer else None
+            _dcp_load(state, path)
+        shard = load_tensors(path / "optim" / f"rank{ctx.rank:05d}.pt") if sharded_optimizer else None
+        rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
+        rng = load_tensors(rng_file) if rng_file.exists() else None
     except UserError:
         raise
-    except (Exception, CheckpointException) as e:  # corrupt files and shape mismatches come in many forms
+    except (Exception, CheckpointException) as e:  # refused pickles and shape mismatches come in many forms
         raise UserError(
-            f"cannot load checkpoint {str(path)!r} ({_reason(e)}): it is corrupt or was written "
-            f"for another model; use a fresh --out directory"
+            f"cannot load checkpoint {str(path)!r} ({_reason(e)}): it was written for another model or holds "
+            f"objects other than tensors; use a fresh --out directory"
         ) from None
     if shard is None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -149,10 +200,15 @@ def load_checkpoint(
         if sharded_model is None:
             model.load_state_dict(state["model"])
         optimizer.load_state_dict(shard)
-    rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
-    if rng_file.exists():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    if rng is not None:
+        _set_rng_state(rng)
     return extra
+
+
+def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """`dcp.load` with `.metadata` and non-tensor items read without arbitrary classes."""
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist)
 
 
 @contextlib.contextmanager
@@ -202,8 +258,7 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load only the model weights of a checkpoint into a single-process model (no process group)."""
     state = {"model": model.state_dict()}
     try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        _dcp_load(state, path, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:
         raise UserError(f"cannot load model weights from {str(path)!r}: {_reason(e)}") from None
     model.load_state_dict(state["model"])

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (key, kind, help_text) in TRAIN_FLAGS.items():
         train.add_argument(flag, type=kind, dest=flag.lstrip("-").replace("-", "_"), help=f"{help_text} [{key}]")
     train.add_argument("--resume", action="store_true", help="continue from the run directory's newest checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="delete the run directory's checkpoints and metrics and start over [checkpoint.overwrite]")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. --set optim.lr=3e-4 (repeatable)")
 
@@ -89,6 +91,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
             overrides[key] = value
     if args.resume:
         overrides["checkpoint.resume"] = True
+    if args.overwrite:
+        overrides["checkpoint.overwrite"] = True
     overrides.update(parse_override(item) for item in args.set)
     cfg = load_config(args.config, overrides)
     return cfg

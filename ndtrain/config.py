@@ -229,18 +229,23 @@ class CheckpointConfig:
     """DCP checkpoints in RUN_DIR/checkpoints every `save_every` steps (0 = only at the end).
 
     `exit_after` > 0 stops this invocation after that many steps with a checkpoint, for jobs
-    with a time limit; running the same command again continues the run.
+    with a time limit; running the same command again continues the run. `overwrite` deletes the
+    run directory's checkpoints and metrics and starts over (the only way to start over in a
+    directory that holds checkpoints).
     """
 
     save_every: int = 0
     keep: int = 2
     resume: bool = False
     exit_after: int = 0
+    overwrite: bool = False
 
     def validate(self) -> None:
         if self.save_every < 0 or self.exit_after < 0:
             raise UserError("checkpoint.save_every and checkpoint.exit_after must be >= 0")
         _positive(self, "keep")
+        if self.resume and self.overwrite:
+            raise UserError("--resume and --overwrite exclude each other: continue the run or start it over, not both")
 
 
 @dataclass

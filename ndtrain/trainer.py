@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from functools import cached_property
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
-from ndtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ndtrain.checkpoint import load_checkpoint, save_checkpoint, select_checkpoint
 from ndtrain.config import TrainConfig, dump_toml
 from ndtrain.data.corpus import TokenWindows, load_corpus
 from ndtrain.data.sampler import DistributedSampler, eval_shard
@@ -118,8 +119,17 @@ class Trainer:
 
     # ---- loop -------------------------------------------------------------------------------
     def resume(self) -> int:
-        """Load the newest checkpoint of the run directory; return the step to continue from."""
-        path = latest_checkpoint(self.checkpoints)
+        """Load the newest verified checkpoint of the run directory; return the step to continue from.
+
+        `checkpoint.overwrite` starts over instead: the old checkpoints and metrics are deleted
+        first. It applies to the run's first start only, not when torchrun's elastic agent
+        restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), which must resume.
+        """
+        start_over = self.cfg.checkpoint.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        if start_over and self.ctx.is_main:
+            for name in ("metrics.jsonl", "summary.json", "loss.png"):
+                (self.run_dir / name).unlink(missing_ok=True)
+        path = select_checkpoint(self.checkpoints, self.ctx, start_over)
         if path is None:
             if self.cfg.checkpoint.resume:
                 raise UserError(f"--resume: no checkpoint in {str(self.checkpoints)!r}; drop --resume to start a new run")

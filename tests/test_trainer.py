@@ -103,7 +103,7 @@ def test_distributed_eval_counts_every_token_once(tmp_path: Path) -> None:
         assert loss == pytest.approx(reference[0], rel=1e-6)
 
 
-def test_resume_errors_are_clear(tmp_path: Path) -> None:
+def test_resume_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = corpus_file(tmp_path)
     with pytest.raises(UserError, match="no checkpoint in"):
         train(tiny_config(data, str(tmp_path / "new"), **{"parallel.dp": 1, "checkpoint.resume": True}))
@@ -114,11 +114,14 @@ def test_resume_errors_are_clear(tmp_path: Path) -> None:
     # A crash in the middle of a save leaves a partial directory: the complete checkpoint still loads.
     shutil.copytree(out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000004.partial")
     train(tiny_config(data, str(out), **{"parallel.dp": 1, "schedule.steps": 3}))
-    # A damaged checkpoint is named, not a traceback.
+    # A damaged checkpoint is named, not a traceback, and the newest verified one is used instead.
     for f in (out / "checkpoints" / "step_00000003").glob("*.distcp"):
         f.write_bytes(b"garbage")
-    with pytest.raises(UserError, match="cannot load checkpoint .*step_00000003"):
-        train(tiny_config(data, str(out), **{"parallel.dp": 1, "schedule.steps": 4}))
+    capsys.readouterr()
+    train(tiny_config(data, str(out), **{"parallel.dp": 1, "schedule.steps": 4}))
+    captured = capsys.readouterr()
+    assert "step_00000003' is damaged (file __0_0.distcp has 7 bytes" in captured.err
+    assert "ndtrain: resuming at step 2" in captured.out
 
 
 def _zero1_worker(data: str, root: str) -> tuple[dict, dict, dict, list[int]]:
