@@ -1,4 +1,4 @@
-"""The `ndtrain` command: train, generate, bench, plan.
+"""The `ndtrain` command: train, generate, export, bench, plan.
 
 `ndtrain train` validates the whole configuration in the launching process (so mistakes end in
 one line and exit status 2 before any worker starts), then either runs as a worker (when
@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--seed", type=int, default=0)
 
+    export = commands.add_parser("export", help="write a run's model as one safetensors file (config in its metadata)")
+    export.add_argument("run_dir", type=Path)
+    export.add_argument("out", type=Path, metavar="OUT.safetensors")
+
     from ndtrain.bench import cli as bench_cli
     from ndtrain.plan import cli as plan_cli
 
@@ -144,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
             from ndtrain.generate import generate_text
 
             print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+            return 0
+        if args.command == "export":
+            from ndtrain.export import export_safetensors
+
+            checkpoint, count = export_safetensors(args.run_dir, args.out)
+            print(f"ndtrain: exported {count} tensors of {checkpoint} to {args.out}")
             return 0
         if args.command == "plan":
             from ndtrain.plan import cli as plan_cli

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ndtrain.checkpoint import latest_checkpoint, load_model_weights
+from ndtrain.checkpoint import load_model_weights, newest_verified
 from ndtrain.config import TrainConfig, load_config
 from ndtrain.data.tokenizer import ByteTokenizer
 from ndtrain.errors import UserError
@@ -39,18 +39,19 @@ def sample(
     return tokens
 
 
-def load_run(run_dir: Path) -> tuple[TrainConfig, nn.Module]:
-    """The config and final weights of a run directory, as a single-process model in eval mode."""
+def load_run(run_dir: Path) -> tuple[TrainConfig, nn.Module, Path]:
+    """The config and final weights of a run directory (its newest verified checkpoint, also
+    returned), as a single-process model in eval mode."""
     config_file = run_dir / "config.toml"
-    if not config_file.exists():
+    if not config_file.is_file():
         raise UserError(f"{str(run_dir)!r} is not an ndtrain run directory (no config.toml): give the --out of a run")
     cfg = load_config(config_file)
-    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    checkpoint = newest_verified(run_dir / "checkpoints")
     if checkpoint is None:
         raise UserError(f"run directory {str(run_dir)!r} has no checkpoint yet: train it first")
     model = build_model(cfg.model, cfg.seed)
     load_model_weights(checkpoint, model)
-    return cfg, model.eval()
+    return cfg, model.eval(), checkpoint
 
 
 def generate_text(
@@ -60,7 +61,7 @@ def generate_text(
         raise UserError(f"--temperature must be >= 0, got {temperature}")
     if max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    cfg, model = load_run(run_dir)
+    cfg, model, _ = load_run(run_dir)
     tokenizer = ByteTokenizer()
     prompt_ids = tokenizer.encode(prompt) if prompt else torch.tensor([ord("\n")], dtype=torch.uint8)
     generator = torch.Generator().manual_seed(seed)
