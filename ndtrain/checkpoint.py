@@ -176,39 +176,74 @@ def load_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
     sharded_optimizer: bool = False, sharded_model: Any = None,
 ) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG from the verified checkpoint `path`; return the saved progress."""
-    state = _dcp_state(model, optimizer, sharded_optimizer)
+    """Restore model, optimizer and this rank's RNG from the verified checkpoint `path`; return the saved progress.
+
+    Collective: when any rank fails (a refused pickle, another model's shapes, another layout's
+    shards), every rank raises a UserError carrying the first failing rank's message, so no rank
+    goes on training alone.
+    """
+    error, extra = None, {}
     try:
-        extra = json.loads((path / PROGRESS).read_text())
-        if sharded_model is not None:
-            sharded_model.load_sharded_state_dict(load_tensors(path / "model" / f"rank{ctx.rank:05d}.pt"))
-        else:
-            _dcp_load(state, path)
-        shard = load_tensors(path / "optim" / f"rank{ctx.rank:05d}.pt") if sharded_optimizer else None
-        rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
-        rng = load_tensors(rng_file) if rng_file.exists() else None
-    except UserError:
-        raise
+        extra = _load(path, model, optimizer, ctx, sharded_optimizer, sharded_model)
+    except UserError as e:
+        error = str(e)
     except (Exception, CheckpointException) as e:  # refused pickles and shape mismatches come in many forms
-        raise UserError(
-            f"cannot load checkpoint {str(path)!r} ({_reason(e)}): it was written for another model or holds "
-            f"objects other than tensors; use a fresh --out directory"
-        ) from None
-    if shard is None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        if sharded_model is None:
-            model.load_state_dict(state["model"])
-        optimizer.load_state_dict(shard)
-    if rng is not None:
-        _set_rng_state(rng)
+        error = (f"cannot load checkpoint {str(path)!r} ({_reason(e)}): it was written for another model or "
+                 f"holds objects other than tensors; use a fresh --out directory")
+    _agree(error, ctx)
     return extra
 
 
+def _load(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
+    sharded_optimizer: bool, sharded_model: Any,
+) -> dict[str, Any]:
+    extra = json.loads((path / PROGRESS).read_text())
+    state = _dcp_state(model, optimizer, sharded_optimizer)
+    if sharded_model is not None:
+        sharded_model.load_sharded_state_dict(load_tensors(path / "model" / f"rank{ctx.rank:05d}.pt"))
+    else:
+        _dcp_load(state, path)
+    if sharded_optimizer:
+        if sharded_model is None:
+            model.load_state_dict(state["model"])
+        optimizer.load_state_dict(load_tensors(path / "optim" / f"rank{ctx.rank:05d}.pt"))
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
+    if rng_file.exists():
+        _set_rng_state(load_tensors(rng_file))
+    return extra
+
+
+_MESSAGE_BYTES = 1024
+
+
+def _agree(error: str | None, ctx: ParallelContext) -> None:
+    """Raise a UserError on every rank when any rank has `error` (one all-reduce of world × 1 KiB)."""
+    messages = torch.zeros(ctx.world_size, _MESSAGE_BYTES, dtype=torch.uint8, device=ctx.device)
+    if error is not None:
+        encoded = error.encode()[:_MESSAGE_BYTES] or b"?"
+        messages[ctx.rank, : len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    ctx.comm.all_reduce(messages, ctx.group("world"))  # one writer per row: the sum is that row
+    failed = [rank for rank in range(ctx.world_size) if bool(messages[rank].any())]
+    if error is not None:
+        raise UserError(error)
+    if failed:
+        first = bytes(messages[failed[0]].cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+        raise UserError(f"rank {failed[0]}: {first}")
+
+
 def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
-    """`dcp.load` with `.metadata` and non-tensor items read without arbitrary classes."""
+    """`dcp.load` with `.metadata` and non-tensor items read without arbitrary classes.
+
+    The metadata is read once beforehand so that a refused one fails here, with one line, rather
+    than inside DCP, which logs a traceback before falling back to per-rank metadata.
+    """
+    reader = SafeReader(path)
+    reader.read_metadata()
     with _single_process_quiet():
-        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=no_dist)
 
 
 @contextlib.contextmanager
