@@ -8,10 +8,10 @@ ignored: loading reads only listed names). The manifest guards against damage (t
 flipped bytes, lost files), not against an attacker, who can rewrite it: `safe_pickle` does that.
 
 Cost: rank 0 reads every byte of the checkpoint once to write the manifest (Ψ·12 bytes for fp32
-AdamW, at SHA-256 speed, ~1 GB/s per core) and once more per checkpoint it verifies: the one
-chosen at resume (plus any damaged newer ones) and, at each save, the older ones rotation
-inspects until `keep` verified ones are found (keep − 1 in a healthy directory). Other ranks
-wait at the save's final barrier.
+AdamW, at SHA-256 speed: 564 MB/s measured on one shared CPU core) and once more per checkpoint
+it verifies: the one chosen at resume (plus any damaged newer ones) and, at each save, the older
+ones rotation inspects until `keep` verified ones are found (keep − 1 in a healthy directory).
+Other ranks wait at the save's final barrier.
 """
 
 from __future__ import annotations
