@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ndtrain.checkpoint_manifest import PARTIAL, Choice, choose, obsolete, write_manifest
+from ndtrain.checkpoint_manifest import PARTIAL, Choice, choose, obsolete, step_of, write_manifest
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.safe_pickle import SafePlanner, SafeReader, load_tensors
@@ -86,7 +86,7 @@ def select_checkpoint(directory: Path, ctx: ParallelContext, start_over: bool) -
             if choice.path is None and choice.candidates:
                 raise UserError(_none_verified(choice, directory, "restore one from a copy, or pass --overwrite "
                                                                   "to delete them and start over"))
-            code = _NONE if choice.path is None else int(choice.path.name.removeprefix("step_"))
+            code = _NONE if choice.path is None else step_of(choice.path)
         except UserError as e:
             code, error = _FAILED, e
     decided = torch.tensor([code], dtype=torch.int64, device=ctx.device)
