@@ -112,6 +112,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def train_worker(cfg: TrainConfig) -> int:
+    from ndtrain.checkpoint import latest_checkpoint
+    from ndtrain.engine import NonFiniteError
     from ndtrain.launch import set_worker_threads
     from ndtrain.mesh import init
     from ndtrain.ps_trainer import PSTrainer
@@ -121,6 +123,12 @@ def train_worker(cfg: TrainConfig) -> int:
     ctx = init(cfg.parallel)
     try:
         (PSTrainer if cfg.ps.servers else Trainer)(cfg, ctx).run()
+    except NonFiniteError as e:
+        newest = latest_checkpoint(Path(cfg.log.out) / "checkpoints")
+        e.newest_checkpoint = newest.name if newest else "none (a re-run starts over)"
+        if ctx.is_main:
+            print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
     except UserError as e:
         if ctx.is_main:
             print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)

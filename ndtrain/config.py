@@ -7,6 +7,7 @@ Unknown keys, wrong types and impossible values raise `UserError` naming the key
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -174,7 +175,10 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with global-norm gradient clipping (`grad_clip=0` disables clipping)."""
+    """AdamW with global-norm gradient clipping (`grad_clip=0` disables clipping).
+
+    A NaN/inf loss or gradient norm (fp32/bf16) stops the run naming the step; `skip_nonfinite`
+    skips such steps instead (fp16 always skips them through its loss scaler)."""
 
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -182,6 +186,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    skip_nonfinite: bool = False
 
     def validate(self) -> None:
         _positive(self, "lr", "eps")
@@ -428,6 +433,8 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise UserError(f"config key {key!r} must be a finite number, got {value}")
             return float(value)
         if option is str and isinstance(value, str):
             return value
