@@ -9,11 +9,15 @@ agent, each re-running the same command line.
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
+import tempfile
+import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from ndtrain.config import MODEL_PRESETS, TrainConfig, load_config, parse_override
+from ndtrain.config import MODEL_PRESETS, TrainConfig, dump_toml, load_config, parse_override
 from ndtrain.errors import UserError
 
 def _flag_bool(text: str) -> bool:
@@ -51,8 +55,15 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, `ndtrain: error: ...`, exit status 2 (not usage + error)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"ndtrain: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ndtrain", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="ndtrain", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a model (no arguments: the embedded default run)")
@@ -60,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (key, kind, help_text) in TRAIN_FLAGS.items():
         train.add_argument(flag, type=kind, dest=flag.lstrip("-").replace("-", "_"), help=f"{help_text} [{key}]")
     train.add_argument("--resume", action="store_true", help="continue from the run directory's newest checkpoint")
+    train.add_argument("--check", action="store_true",
+                       help="validate the configuration, the run directory and the data, print the resolved "
+                            "config as TOML and exit 0 without training")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. --set optim.lr=3e-4 (repeatable)")
 
@@ -106,9 +120,46 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
 
         dp = check_ps_config(cfg, cfg.launch.nproc)
     cfg.schedule.accumulation_steps(dp)
+    from ndtrain.mesh import resolve_backend, resolve_device
+
+    resolve_backend(cfg.parallel.backend, resolve_device(cfg.parallel.device, 0))
+    check_run_dir(cfg.log.out)
+    if cfg.data.path is not None:
+        from ndtrain.data.corpus import check_data
+
+        check_data(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.schedule.global_batch)
+    if args.check:
+        print(dump_toml(cfg), end="")
+        return 0
     if cfg.launch.nproc == 1:
         return train_worker(cfg)
     return launch_local(argv, cfg.launch.nproc)
+
+
+def check_run_dir(out: str) -> None:
+    """`--out` must be a folder or a path a folder can be made at, and writable: checked with
+    os.access and a probe file that is never linked into the folder. Nothing is created."""
+    path = Path(out)
+    for existing in (path, *path.parents):
+        try:
+            mode = os.stat(existing).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except (OSError, ValueError) as e:
+            raise UserError(f"--out {out!r} cannot be used: {getattr(e, 'strerror', None) or e}") from None
+        if not stat.S_ISDIR(mode):
+            where = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
+            raise UserError(f"--out {out!r} {where}: give a directory for the run")
+        break
+    else:  # pragma: no cover - a relative path always reaches '.', an absolute one '/'
+        return
+    try:
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(13, "permission denied")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out!r} is not writable ({str(existing)!r}: {e.strerror}): give a writable directory") from None
 
 
 def train_worker(cfg: TrainConfig) -> int:
