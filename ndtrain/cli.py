@@ -123,6 +123,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     from ndtrain.mesh import resolve_backend, resolve_device
 
     resolve_backend(cfg.parallel.backend, resolve_device(cfg.parallel.device, 0))
+    check_host_memory(cfg)
     check_run_dir(cfg.log.out)
     if cfg.data.path is not None:
         from ndtrain.data.corpus import check_data
@@ -134,6 +135,19 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.launch.nproc == 1:
         return train_worker(cfg)
     return launch_local(argv, cfg.launch.nproc)
+
+
+def check_host_memory(cfg: TrainConfig) -> None:
+    """Each local worker first builds the whole fp32 model on the host (then shards or moves it):
+    nproc × 4Ψ bytes is the least the run needs, so more than this machine's memory cannot run."""
+    params = cfg.model.parameter_count()
+    need = cfg.launch.nproc * 4 * params
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise UserError(
+            f"the model has {params:,} parameters: {cfg.launch.nproc} workers × 4 bytes each is {need / 2**30:,.1f} GiB, "
+            f"more than this machine's {have / 2**30:,.1f} GiB: use smaller model sizes or fewer processes"
+        )
 
 
 def check_run_dir(out: str) -> None:

@@ -27,6 +27,7 @@ from ndtrain.errors import UserError
 BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (data/tokenizer.py), the least a model can have
 INT64_MAX = 2**63 - 1
 MAX_THREADS = 2**31 - 1  # torch.set_num_threads takes a C int
+MAX_TIMEOUT_S = 1e9  # timedelta stops near 8.6e13 s
 
 # Named model sizes. `tiny` keeps tests fast, `small` is the default run (≈3 M parameters),
 # `bench` (≈13 M parameters) is what `ndtrain bench` measures.
@@ -70,6 +71,12 @@ class ModelConfig:
             raise UserError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}"
             )
+
+    def parameter_count(self) -> int:
+        """Ψ of the built-in Llama with these sizes (the formula in models/llama.py), by arithmetic."""
+        d, head = self.dim, self.dim // self.n_heads
+        layer = 2 * d * d + 2 * d * self.n_kv_heads * head + 3 * d * self.ffn_dim + 2 * d
+        return self.vocab_size * d * (1 if self.tie_embeddings else 2) + self.n_layers * layer + d
 
 
 @dataclass
@@ -128,6 +135,8 @@ class ParallelConfig:
         if self.dp < 0:
             raise UserError(f"parallel.dp must be >= 1 (or 0 to fill the world), got {self.dp}")
         _positive(self, "tp", "pp", "cp", "bucket_mb", "timeout_s", "pp_virtual", "replicas")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise UserError(f"parallel.timeout_s={self.timeout_s:g} exceeds {MAX_TIMEOUT_S:g} s (≈ 30 years): give fewer seconds")
         _choice(self, "backend", ("auto", "gloo", "nccl", "mpi"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         _choice(self, "comm_dtype", ("fp32", "bf16"))

@@ -132,6 +132,8 @@ CASES = [
     # sizes and types
     (["train", "--check", *OUT, "--set", "model.vocab_size=100"], "smaller than the byte tokenizer's 256"),
     (["train", "--check", *OUT, "--set", "model.dim=99999999999999999999"], "does not fit in 64 bits"),
+    (["train", "--check", *OUT, "--set", "model.dim=1048576"], "more than this machine's"),
+    (["train", "--check", *OUT, "--set", "parallel.timeout_s=1e300"], "parallel.timeout_s=1e+300 exceeds"),
     (["train", "--check", *OUT, "--seed", "-1"], "seed must be in [0, 2**63)"),
     (["train", "--check", *OUT, "--set", "launch.threads=4294967296"], "launch.threads must be in"),
     (["train", "--check", *OUT, "--set", "model.preset=[1]"], "model.preset=[1] is unknown"),
@@ -187,6 +189,13 @@ def test_cuda_without_a_gpu_is_refused_before_launch(files: Path) -> None:
         pytest.skip("this machine has CUDA: the refusal needs one without")
     status, _, err = run_cli(["train", "--check", *OUT, "--set", "parallel.device=cuda"])
     assert_one_line_error(status, err, "no CUDA device is visible")
+
+
+@pytest.mark.skipif(not os.access("/sys", os.F_OK), reason="no /sys: no read-only directory that binds root too")
+def test_out_in_a_read_only_directory_is_refused(files: Path) -> None:
+    """Permissions do not stop root; sysfs does. The probe file, not os.access alone, finds it."""
+    status, _, err = run_cli(["train", "--check", "--out", "/sys/ndtrain-run"])
+    assert_one_line_error(status, err, "--out '/sys/ndtrain-run' is not writable")
 
 
 def test_a_socket_as_data_is_refused(files: Path) -> None:
