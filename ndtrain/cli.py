@@ -62,6 +62,11 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"ndtrain: error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+# What a run writes into its directory (trainer.py) and the kind each must be.
+RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "file", "summary.json": "file",
+             "loss.png": "file"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="ndtrain", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +179,22 @@ def check_run_dir(out: str) -> None:
             pass
     except OSError as e:
         raise UserError(f"--out {out!r} is not writable ({str(existing)!r}: {e.strerror}): give a writable directory") from None
+    if existing == path:
+        _check_run_files(path)
+
+
+def _check_run_files(run_dir: Path) -> None:
+    """In an existing run directory, what the run writes must have its kind: a folder for checkpoints,
+    regular files for the rest."""
+    for name, kind in RUN_FILES.items():
+        try:
+            mode = os.stat(run_dir / name).st_mode
+        except FileNotFoundError:
+            continue
+        if not (stat.S_ISDIR(mode) if kind == "folder" else stat.S_ISREG(mode)):
+            raise UserError(
+                f"--out {str(run_dir)!r} holds {name!r} that is not a {kind}: move it away or use another --out"
+            )
 
 
 def train_worker(cfg: TrainConfig) -> int:

@@ -98,6 +98,9 @@ def make_files(root: Path) -> None:
     (root / "short.txt").write_text("too short\n")
     (root / "text.txt").write_text("def f(x):\n    return x + 1\n" * 400)
     (root / "not-a-profile.json").write_text('{"kind": "something else"}\n')
+    (root / "odd-run" / "metrics.jsonl").mkdir(parents=True)
+    (root / "odd-run-2").mkdir()
+    (root / "odd-run-2" / "checkpoints").write_text("a file where the checkpoints go\n")
     os.mkfifo(root / "fifo")
 
 
@@ -121,6 +124,8 @@ CASES = [
     (["train", "--check", "--out", ""], "log.out (--out) is empty"),
     (["train", "--check", "--set", 'log.out=""'], "log.out (--out) is empty"),
     (["train", "--check", "--out", "x" * 5000], "cannot be used"),
+    (["train", "--check", "--out", "odd-run"], "holds 'metrics.jsonl' that is not a file"),
+    (["train", "--check", "--out", "odd-run-2"], "holds 'checkpoints' that is not a folder"),
     # non-finite floats, everywhere
     (["train", "--check", *OUT, "--set", "optim.lr=nan"], "'optim.lr' must be a finite number, got nan"),
     (["train", "--check", *OUT, "--set", "optim.lr=inf"], "'optim.lr' must be a finite number, got inf"),
