@@ -158,23 +158,23 @@ def check_host_memory(cfg: TrainConfig) -> None:
 def check_run_dir(out: str) -> None:
     """`--out` must be a folder or a path a folder can be made at, and writable: checked with
     os.access and a probe file that is never linked into the folder. Nothing is created."""
-    path = Path(out)
-    for existing in (path, *path.parents):
+    path = existing = Path(out)
+    while True:  # the nearest part of the path that exists ('.' or '/' at the latest)
         try:
             mode = os.stat(existing).st_mode
+            break
         except (FileNotFoundError, NotADirectoryError):
-            continue
+            if existing == existing.parent:
+                raise UserError(f"--out {out!r} has no existing folder above it: give a directory for the run") from None
+            existing = existing.parent
         except (OSError, ValueError) as e:
             raise UserError(f"--out {out!r} cannot be used: {getattr(e, 'strerror', None) or e}") from None
-        if not stat.S_ISDIR(mode):
-            where = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
-            raise UserError(f"--out {out!r} {where}: give a directory for the run")
-        break
-    else:  # pragma: no cover - a relative path always reaches '.', an absolute one '/'
-        return
+    if not stat.S_ISDIR(mode):
+        where = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
+        raise UserError(f"--out {out!r} {where}: give a directory for the run")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out!r} is not writable ({str(existing)!r}: permission denied): give a writable directory")
     try:
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise PermissionError(13, "permission denied")
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
@@ -198,7 +198,6 @@ def _check_run_files(run_dir: Path) -> None:
 
 
 def train_worker(cfg: TrainConfig) -> int:
-    from ndtrain.checkpoint import latest_checkpoint
     from ndtrain.engine import NonFiniteError
     from ndtrain.launch import set_worker_threads
     from ndtrain.mesh import init
@@ -210,8 +209,7 @@ def train_worker(cfg: TrainConfig) -> int:
     try:
         (PSTrainer if cfg.ps.servers else Trainer)(cfg, ctx).run()
     except NonFiniteError as e:
-        newest = latest_checkpoint(Path(cfg.log.out) / "checkpoints")
-        e.newest_checkpoint = newest.name if newest else "none (a re-run starts over)"
+        e.newest_checkpoint = _newest_checkpoint(Path(cfg.log.out) / "checkpoints")
         if ctx.is_main:
             print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -222,6 +220,17 @@ def train_worker(cfg: TrainConfig) -> int:
     finally:
         ctx.destroy()
     return 0
+
+
+def _newest_checkpoint(directory: Path) -> str:
+    """The name of what a re-run would resume from, for a message."""
+    from ndtrain.checkpoint import latest_checkpoint
+
+    try:
+        newest = latest_checkpoint(directory)
+    except UserError as e:
+        return f"unreadable ({e})"
+    return newest.name if newest else "none (a re-run starts over)"
 
 
 def main(argv: list[str] | None = None) -> int:

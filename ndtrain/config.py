@@ -1,7 +1,9 @@
 """Typed run configuration: dataclasses, loaded from TOML and overridden from the command line.
 
 Resolution order: defaults → model preset → TOML file → command-line flags and `--set key=value`.
-Unknown keys, wrong types and impossible values raise `UserError` naming the key and the fix.
+Unknown keys, wrong types and impossible values raise `UserError` naming the key and the fix;
+no float key takes nan or inf, no integer key more than 64 bits, and a config file is opened only
+when it is a regular file (a FIFO would block) and read only as UTF-8 TOML.
 """
 
 from __future__ import annotations

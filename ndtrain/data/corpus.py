@@ -11,6 +11,9 @@ Sources (`load_corpus(path, val_fraction)`), each read as a list of named docume
 - a folder: every regular file below it, sorted, hidden files and folders skipped, named by
   relative path; files that are not valid UTF-8 are skipped and counted in the description.
 - any other file: UTF-8 text, one document.
+A path's type is checked before anything is opened: a FIFO, socket or device is refused (a FIFO
+would block the reader), and one inside a folder is skipped like any non-regular file.
+`check_data` is what the launcher runs before starting workers (one extra read of the data).
 
 Split, deterministic and independent of the order the disk lists files in: a document goes to
 val when crc32(name) / 2³² < val_fraction. When that leaves either side empty although there are
