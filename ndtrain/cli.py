@@ -9,11 +9,15 @@ agent, each re-running the same command line.
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
+import tempfile
+import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from ndtrain.config import MODEL_PRESETS, TrainConfig, load_config, parse_override
+from ndtrain.config import MODEL_PRESETS, TrainConfig, dump_toml, load_config, parse_override
 from ndtrain.errors import UserError
 
 def _flag_bool(text: str) -> bool:
@@ -51,8 +55,20 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, `ndtrain: error: ...`, exit status 2 (not usage + error)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"ndtrain: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+# What a run writes into its directory (trainer.py) and the kind each must be.
+RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "file", "summary.json": "file",
+             "loss.png": "file"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ndtrain", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="ndtrain", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a model (no arguments: the embedded default run)")
@@ -62,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the run directory's newest checkpoint")
     train.add_argument("--overwrite", action="store_true",
                        help="delete the run directory's checkpoints and metrics and start over [checkpoint.overwrite]")
+    train.add_argument("--check", action="store_true",
+                       help="validate the configuration, the run directory and the data, print the resolved "
+                            "config as TOML and exit 0 without training")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. --set optim.lr=3e-4 (repeatable)")
 
@@ -114,12 +133,80 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
 
         dp = check_ps_config(cfg, cfg.launch.nproc)
     cfg.schedule.accumulation_steps(dp)
+    from ndtrain.mesh import resolve_backend, resolve_device
+
+    resolve_backend(cfg.parallel.backend, resolve_device(cfg.parallel.device, 0))
+    check_host_memory(cfg)
+    check_run_dir(cfg.log.out)
+    if cfg.data.path is not None:
+        from ndtrain.data.corpus import check_data
+
+        check_data(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.schedule.global_batch)
+    if args.check:
+        print(dump_toml(cfg), end="")
+        return 0
     if cfg.launch.nproc == 1:
         return train_worker(cfg)
     return launch_local(argv, cfg.launch.nproc)
 
 
+def check_host_memory(cfg: TrainConfig) -> None:
+    """Each local worker first builds the whole fp32 model on the host (then shards or moves it):
+    nproc × 4Ψ bytes is the least the run needs, so more than this machine's memory cannot run."""
+    params = cfg.model.parameter_count()
+    need = cfg.launch.nproc * 4 * params
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise UserError(
+            f"the model has {params:,} parameters: {cfg.launch.nproc} workers × 4 bytes each is {need / 2**30:,.1f} GiB, "
+            f"more than this machine's {have / 2**30:,.1f} GiB: use smaller model sizes or fewer processes"
+        )
+
+
+def check_run_dir(out: str) -> None:
+    """`--out` must be a folder or a path a folder can be made at, and writable: checked with
+    os.access and a probe file that is never linked into the folder. Nothing is created."""
+    path = existing = Path(out)
+    while True:  # the nearest part of the path that exists ('.' or '/' at the latest)
+        try:
+            mode = os.stat(existing).st_mode
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if existing == existing.parent:
+                raise UserError(f"--out {out!r} has no existing folder above it: give a directory for the run") from None
+            existing = existing.parent
+        except (OSError, ValueError) as e:
+            raise UserError(f"--out {out!r} cannot be used: {getattr(e, 'strerror', None) or e}") from None
+    if not stat.S_ISDIR(mode):
+        where = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
+        raise UserError(f"--out {out!r} {where}: give a directory for the run")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out!r} is not writable ({str(existing)!r}: permission denied): give a writable directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out!r} is not writable ({str(existing)!r}: {e.strerror}): give a writable directory") from None
+    if existing == path:
+        _check_run_files(path)
+
+
+def _check_run_files(run_dir: Path) -> None:
+    """In an existing run directory, what the run writes must have its kind: a folder for checkpoints,
+    regular files for the rest."""
+    for name, kind in RUN_FILES.items():
+        try:
+            mode = os.stat(run_dir / name).st_mode
+        except FileNotFoundError:
+            continue
+        if not (stat.S_ISDIR(mode) if kind == "folder" else stat.S_ISREG(mode)):
+            raise UserError(
+                f"--out {str(run_dir)!r} holds {name!r} that is not a {kind}: move it away or use another --out"
+            )
+
+
 def train_worker(cfg: TrainConfig) -> int:
+    from ndtrain.engine import NonFiniteError
     from ndtrain.launch import set_worker_threads
     from ndtrain.mesh import init
     from ndtrain.ps_trainer import PSTrainer
@@ -129,6 +216,11 @@ def train_worker(cfg: TrainConfig) -> int:
     ctx = init(cfg.parallel)
     try:
         (PSTrainer if cfg.ps.servers else Trainer)(cfg, ctx).run()
+    except NonFiniteError as e:
+        e.newest_checkpoint = _newest_checkpoint(Path(cfg.log.out) / "checkpoints")
+        if ctx.is_main:
+            print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
     except UserError as e:
         if ctx.is_main:
             print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
@@ -136,6 +228,14 @@ def train_worker(cfg: TrainConfig) -> int:
     finally:
         ctx.destroy()
     return 0
+
+
+def _newest_checkpoint(directory: Path) -> str:
+    """The name of what a re-run would resume from (the newest verified checkpoint), for a message."""
+    from ndtrain.checkpoint_manifest import choose
+
+    newest = choose(directory).path
+    return newest.name if newest else "none (a re-run starts over)"
 
 
 def main(argv: list[str] | None = None) -> int:

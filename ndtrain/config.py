@@ -1,12 +1,17 @@
 """Typed run configuration: dataclasses, loaded from TOML and overridden from the command line.
 
 Resolution order: defaults → model preset → TOML file → command-line flags and `--set key=value`.
-Unknown keys, wrong types and impossible values raise `UserError` naming the key and the fix.
+Unknown keys, wrong types and impossible values raise `UserError` naming the key and the fix;
+no float key takes nan or inf, no integer key more than 64 bits, and a config file is opened only
+when it is a regular file (a FIFO would block) and read only as UTF-8 TOML.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import stat
 import sys
 import types
 import typing
@@ -20,6 +25,11 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from ndtrain.errors import UserError
+
+BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (data/tokenizer.py), the least a model can have
+INT64_MAX = 2**63 - 1
+MAX_THREADS = 2**31 - 1  # torch.set_num_threads takes a C int
+MAX_TIMEOUT_S = 1e9  # timedelta stops near 8.6e13 s
 
 # Named model sizes. `tiny` keeps tests fast, `small` is the default run (≈3 M parameters),
 # `bench` (≈13 M parameters) is what `ndtrain bench` measures.
@@ -50,6 +60,11 @@ class ModelConfig:
     def validate(self) -> None:
         _positive(self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")
         _positive(self, "norm_eps", "rope_theta", "init_std")
+        if self.vocab_size < BYTE_VOCAB:
+            raise UserError(
+                f"model.vocab_size={self.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens: "
+                f"use model.vocab_size >= {BYTE_VOCAB}"
+            )
         if self.dim % self.n_heads:
             raise UserError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if (self.dim // self.n_heads) % 2:
@@ -58,6 +73,12 @@ class ModelConfig:
             raise UserError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}"
             )
+
+    def parameter_count(self) -> int:
+        """Ψ of the built-in Llama with these sizes (the formula in models/llama.py), by arithmetic."""
+        d, head = self.dim, self.dim // self.n_heads
+        layer = 2 * d * d + 2 * d * self.n_kv_heads * head + 3 * d * self.ffn_dim + 2 * d
+        return self.vocab_size * d * (1 if self.tie_embeddings else 2) + self.n_layers * layer + d
 
 
 @dataclass
@@ -73,7 +94,9 @@ class DataConfig:
             raise UserError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.eval_samples < 0:
             raise UserError(f"data.eval_samples must be >= 0 (0 = whole validation set), got {self.eval_samples}")
-        if self.path is not None and not Path(self.path).exists():
+        if self.path is not None and not self.path.strip():
+            raise UserError("data.path is empty: leave it out for the standard library's source, or give a file or folder")
+        if self.path is not None and not _exists(self.path):
             raise UserError(f"data.path {self.path!r} does not exist: give a text file, a folder or a .jsonl file")
 
 
@@ -114,6 +137,8 @@ class ParallelConfig:
         if self.dp < 0:
             raise UserError(f"parallel.dp must be >= 1 (or 0 to fill the world), got {self.dp}")
         _positive(self, "tp", "pp", "cp", "bucket_mb", "timeout_s", "pp_virtual", "replicas")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise UserError(f"parallel.timeout_s={self.timeout_s:g} exceeds {MAX_TIMEOUT_S:g} s (≈ 30 years): give fewer seconds")
         _choice(self, "backend", ("auto", "gloo", "nccl", "mpi"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         _choice(self, "comm_dtype", ("fp32", "bf16"))
@@ -174,7 +199,10 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with global-norm gradient clipping (`grad_clip=0` disables clipping)."""
+    """AdamW with global-norm gradient clipping (`grad_clip=0` disables clipping).
+
+    A NaN/inf loss or gradient norm (fp32/bf16) stops the run naming the step; `skip_nonfinite`
+    skips such steps instead (fp16 always skips them through its loss scaler)."""
 
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -182,6 +210,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    skip_nonfinite: bool = False
 
     def validate(self) -> None:
         _positive(self, "lr", "eps")
@@ -258,6 +287,8 @@ class LogConfig:
     progress: bool = True
 
     def validate(self) -> None:
+        if not self.out.strip():
+            raise UserError("log.out (--out) is empty: give the run directory, e.g. --out runs/my-run")
         if self.eval_every < 0:
             raise UserError(f"log.eval_every must be >= 0 (0 = only at the end), got {self.eval_every}")
         _positive(self, "log_every")
@@ -272,8 +303,8 @@ class LaunchConfig:
 
     def validate(self) -> None:
         _positive(self, "nproc")
-        if self.threads < 0:
-            raise UserError(f"launch.threads must be >= 0 (0 = cores / nproc), got {self.threads}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise UserError(f"launch.threads must be in [0, {MAX_THREADS}] (0 = cores / nproc), got {self.threads}")
 
 
 @dataclass
@@ -306,8 +337,8 @@ class PSConfig:
             parsed = (int(rank), float(factor))
         except ValueError:
             parsed = None
-        if not sep or parsed is None or parsed[0] < 0 or not parsed[1] >= 1.0:
-            raise UserError(f"ps.slow_worker={self.slow_worker!r} must be RANK:FACTOR with FACTOR >= 1, e.g. '1:2'")
+        if not sep or parsed is None or parsed[0] < 0 or not 1.0 <= parsed[1] < math.inf:
+            raise UserError(f"ps.slow_worker={self.slow_worker!r} must be RANK:FACTOR with finite FACTOR >= 1, e.g. '1:2'")
         return parsed
 
     def check_world(self, world_size: int) -> None:
@@ -338,6 +369,8 @@ class TrainConfig:
     ps: PSConfig = field(default_factory=PSConfig)
 
     def validate(self) -> None:
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"seed must be in [0, 2**63), got {self.seed}")
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
@@ -360,13 +393,24 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file at `path` as a dict; anything but a readable UTF-8 TOML file is a UserError.
+    The file type is checked before opening (a FIFO would block)."""
+    name = str(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UserError(f"config file {name!r} is not a regular file: give a TOML file")
         with open(path, "rb") as f:
             return tomllib.load(f)
-    except FileNotFoundError:
-        raise UserError(f"config file {str(path)!r} does not exist") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise UserError(f"config file {name!r} does not exist") from None
+    except OSError as e:
+        raise UserError(f"cannot read config file {name!r}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config file {name!r} is not UTF-8 text: give a TOML file") from None
     except tomllib.TOMLDecodeError as e:
-        raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        raise UserError(f"config file {name!r} is not valid TOML: {e}") from None
+    except ValueError as e:  # a path the OS cannot take (NUL byte)
+        raise UserError(f"config file {name!r} cannot be opened: {e}") from None
 
 
 def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
@@ -376,7 +420,7 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
     if not isinstance(model_raw, dict):
         raise UserError("config key 'model' must be a table")
     preset = model_raw.get("preset", ModelConfig.preset)
-    if preset not in MODEL_PRESETS:
+    if not isinstance(preset, str) or preset not in MODEL_PRESETS:
         raise UserError(f"model.preset={preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)}")
     raw["model"] = {**MODEL_PRESETS[preset], **model_raw, "preset": preset}
     return _build(TrainConfig, raw, prefix="")
@@ -431,8 +475,12 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         if option is bool and isinstance(value, bool):
             return value
         if option is int and isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > INT64_MAX:
+                raise UserError(f"config key {key!r} = {value} does not fit in 64 bits: give a smaller number")
             return value
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise UserError(f"config key {key!r} must be a finite number, got {value}")
             return float(value)
         if option is str and isinstance(value, str):
             return value
@@ -443,8 +491,17 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
 def _positive(section: Any, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        if value <= 0:
+        if not value > 0:
             raise UserError(f"{_section_name(section)}.{name} must be > 0, got {value}")
+
+
+def _exists(path: str) -> bool:
+    """Whether `path` names something; a name the OS cannot take (NUL byte, too long) does not."""
+    try:
+        os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _choice(section: Any, name: str, choices: tuple[str, ...]) -> None:

@@ -14,6 +14,10 @@ With `parallel.precision` bf16/fp16 the model computes in that dtype and the opt
 masters: stages 0–2 cast the module and hand the fp32 initial weights to `ZeroOptimizer` (which
 for stage 0 keeps the whole master, `sharded=False`); stage 3 gives FSDP `param_dtype`. fp16 adds
 the `LossScaler` (precision.py): a step with inf/NaN gradients is skipped (`StepResult.skipped`).
+In fp32/bf16 the non-finite guard reads the step's loss and global gradient norm (both already
+reduced, so identical on every rank) before the optimizer step: a NaN/inf in either raises
+`NonFiniteError` on every rank with nothing updated, or, with `skip_nonfinite`, skips the step
+the way fp16 does. It costs no extra communication (the loss all-reduce moves before the step).
 
 One `train_step` runs forward/backward of each micro-batch (stages 0/1: gradient sync only on the
 last, via `no_sync`; stages 2/3 reduce-scatter every micro-batch into the shard, keeping memory
@@ -27,12 +31,14 @@ stage 3 see fsdp.py; plus a 4-byte all-reduce of the norm's squares (stages 1–
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import count_parameters
@@ -56,8 +62,26 @@ class StepResult:
     grad_norm: float     # global gradient norm before clipping (inf/nan on a skipped step)
     lr: float            # learning rate used for this step
     comm_bytes: int      # wire bytes this rank sent during the step
-    skipped: bool = False    # fp16: inf/NaN gradients, the optimizer step was skipped
+    skipped: bool = False    # inf/NaN gradients (fp16) or loss/norm (skip_nonfinite): no optimizer step
     loss_scale: float = 1.0  # fp16 loss scale used for this step
+
+
+class NonFiniteError(UserError):
+    """The loss or the global gradient norm of step `step` (1-based) is NaN or inf; nothing was updated.
+
+    `newest_checkpoint` (set by whoever knows the run directory) names what a re-run resumes from."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float) -> None:
+        super().__init__()
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        self.newest_checkpoint: str | None = None
+
+    def __str__(self) -> str:
+        where = "" if self.newest_checkpoint is None else f"; the newest checkpoint is {self.newest_checkpoint}"
+        return (
+            f"step {self.step}: loss is {self.loss:.6g} (gradient norm {self.grad_norm:.6g}): the run stopped before the "
+            f"optimizer step{where}; lower optim.lr or set optim.skip_nonfinite = true"
+        )
 
 
 class Engine:
@@ -73,15 +97,21 @@ class Engine:
         scheduler_fn: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
         grad_clip: float = 0.0,
         loss_scaler: LossScaler | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         """`optimizer_fn(groups)` builds the optimizer from parameter groups (`group_fn(name, param)`
         gives each parameter's group options); under ZeRO the groups hold this rank's shards.
         `model_fn()` builds the whole model; with tp/cp/pp/recompute it is transformed in place
-        and cut to this rank's part (compose.py). `loss_scaler` overrides fp16's `LossScaler(ctx)`."""
+        and cut to this rank's part (compose.py). `loss_scaler` overrides fp16's `LossScaler(ctx)`.
+        Without a loss scaler a NaN/inf loss or gradient norm raises `NonFiniteError`, or skips the
+        step when `skip_nonfinite`."""
         cfg = ctx.config
         self.ctx = ctx
         self.stage = cfg.zero
         self.grad_clip = grad_clip
+        self.skip_nonfinite = skip_nonfinite
+        self.nonfinite_skips = 0
+        self._steps = 0  # train_step calls, numbering steps when there is no LR schedule
         self.compute_dtype = DTYPES[cfg.precision]
         comm_dtype = DTYPES[cfg.comm_dtype]
         full = model_fn().to(ctx.device)
@@ -146,21 +176,37 @@ class Engine:
             loss_sum, tokens = self._forward_backward(micro_batches, scale)
         found_inf = self.scaler.unscale_and_check(self._optimizer_grads()) if self.scaler else False
         grad_norm = self.clip_gradients()
-        if found_inf:
-            self.scaler.update(True)  # type: ignore[union-attr]
-        else:
-            self.optimizer.step()
-            if self.scaler:
-                self.scaler.update(False)
-        if self.scheduler is not None:
-            self.scheduler.step()
         totals = torch.stack([loss_sum / count, torch.tensor(float(tokens), device=self.ctx.device)])
         self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))
-        dp = self.ctx.group("dp_cp").size
+        loss = totals[0].item() / self.ctx.group("dp_cp").size
+        self._steps += 1
+        skip = found_inf or self._nonfinite(loss, grad_norm)
+        if not skip:
+            self.optimizer.step()
+        if self.scaler:
+            self.scaler.update(found_inf)
+        if self.scheduler is not None:
+            self.scheduler.step()
         return StepResult(
-            loss=totals[0].item() / dp, tokens=int(totals[1].item()), grad_norm=grad_norm, lr=lr,
-            comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before, skipped=found_inf, loss_scale=scale,
+            loss=loss, tokens=int(totals[1].item()), grad_norm=grad_norm, lr=lr,
+            comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before, skipped=skip, loss_scale=scale,
         )
+
+    def _nonfinite(self, loss: float, grad_norm: float) -> bool:
+        """The guard (fp32/bf16): True to skip this step; raises `NonFiniteError` unless skipping is allowed.
+        Both values are reduced over the ranks, so every rank decides the same."""
+        if self.scaler is not None or (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return False
+        if not self.skip_nonfinite:
+            step = self.scheduler.last_epoch if self.scheduler is not None else self._steps - 1
+            raise NonFiniteError(step + 1, loss, grad_norm)
+        self.nonfinite_skips += 1
+        return True
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps without an optimizer update: fp16 overflows plus non-finite steps skipped by the guard."""
+        return (self.scaler.skipped_steps if self.scaler else 0) + self.nonfinite_skips
 
     def _forward_backward(self, micro_batches: Sequence[Batch], scale: float) -> tuple[torch.Tensor, int]:
         """Σ of the micro-batch mean losses and the token count; gradients of their mean (× scale)."""
@@ -287,10 +333,14 @@ class Engine:
         return self.fsdp if self.fsdp is not None else self.mp_state
 
     def extra_state(self) -> dict[str, Any]:
-        """Engine state outside model and optimizer (the fp16 loss scaler), JSON-serialisable."""
-        return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
+        """Engine state outside model and optimizer (fp16 loss scaler, guard's skips), JSON-serialisable."""
+        state: dict[str, Any] = {"nonfinite_skips": self.nonfinite_skips}
+        if self.scaler:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.nonfinite_skips = int(state.get("nonfinite_skips", 0))
         if self.scaler and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
 

@@ -6,6 +6,7 @@ which is fine for the small models trained here.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -57,10 +58,14 @@ def load_run(run_dir: Path) -> tuple[TrainConfig, nn.Module, Path]:
 def generate_text(
     run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int
 ) -> str:
-    if temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < math.inf:
+        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 = no cutoff), got {top_k}")
     if max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if not 0 <= seed < 2**63:
+        raise UserError(f"--seed must be in [0, 2**63), got {seed}")
     cfg, model, _ = load_run(run_dir)
     tokenizer = ByteTokenizer()
     prompt_ids = tokenizer.encode(prompt) if prompt else torch.tensor([ord("\n")], dtype=torch.uint8)

@@ -54,6 +54,7 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext) -> Engine:
             opt, lambda step: lr_multiplier(step, s.warmup_steps, s.steps, s.min_lr_ratio)
         ),
         grad_clip=o.grad_clip,
+        skip_nonfinite=o.skip_nonfinite,
     )
 
 
@@ -206,7 +207,7 @@ class Trainer:
             "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes_max_rank": int(peak.item()),
             "world_size": ctx.world_size, "parameters": self.engine.parameter_count,
             "model_state_bytes_rank0": self.engine.model_state_bytes(),
-            "skipped_steps": self.engine.scaler.skipped_steps if self.engine.scaler else 0,
+            "skipped_steps": self.engine.skipped_steps,
         }
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -246,7 +247,7 @@ class Trainer:
             ("comm per step", f"{human_bytes(s['comm_bytes_per_step'])} sent per rank"),
             ("model state, rank 0", ", ".join(f"{k} {human_bytes(v)}" for k, v in s["model_state_bytes_rank0"].items())),
             ("peak memory", f"{human_bytes(s['peak_memory_bytes_max_rank'])} (max over ranks)"),
-            ("skipped steps", f"{s['skipped_steps']} (fp16 inf/NaN gradients)"),
+            ("skipped steps", f"{s['skipped_steps']} (inf/NaN gradients or loss)"),
             ("run directory", str(self.run_dir)),
         ]
         return format_table(rows, "ndtrain: summary")

@@ -11,6 +11,9 @@ Sources (`load_corpus(path, val_fraction)`), each read as a list of named docume
 - a folder: every regular file below it, sorted, hidden files and folders skipped, named by
   relative path; files that are not valid UTF-8 are skipped and counted in the description.
 - any other file: UTF-8 text, one document.
+A path's type is checked before anything is opened: a FIFO, socket or device is refused (a FIFO
+would block the reader), and one inside a folder is skipped like any non-regular file.
+`check_data` is what the launcher runs before starting workers (one extra read of the data).
 
 Split, deterministic and independent of the order the disk lists files in: a document goes to
 val when crc32(name) / 2³² < val_fraction. When that leaves either side empty although there are
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -78,10 +82,31 @@ def load_corpus(path: str | None, val_fraction: float) -> Corpus:
     )
 
 
+def check_data(path: str, val_fraction: float, seq_len: int, global_batch: int) -> None:
+    """What the workers will find at `path`, checked once before they start (reads the data once):
+    it loads, both splits hold a window of `seq_len` + 1 bytes, train at least `global_batch` windows."""
+    corpus = load_corpus(path, val_fraction)
+    train = TokenWindows(corpus.train, seq_len, name="train")
+    TokenWindows(corpus.val, seq_len, name="validation")
+    if len(train) < global_batch:
+        raise UserError(
+            f"the training data has {len(train)} windows of {seq_len + 1} bytes, fewer than one global batch of "
+            f"{global_batch}: use more data or a smaller schedule.global_batch"
+        )
+
+
 def _read_path(path: Path) -> tuple[list[Document], str]:
-    if not path.exists():
-        raise UserError(f"data.path {str(path)!r} does not exist: give a text file, a folder or a .jsonl file")
-    if path.is_dir():
+    try:
+        mode = os.stat(path).st_mode  # the type first: opening a FIFO would block
+    except (FileNotFoundError, NotADirectoryError):
+        raise UserError(f"data.path {str(path)!r} does not exist: give a text file, a folder or a .jsonl file") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"data.path {str(path)!r} cannot be used: {getattr(e, 'strerror', None) or e}") from None
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        raise UserError(
+            f"data.path {str(path)!r} is a {_file_kind(mode)}, not a regular file: give a text file, a folder or a .jsonl file"
+        )
+    if stat.S_ISDIR(mode):
         documents, skipped = _read_folder(path, _is_visible, _is_visible)
         return documents, f"folder {str(path)!r} ({len(documents)} files, {skipped} skipped as not UTF-8)"
     if path.suffix == ".jsonl":
@@ -131,6 +156,12 @@ def _read_jsonl(path: Path) -> list[Document]:
             )
         documents.append((f"line {number}", text.encode("utf-8")))
     return documents
+
+
+def _file_kind(mode: int) -> str:
+    kinds = {stat.S_ISFIFO: "FIFO", stat.S_ISSOCK: "socket", stat.S_ISCHR: "character device",
+             stat.S_ISBLK: "block device"}
+    return next((name for test, name in kinds.items() if test(mode)), "special file")
 
 
 def _is_visible(name: str) -> bool:

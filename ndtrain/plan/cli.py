@@ -120,6 +120,10 @@ def _validate(result: Path, profile: Path | None) -> int:
 
 
 def _model(args: argparse.Namespace) -> arch.ModelSpec:
+    for flag in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} {value} must be > 0")
     if args.model and args.arch:
         raise UserError("give either --model PRESET or --arch with sizes, not both")
     if args.model:
