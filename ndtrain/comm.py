@@ -108,6 +108,8 @@ class Pending:
         try:
             self._work.wait(self._timeout)
         except RuntimeError as e:
+            if self._watchdog is not None:
+                self._watchdog.hold_if_stalled()
             raise RuntimeError(f"{self.description} failed or timed out after {self._timeout}: {e}") from e
         finally:
             if self._watchdog is not None:

@@ -14,7 +14,8 @@ of `grace_s` (3 s) each rank reads what its peers published and classifies them:
 
 It prints `ndtrain: error: rank R waited N s in collective #S OP on axis 'A' (ranks [...]);
 ranks [...] did not arrive (...)` once, SIGKILLs peers on this host that are stopped (a stopped
-process ignores the agent's SIGTERM until the agent's 30 s grace ends) and exits with status 1
+process ignores the agent's SIGTERM until the agent's 30 s grace ends), waits (at most `grace_s`)
+until the other ranks that joined the diagnosis have printed theirs, and exits with status 1
 through `os._exit`: the main thread is blocked inside the communication library and
 `destroy_process_group` could wait on the dead peer. gloo's `work.wait(timeout)` alone would not
 do: reduce-scatter ignores the timeout and waits the process group's own (init) timeout.
@@ -35,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 _PREFIX = "ndtrain/watchdog"
 
@@ -54,13 +55,6 @@ class Wait:
     def describe(self) -> str:
         kind = "collective" if self.collective else "operation"
         return f"{kind} #{self.seq} {self.op} on axis {self.axis!r} (ranks {list(self.ranks)})"
-
-
-def exit_on_stall(message: str) -> None:
-    """Print the diagnosis as the command line's one error line and end the process at once."""
-    sys.stdout.flush()
-    print(f"ndtrain: error: {message}", file=sys.stderr, flush=True)
-    os._exit(1)
 
 
 def _read(path: str) -> str | None:
@@ -95,18 +89,18 @@ class Watchdog:
 
     def __init__(
         self, rank: int, store: Any, timeout_s: float, issued: Mapping[str, int], *,
-        on_stall: Callable[[str], None] = exit_on_stall, tick_s: float = 0.5, grace_s: float = 3.0,
+        tick_s: float = 0.5, grace_s: float = 3.0,
     ) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
         self._issued = issued  # the communicator's per-axis sequence numbers (read, never written)
         self._store = store.clone()
         self._store.set_timeout(timedelta(seconds=grace_s))
-        self._on_stall = on_stall
         self._tick_s = tick_s
         self._grace_s = grace_s
         self._beat_s = min(5.0, timeout_s / 4)
         self._armed: tuple[Wait, float] | None = None
+        self._stalled = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ndtrain-watchdog", daemon=True)
         stat = _proc_stat(os.getpid())
@@ -128,6 +122,12 @@ class Watchdog:
     def disarm(self) -> None:
         self._armed = None
 
+    def hold_if_stalled(self) -> None:
+        """Called by a wait that failed: while a diagnosis is under way, the failure is its
+        consequence (a peer exited first), so block until the watchdog ends the process."""
+        if self._stalled.is_set():
+            threading.Event().wait()
+
     def _run(self) -> None:
         next_beat = time.monotonic() + self._beat_s
         while not self._stop.wait(self._tick_s):
@@ -135,11 +135,30 @@ class Watchdog:
             if armed is not None:
                 wait, waited = armed[0], now - armed[1]
                 if waited >= self.timeout_s or (waited >= self._tick_s and self._alarm_raised()):
-                    self._on_stall(self.diagnose(wait, waited))
-                    return
+                    self._stall(wait, waited)
             if now >= next_beat:
                 self._publish("beat", {})
                 next_beat = now + self._beat_s
+
+    def _stall(self, wait: Wait, waited: float) -> None:
+        """Print the diagnosis as the command line's one error line; end the process once the
+        other ranks that joined the diagnosis have printed theirs (at most `grace_s` later), so
+        that the agent, which stops every worker when the first one exits, cuts no message off."""
+        self._stalled.set()
+        message, stopped = self.diagnose(wait, waited)
+        sys.stdout.flush()
+        print(f"ndtrain: error: {message}", file=sys.stderr, flush=True)
+        try:
+            reported = self._store.add(f"{_PREFIX}/reported", 1)
+            deadline = time.monotonic() + self._grace_s
+            while reported < self._store.add(f"{_PREFIX}/alarm", 0) and time.monotonic() < deadline:
+                time.sleep(0.1)
+                reported = self._store.add(f"{_PREFIX}/reported", 0)
+        except RuntimeError:
+            pass
+        for beat in stopped:
+            self._kill_if_stopped(beat)
+        os._exit(1)
 
     def _alarm_raised(self) -> bool:
         try:
@@ -162,8 +181,11 @@ class Watchdog:
         except RuntimeError:
             return None
 
-    def diagnose(self, wait: Wait, waited: float) -> str:
-        """Publish this wait, give the peers `grace_s` to publish theirs, and describe who is missing."""
+    def diagnose(self, wait: Wait, waited: float) -> tuple[str, list[dict[str, Any]]]:
+        """Publish this wait, give the peers `grace_s` to publish theirs, and describe who is missing.
+
+        Returns the message and the heartbeats of the missing peers (whose stopped processes on
+        this host are to be killed)."""
         head = f"rank {self.rank} waited {waited:.0f} s in {wait.describe()}"
         published = self._publish("wait", {"op": wait.op, "axis": wait.axis, "seq": wait.seq})
         try:
@@ -171,7 +193,7 @@ class Watchdog:
         except RuntimeError:
             published = False
         if not published:
-            return f"{head}; the rendezvous store does not answer, so the peers {list(wait.peers)} cannot be asked"
+            return f"{head}; the rendezvous store does not answer, so the peers {list(wait.peers)} cannot be asked", []
         peers = [r for r in wait.peers if r != self.rank]
         deadline = time.monotonic() + self._grace_s
         waits: dict[int, dict[str, Any]] = {}
@@ -194,10 +216,7 @@ class Watchdog:
             parts.append(f"ranks {behind} are alive but behind ({detail})")
         if not missing and not behind:
             parts.append("every peer arrived: the communication library itself is stuck")
-        message = "; ".join(parts)
-        for r in missing:
-            self._kill_if_stopped(beats[r])
-        return message
+        return "; ".join(parts), [beats[r] for r in missing if beats[r] is not None]
 
     @staticmethod
     def _arrived(wait: Wait, peer: dict[str, Any]) -> bool:
@@ -212,17 +231,17 @@ class Watchdog:
         state = ""
         if beat["host"] is not None and beat["host"] == self._identity["host"]:
             stat = _proc_stat(beat["pid"])
-            if stat is None or stat[1] != beat["start"]:
+            if stat is None or stat[1] != beat["start"] or stat[0] in "ZX":
                 state = ", its process has exited"
             elif stat[0] == "T":
-                state = ", its process is stopped (SIGSTOP): killed"
+                state = ", its process is stopped (SIGSTOP), so killed"
             else:
                 state = f", its process is running (state {stat[0]}) outside any collective"
         return f"rank {rank}: last seen {age:.0f} s ago at #{beat['issued'].get(axis, 0)} on axis {axis!r}{state}"
 
-    def _kill_if_stopped(self, beat: dict[str, Any] | None) -> None:
+    def _kill_if_stopped(self, beat: dict[str, Any]) -> None:
         """SIGKILL a peer on this host that is stopped: it would hold the agent for its shutdown grace."""
-        if beat is None or beat["host"] is None or beat["host"] != self._identity["host"]:
+        if beat["host"] is None or beat["host"] != self._identity["host"]:
             return
         stat = _proc_stat(beat["pid"])
         if stat is not None and stat[0] == "T" and stat[1] == beat["start"]:
