@@ -2,9 +2,10 @@
 
 Every wait on a collective or point-to-point operation arms the watchdog with a `Wait` (operation,
 axis, sequence number, the group's ranks and the peers expected to arrive) and disarms it when
-the wait returns. A background thread checks the armed wait every `tick_s` (0.5 s). Past the
-deadline the rank raises the alarm in the c10d store and publishes its wait; every other rank
-that has been waiting for more than a tick sees the alarm and publishes its own. After a grace
+the wait returns. A monitor thread, which never touches the network, checks the armed wait every
+`tick_s` (0.5 s); a second thread publishes heartbeats and, while this rank waits, watches for
+the alarm. Past the deadline the rank raises the alarm in the c10d store and publishes its wait;
+every other rank that has been waiting for more than a tick sees the alarm and publishes its own. After a grace
 of `grace_s` (3 s) each rank reads what its peers published and classifies them:
 
     arrived        published a wait and had issued this axis' collective #seq (or later)
@@ -20,10 +21,12 @@ through `os._exit`: the main thread is blocked inside the communication library 
 `destroy_process_group` could wait on the dead peer. gloo's `work.wait(timeout)` alone would not
 do: reduce-scatter ignores the timeout and waits the process group's own (init) timeout.
 
-Cost: nothing on the hot path but two attribute stores per wait. The thread does one store
-`set` per heartbeat (every min(5 s, watchdog_s / 4)) and, only while a wait exceeds a tick, one
-store `check` per tick. Store operations use their own client with a `grace_s` timeout, so an
-unreachable store (a cut link) delays the message by seconds, never suppresses it.
+Cost: nothing on the hot path but two attribute stores per wait. The second thread does one
+store `set` per heartbeat (every min(5 s, watchdog_s / 4)) and, only while a wait exceeds a
+tick, one store `check` per tick. A TCP store client whose link is cut blocks far beyond its
+timeout, so the store is used through clients of its own and the diagnosis and the exit run
+with time limits (2 · grace_s, grace_s + 1 s): an unreachable store delays the message by
+seconds and shortens it to "the rendezvous store does not answer", never suppresses it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 _PREFIX = "ndtrain/watchdog"
 
@@ -63,6 +66,21 @@ def _read(path: str) -> str | None:
             return f.read()
     except OSError:
         return None
+
+
+def _bounded(fn: Callable[[], None], seconds: float) -> None:
+    """Run `fn` on a daemon thread for at most `seconds` (a store call may block past its timeout);
+    its errors count as not having finished."""
+
+    def guarded() -> None:
+        try:
+            fn()
+        except RuntimeError:
+            pass
+
+    thread = threading.Thread(target=guarded, daemon=True)
+    thread.start()
+    thread.join(seconds)
 
 
 def host_identity() -> str | None:
@@ -94,27 +112,33 @@ class Watchdog:
         self.rank = rank
         self.timeout_s = timeout_s
         self._issued = issued  # the communicator's per-axis sequence numbers (read, never written)
-        self._store = store.clone()
-        self._store.set_timeout(timedelta(seconds=grace_s))
+        self._store, self._beat_store = store.clone(), store.clone()  # the beat's may block for good
+        for client in (self._store, self._beat_store):
+            client.set_timeout(timedelta(seconds=grace_s))
         self._tick_s = tick_s
         self._grace_s = grace_s
         self._beat_s = min(5.0, timeout_s / 4)
         self._armed: tuple[Wait, float] | None = None
         self._stalled = threading.Event()
+        self._alarm = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ndtrain-watchdog", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._monitor, name="ndtrain-watchdog", daemon=True),
+            threading.Thread(target=self._beat, name="ndtrain-watchdog-beat", daemon=True),
+        ]
         stat = _proc_stat(os.getpid())
         self._identity = {"pid": os.getpid(), "host": host_identity(), "start": stat[1] if stat else None}
 
     def start(self) -> "Watchdog":
         """Publish the first heartbeat (so a rank that stalls at once is still known), then watch."""
-        self._publish("beat", {})
-        self._thread.start()
+        self._publish(self._beat_store, "beat", {})
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        self._threads[0].join()  # the beat thread may be blocked on an unreachable store: not joined
 
     def arm(self, wait: Wait) -> None:
         self._armed = (wait, time.monotonic())
@@ -128,16 +152,22 @@ class Watchdog:
         if self._stalled.is_set():
             threading.Event().wait()
 
-    def _run(self) -> None:
+    def _monitor(self) -> None:
+        while not self._stop.wait(self._tick_s):
+            armed = self._armed
+            if armed is not None:
+                waited = time.monotonic() - armed[1]
+                if waited >= self.timeout_s or (waited >= self._tick_s and self._alarm.is_set()):
+                    self._stall(armed[0], waited)
+
+    def _beat(self) -> None:
         next_beat = time.monotonic() + self._beat_s
         while not self._stop.wait(self._tick_s):
             armed, now = self._armed, time.monotonic()
-            if armed is not None:
-                wait, waited = armed[0], now - armed[1]
-                if waited >= self.timeout_s or (waited >= self._tick_s and self._alarm_raised()):
-                    self._stall(wait, waited)
+            if armed is not None and now - armed[1] >= self._tick_s and self._alarm_raised():
+                self._alarm.set()
             if now >= next_beat:
-                self._publish("beat", {})
+                self._publish(self._beat_store, "beat", {})
                 next_beat = now + self._beat_s
 
     def _stall(self, wait: Wait, waited: float) -> None:
@@ -145,31 +175,33 @@ class Watchdog:
         other ranks that joined the diagnosis have printed theirs (at most `grace_s` later), so
         that the agent, which stops every worker when the first one exits, cuts no message off."""
         self._stalled.set()
-        message, stopped = self.diagnose(wait, waited)
+        result: list[tuple[str, list[dict[str, Any]]]] = []
+        _bounded(lambda: result.append(self.diagnose(wait, waited)), 2 * self._grace_s)
+        message, stopped = result[0] if result else (self._unanswered(wait, waited), [])
         sys.stdout.flush()
         print(f"ndtrain: error: {message}", file=sys.stderr, flush=True)
-        try:
-            reported = self._store.add(f"{_PREFIX}/reported", 1)
-            deadline = time.monotonic() + self._grace_s
-            while reported < self._store.add(f"{_PREFIX}/alarm", 0) and time.monotonic() < deadline:
-                time.sleep(0.1)
-                reported = self._store.add(f"{_PREFIX}/reported", 0)
-        except RuntimeError:
-            pass
+        _bounded(self._await_reports, self._grace_s + 1)
         for beat in stopped:
             self._kill_if_stopped(beat)
         os._exit(1)
 
+    def _await_reports(self) -> None:
+        reported = self._store.add(f"{_PREFIX}/reported", 1)
+        deadline = time.monotonic() + self._grace_s
+        while reported < self._store.add(f"{_PREFIX}/alarm", 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            reported = self._store.add(f"{_PREFIX}/reported", 0)
+
     def _alarm_raised(self) -> bool:
         try:
-            return bool(self._store.check([f"{_PREFIX}/alarm"]))
+            return bool(self._beat_store.check([f"{_PREFIX}/alarm"]))
         except RuntimeError:
             return False
 
-    def _publish(self, kind: str, extra: dict[str, Any]) -> bool:
+    def _publish(self, client: Any, kind: str, extra: dict[str, Any]) -> bool:
         record = {"time": time.time(), "issued": dict(self._issued), **self._identity, **extra}
         try:
-            self._store.set(f"{_PREFIX}/{kind}/{self.rank}", json.dumps(record))
+            client.set(f"{_PREFIX}/{kind}/{self.rank}", json.dumps(record))
             return True
         except RuntimeError:
             return False
@@ -186,14 +218,13 @@ class Watchdog:
 
         Returns the message and the heartbeats of the missing peers (whose stopped processes on
         this host are to be killed)."""
-        head = f"rank {self.rank} waited {waited:.0f} s in {wait.describe()}"
-        published = self._publish("wait", {"op": wait.op, "axis": wait.axis, "seq": wait.seq})
+        published = self._publish(self._store, "wait", {"op": wait.op, "axis": wait.axis, "seq": wait.seq})
         try:
             self._store.add(f"{_PREFIX}/alarm", 1)
         except RuntimeError:
             published = False
         if not published:
-            return f"{head}; the rendezvous store does not answer, so the peers {list(wait.peers)} cannot be asked", []
+            return self._unanswered(wait, waited), []
         peers = [r for r in wait.peers if r != self.rank]
         deadline = time.monotonic() + self._grace_s
         waits: dict[int, dict[str, Any]] = {}
@@ -204,7 +235,7 @@ class Watchdog:
             time.sleep(0.1)
         missing = [r for r in peers if r not in waits]
         behind = [r for r in peers if r in waits and not self._arrived(wait, waits[r])]
-        parts = [head]
+        parts = [self._head(wait, waited)]
         if missing:
             beats = {r: self._fetch("beat", r) for r in missing}
             detail = "; ".join(self._describe_missing(r, beats[r], wait.axis) for r in missing)
@@ -217,6 +248,14 @@ class Watchdog:
         if not missing and not behind:
             parts.append("every peer arrived: the communication library itself is stuck")
         return "; ".join(parts), [beats[r] for r in missing if beats[r] is not None]
+
+    def _head(self, wait: Wait, waited: float) -> str:
+        return f"rank {self.rank} waited {waited:.0f} s in {wait.describe()}"
+
+    def _unanswered(self, wait: Wait, waited: float) -> str:
+        peers = [r for r in wait.peers if r != self.rank]
+        return (f"{self._head(wait, waited)}; the rendezvous store does not answer, so the peers {peers} "
+                "cannot be asked (is this host cut off from the store's host?)")
 
     @staticmethod
     def _arrived(wait: Wait, peer: dict[str, Any]) -> bool:
