@@ -10,9 +10,11 @@ measurements can be compared with the textbook volumes:
     broadcast of S bytes                    S (the root's send, pipelined)
     send / recv of S bytes                  S (counted on the sender)
 
-Each collective gets a per-axis sequence number; a wait that exceeds the timeout raises an
-error naming the operation, axis, sequence number and peers, which is what a hang diagnosis
-needs. A group of one rank is a no-op that counts nothing.
+Each collective gets a per-axis sequence number. Every wait arms the communicator's `Watchdog`
+(if it has one: `mesh.init` gives one to every multi-process run) with the operation, axis,
+sequence number and peers, so a stall becomes one message naming the ranks that did not arrive
+(see watchdog.py); a wait that fails or exceeds `timeout` raises an error naming the same. A
+group of one rank is a no-op that counts nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ndtrain.memory import tensor_bytes as _nbytes
+from ndtrain.watchdog import Wait, Watchdog
 
 
 @dataclass(frozen=True)
@@ -85,20 +88,32 @@ class CommStats:
 
 
 class Pending:
-    """An asynchronous collective in flight; `wait()` blocks until it is complete or times out."""
+    """An asynchronous operation in flight; `wait()` blocks until it is complete, under the watchdog."""
 
-    def __init__(self, work: Any, description: str, timeout: timedelta) -> None:
+    def __init__(self, work: Any, wait: Wait | None, timeout: timedelta, watchdog: Watchdog | None = None) -> None:
         self._work = work
-        self.description = description
+        self._wait = wait
         self._timeout = timeout
+        self._watchdog = watchdog
+
+    @property
+    def description(self) -> str:
+        return self._wait.describe() if self._wait is not None else ""
 
     def wait(self) -> None:
         if self._work is None:
             return
+        if self._watchdog is not None and self._wait is not None:
+            self._watchdog.arm(self._wait)
         try:
             self._work.wait(self._timeout)
         except RuntimeError as e:
+            if self._watchdog is not None:
+                self._watchdog.hold_if_stalled()
             raise RuntimeError(f"{self.description} failed or timed out after {self._timeout}: {e}") from e
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.disarm()
         self._work = None
 
 
@@ -120,24 +135,29 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 
 
 class Communicator:
-    """Collectives on named groups, counted in `stats`."""
+    """Collectives on named groups, counted in `stats`, each wait watched by `watchdog` (if any)."""
 
-    def __init__(self, my_rank: int, timeout: timedelta) -> None:
+    def __init__(self, my_rank: int, timeout: timedelta, watchdog: Watchdog | None = None) -> None:
         self.my_rank = my_rank
         self.timeout = timeout
         self.stats = CommStats()
-        self._sequence: dict[str, int] = defaultdict(int)
+        self.issued: dict[str, int] = defaultdict(int)  # per axis: sequence number of the last op issued
+        self.watchdog = watchdog
 
-    def _issue(self, op: str, group: Group, payload: int, wire: int) -> str:
-        self._sequence[group.name] += 1
+    def _issue(self, op: str, group: Group, payload: int, wire: int) -> int:
+        self.issued[group.name] += 1
         self.stats.record(op, group.name, payload, wire)
-        return (
-            f"collective #{self._sequence[group.name]} {op} on axis {group.name!r} "
-            f"(ranks {list(group.ranks)}) from rank {self.my_rank}"
-        )
+        return self.issued[group.name]
 
-    def _finish(self, work: Any, description: str, async_op: bool) -> Pending | None:
-        pending = Pending(work, description, self.timeout)
+    def _pending(self, work: Any, op: str, group: Group, seq: int, peers: tuple[int, ...] | None = None) -> Pending:
+        wait = Wait(op, group.name, seq, group.ranks, group.ranks if peers is None else peers, peers is None)
+        return Pending(work, wait, self.timeout, self.watchdog)
+
+    def _done(self) -> Pending:
+        return Pending(None, None, self.timeout)
+
+    def _finish(self, work: Any, op: str, group: Group, seq: int, async_op: bool) -> Pending | None:
+        pending = self._pending(work, op, group, seq)
         if async_op:
             return pending
         pending.wait()
@@ -148,21 +168,21 @@ class Communicator:
         async_op: bool = False,
     ) -> Pending | None:
         if group.size == 1:
-            return Pending(None, "", self.timeout) if async_op else None
+            return self._done() if async_op else None
         n = group.size
         size = _nbytes(tensor)
-        desc = self._issue("all_reduce", group, size, 2 * (n - 1) * size // n)
+        seq = self._issue("all_reduce", group, size, 2 * (n - 1) * size // n)
         work = dist.all_reduce(tensor, op=op, group=group.process_group, async_op=True)
-        return self._finish(work, desc, async_op)
+        return self._finish(work, "all_reduce", group, seq, async_op)
 
     def broadcast(self, tensor: torch.Tensor, group: Group, src: int = 0, async_op: bool = False) -> Pending | None:
         """Broadcast from group rank `src`."""
         if group.size == 1:
-            return Pending(None, "", self.timeout) if async_op else None
+            return self._done() if async_op else None
         size = _nbytes(tensor)
-        desc = self._issue("broadcast", group, size, size if group.rank == src else 0)
+        seq = self._issue("broadcast", group, size, size if group.rank == src else 0)
         work = dist.broadcast(tensor, src=group.global_rank(src), group=group.process_group, async_op=True)
-        return self._finish(work, desc, async_op)
+        return self._finish(work, "broadcast", group, seq, async_op)
 
     def all_gather(
         self, output: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False
@@ -170,12 +190,12 @@ class Communicator:
         """Concatenate every rank's `shard` (equal sizes) into `output`, in group order."""
         if group.size == 1:
             output.copy_(shard.reshape(output.shape))
-            return Pending(None, "", self.timeout) if async_op else None
+            return self._done() if async_op else None
         n = group.size
         size = _nbytes(output)
-        desc = self._issue("all_gather", group, size, (n - 1) * size // n)
+        seq = self._issue("all_gather", group, size, (n - 1) * size // n)
         work = _all_gather_single(output, shard, group=group.process_group, async_op=True)
-        return self._finish(work, desc, async_op)
+        return self._finish(work, "all_gather", group, seq, async_op)
 
     def reduce_scatter(
         self, shard: torch.Tensor, full: torch.Tensor, group: Group,
@@ -184,57 +204,60 @@ class Communicator:
         """Reduce `full` over the group and leave this rank's equal part in `shard`."""
         if group.size == 1:
             shard.copy_(full.reshape(shard.shape))
-            return Pending(None, "", self.timeout) if async_op else None
+            return self._done() if async_op else None
         n = group.size
         size = _nbytes(full)
-        desc = self._issue("reduce_scatter", group, size, (n - 1) * size // n)
+        seq = self._issue("reduce_scatter", group, size, (n - 1) * size // n)
         work = _reduce_scatter_single(shard, full, op=op, group=group.process_group, async_op=True)
-        return self._finish(work, desc, async_op)
+        return self._finish(work, "reduce_scatter", group, seq, async_op)
 
     def send(self, tensor: torch.Tensor, group: Group, dst: int) -> Pending:
         """Asynchronous send to group rank `dst`."""
         size = _nbytes(tensor)
-        desc = self._issue("send", group, size, size)
+        seq = self._issue("send", group, size, size)
         work = dist.isend(tensor, dst=group.global_rank(dst), group=group.process_group)
-        return Pending(work, desc, self.timeout)
+        return self._pending(work, "send", group, seq, (group.global_rank(dst),))
 
     def recv(self, tensor: torch.Tensor, group: Group, src: int) -> Pending:
         """Asynchronous receive from group rank `src` (bytes are counted on the sender)."""
-        desc = self._issue("recv", group, _nbytes(tensor), 0)
+        seq = self._issue("recv", group, _nbytes(tensor), 0)
         work = dist.irecv(tensor, src=group.global_rank(src), group=group.process_group)
-        return Pending(work, desc, self.timeout)
+        return self._pending(work, "recv", group, seq, (group.global_rank(src),))
 
     def batch_send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
                         group: Group) -> Pending:
         """Post several sends and receives (`(tensor, group rank)` pairs) at once, as one batch.
 
-        One `Pending` covers them all. Batching lets both neighbours post their exchanges in any
-        order without deadlock (pipeline stages, ring attention)."""
+        One `Pending` covers them all (named by the first op's sequence number). Batching lets both
+        neighbours post their exchanges in any order without deadlock (pipeline stages, ring attention)."""
         ops = []
-        descs = []
+        seqs = []
         for tensor, peer in sends:
             size = _nbytes(tensor)
-            descs.append(self._issue("send", group, size, size))
+            seqs.append(self._issue("send", group, size, size))
             ops.append(dist.P2POp(dist.isend, tensor, group.global_rank(peer), group.process_group))
         for tensor, peer in recvs:
-            descs.append(self._issue("recv", group, _nbytes(tensor), 0))
+            seqs.append(self._issue("recv", group, _nbytes(tensor), 0))
             ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group.process_group))
         if not ops:
-            return Pending(None, "", self.timeout)
+            return self._done()
         works = dist.batch_isend_irecv(ops)
-        return Pending(_AllWorks(works), "; ".join(descs), self.timeout)
+        name = "+".join(kind for kind, pairs in (("send", sends), ("recv", recvs)) if pairs)
+        peers = tuple(sorted({group.global_rank(peer) for _, peer in sends + recvs}))
+        return self._pending(_AllWorks(works), name, group, seqs[0], peers)
 
     def barrier(self, group: Group) -> None:
         if group.size == 1:
             return
-        desc = self._issue("barrier", group, 0, 0)
-        self._finish(dist.barrier(group=group.process_group, async_op=True), desc, async_op=False)
+        seq = self._issue("barrier", group, 0, 0)
+        self._finish(dist.barrier(group=group.process_group, async_op=True), "barrier", group, seq, async_op=False)
 
     def recv_any(self, tensor: torch.Tensor, group: Group) -> int:
         """Blocking receive from whichever member of `group` sends first; returns its group rank.
 
         For servers that serve many senders (parameter server). Bytes are counted on the sender."""
-        desc = self._issue("recv_any", group, _nbytes(tensor), 0)
+        seq = self._issue("recv_any", group, _nbytes(tensor), 0)
         work = dist.irecv(tensor, src=None, group=group.process_group)
-        Pending(work, desc, self.timeout).wait()
+        peers = tuple(r for r in group.ranks if r != self.my_rank)
+        self._pending(work, "recv_any", group, seq, peers).wait()
         return group.ranks.index(dist.get_global_rank(group.process_group, work._source_rank()))

@@ -114,7 +114,8 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     comm_dtype: str = "fp32"          # dtype of gradient reductions (the "reduce dtype")
     allow_unused_params: bool = False
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0          # init/rendezvous timeout (and the communication library's own)
+    watchdog_s: float = 60.0          # a wait on one collective longer than this ends the run, naming who is missing
     # mixed precision: compute dtype; fp32 master weights and optimizer state in every mode
     precision: str = "fp32"           # fp32 | bf16 | fp16
     loss_scaling: bool = True         # dynamic loss scaling (required for fp16)
@@ -139,6 +140,11 @@ class ParallelConfig:
         _positive(self, "tp", "pp", "cp", "bucket_mb", "timeout_s", "pp_virtual", "replicas")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise UserError(f"parallel.timeout_s={self.timeout_s:g} exceeds {MAX_TIMEOUT_S:g} s (≈ 30 years): give fewer seconds")
+        if not 0 < self.watchdog_s <= 120:
+            raise UserError(
+                f"parallel.watchdog_s must be in (0, 120] seconds, got {self.watchdog_s}: "
+                "use a value above the longest wait on one collective (default 60)"
+            )
         _choice(self, "backend", ("auto", "gloo", "nccl", "mpi"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         _choice(self, "comm_dtype", ("fp32", "bf16"))

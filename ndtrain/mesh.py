@@ -5,6 +5,8 @@ world = dp × cp × pp × tp, tp varying fastest, so global rank r has coordinat
 Groups are built once, on every rank in the same order: one per axis, `dp_cp` (gradient
 synchronisation), `mp` = pp × tp (the ranks that together hold one model replica, for the global
 gradient norm) and `world`. Groups of one rank need no c10d communicator and get none.
+A multi-process context's communicator has a `Watchdog` (watchdog.py) on the default store, so
+a stall ends every live rank with a message naming the ranks that did not arrive.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from ndtrain.comm import Communicator, Group
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
+from ndtrain.watchdog import Watchdog
 
 AXES = ("dp", "cp", "pp", "tp")
 GROUP_AXES: dict[str, tuple[str, ...]] = {
@@ -55,6 +58,9 @@ class ParallelContext:
         return self.rank == 0
 
     def destroy(self) -> None:
+        if self.comm.watchdog is not None:
+            self.comm.watchdog.stop()
+            self.comm.watchdog = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -132,8 +138,11 @@ def init(config: ParallelConfig | None = None, init_method: str | None = None) -
                 pg = dist.new_group(list(members), timeout=timeout)
             if rank in members:
                 groups[name] = Group(name, members, members.index(rank), pg)
+    comm = Communicator(rank, timeout)
+    if world_size > 1:
+        store = dist.distributed_c10d._get_default_store()
+        comm.watchdog = Watchdog(rank, store, config.watchdog_s, comm.issued).start()
     return ParallelContext(
         config=config, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-        backend=backend, sizes=sizes, coords=rank_coords(rank, sizes), groups=groups,
-        comm=Communicator(rank, timeout),
+        backend=backend, sizes=sizes, coords=rank_coords(rank, sizes), groups=groups, comm=comm,
     )

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -51,10 +52,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         collected: dict[int, Any] = {}
         failures: list[str] = []
         try:
+            deadline = time.monotonic() + timeout
             while len(collected) + len(failures) < world_size:
                 try:
-                    rank, ok, value = results.get(timeout=timeout)
+                    rank, ok, value = results.get(timeout=0.5)
                 except queue.Empty:
+                    died = [f"rank {r} exited with status {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
+                    if died:  # a worker that died (not one that returned or raised) sends nothing
+                        failures.append(", ".join(died))
+                        break
+                    if time.monotonic() < deadline:
+                        continue
                     missing = sorted(set(range(world_size)) - set(collected))
                     raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
                 if ok:

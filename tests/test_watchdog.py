@@ -1,0 +1,173 @@
+"""Hang diagnosis: a stalled rank ends every live rank with one line naming who did not arrive.
+
+Unit tests run gloo workers (tests/distributed.py) where one rank stops itself (a real SIGSTOP)
+or waits in another collective; end-to-end tests SIGSTOP one worker of `ndtrain train --nproc N`
+mid-training and bound the whole run by watchdog + 15 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ndtrain.comm import Group
+from ndtrain.config import LaunchConfig, ParallelConfig
+from ndtrain.errors import UserError
+from ndtrain.mesh import init
+from tests.distributed import init_method, run_distributed
+from tests.test_trainer import corpus_file
+
+WATCHDOG_S = 10
+
+
+def _one_rank_stops(watchdog_s: float) -> None:
+    ctx = init(ParallelConfig(watchdog_s=watchdog_s, timeout_s=120), init_method=init_method())
+    t = torch.ones(8)
+    ctx.comm.all_reduce(t, ctx.group("dp"))  # collective #1 on 'dp': everyone arrives
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)  # stalls before #2
+    ctx.comm.all_reduce(t, ctx.group("dp"))
+
+
+def test_rank_that_stops_is_named_by_every_live_rank(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError, match="exited with status 1"):
+        run_distributed(_one_rank_stops, 3, 2.0, timeout=60)
+    errors = sorted(line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:"))
+    assert len(errors) == 2, errors
+    for rank, line in zip((0, 1), errors):
+        assert re.fullmatch(
+            rf"ndtrain: error: rank {rank} waited \d+ s in collective #2 all_reduce on axis 'dp' \(ranks \[0, 1, 2\]\); "
+            r"ranks \[2\] did not arrive \(rank 2: last seen \d+ s ago at #[01] on axis 'dp', "
+            r"its process (is stopped \(SIGSTOP\), so killed|has exited)\)",
+            line,
+        ), line
+    assert any("is stopped (SIGSTOP), so killed" in line for line in errors)
+
+
+def _crossed_collectives(watchdog_s: float) -> None:
+    """Ranks 0 and 1 wait in a collective of all three ranks, rank 2 in one of ranks {1, 2}: a deadlock."""
+    ctx = init(ParallelConfig(watchdog_s=watchdog_s, timeout_s=120), init_method=init_method())
+    pair_pg = dist.new_group([1, 2])
+    t = torch.ones(8)
+    if ctx.rank == 2:
+        ctx.comm.all_reduce(t, Group("pair", (1, 2), 1, pair_pg))
+    else:
+        ctx.comm.all_reduce(t, ctx.group("dp"))
+
+
+def test_ranks_waiting_elsewhere_are_behind_not_missing(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError, match="exited with status 1"):
+        run_distributed(_crossed_collectives, 3, 2.0, timeout=60)
+    errors = sorted(line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:"))
+    assert [re.sub(r"waited \d+ s", "waited N s", line) for line in errors] == [
+        "ndtrain: error: rank 0 waited N s in collective #1 all_reduce on axis 'dp' (ranks [0, 1, 2]); "
+        "ranks [2] are alive but behind (rank 2 waits in #1 all_reduce on axis 'pair')",
+        "ndtrain: error: rank 1 waited N s in collective #1 all_reduce on axis 'dp' (ranks [0, 1, 2]); "
+        "ranks [2] are alive but behind (rank 2 waits in #1 all_reduce on axis 'pair')",
+        "ndtrain: error: rank 2 waited N s in collective #1 all_reduce on axis 'pair' (ranks [1, 2]); "
+        "ranks [1] are alive but behind (rank 1 waits in #1 all_reduce on axis 'dp')",
+    ]
+
+
+def _reduce_scatter_stall(watchdog_s: float) -> None:
+    """gloo's reduce-scatter ignores `work.wait(timeout)`: the watchdog must not rely on it."""
+    ctx = init(ParallelConfig(watchdog_s=watchdog_s, timeout_s=120), init_method=init_method())
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    ctx.comm.reduce_scatter(torch.empty(4), torch.ones(8), ctx.group("dp"))
+
+
+def test_reduce_scatter_stall_is_caught(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError, match="rank 0 exited with status 1"):
+        run_distributed(_reduce_scatter_stall, 2, 2.0, timeout=60)
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:")]
+    assert len(errors) == 1 and "collective #1 reduce_scatter on axis 'dp'" in errors[0], errors
+    assert "ranks [1] did not arrive" in errors[0]
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, 121.0, float("nan")])
+def test_watchdog_setting_is_checked(value: float) -> None:
+    with pytest.raises(UserError, match=r"parallel.watchdog_s must be in \(0, 120\]"):
+        ParallelConfig(watchdog_s=value).validate()
+
+
+# ---- end to end: SIGSTOP one worker of `ndtrain train --nproc N` -------------------------------
+
+def _worker_rank(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(item[5:]) for item in env if item.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+def find_worker(launcher_pid: int, rank: int) -> int:
+    """PID of the worker with global rank `rank` among the launcher's children (from /proc)."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    found = [int(pid) for pid in children if _worker_rank(int(pid)) == rank]
+    assert len(found) == 1, f"rank {rank} not among the launcher's children {children}"
+    return found[0]
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    """Block until `path` exists and is not empty (the run is mid-training); fail if the run ends first."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.stat().st_size > 0):
+        assert proc.poll() is None, f"the run ended before {path.name} appeared: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout} s"
+        time.sleep(0.1)
+
+
+def no_restarts() -> list[str]:
+    """Pin the run to one incarnation where the launcher can restart workers (elastic restarts)."""
+    if "max_restarts" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        return ["--set", "launch.max_restarts=0"]
+    return []
+
+
+@pytest.mark.parametrize("nproc, victim", [(2, 1), (4, 2)])
+def test_sigstopped_worker_ends_the_run_within_watchdog_plus_15_s(tmp_path: Path, nproc: int, victim: int) -> None:
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "ndtrain", "train", "--nproc", str(nproc), "--model", "tiny", "--steps", "100000",
+        "--data", corpus_file(tmp_path), "--out", str(out), "--set", "schedule.global_batch=8",
+        "--set", "schedule.micro_batch=2", "--set", "log.progress=false", "--set", "log.log_every=1",
+        "--set", f"parallel.watchdog_s={WATCHDOG_S}", *no_restarts(),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(out / "metrics.jsonl", proc, timeout=120)
+        worker = find_worker(proc.pid, victim)
+        os.kill(worker, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = proc.communicate(timeout=WATCHDOG_S + 15)
+        elapsed = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert elapsed <= WATCHDOG_S + 15
+    errors = [line for line in stderr.splitlines() if line.startswith("ndtrain: error: rank ")]
+    live = sorted(set(range(nproc)) - {victim})
+    assert sorted(int(line.split()[3]) for line in errors) == live, stderr[-3000:]
+    group = ", ".join(str(r) for r in range(nproc))
+    for line in errors:
+        assert re.search(
+            rf"waited \d+ s in collective #\d+ \w+ on axis '\w+' \(ranks \[{group}\]\); ranks \[{victim}\] did not "
+            rf"arrive \(rank {victim}: last seen \d+ s ago at #\d+ on axis '\w+', its process", line
+        ), line
+    assert any("is stopped (SIGSTOP), so killed" in line for line in errors), errors
+    stat = Path(f"/proc/{worker}/stat")  # the stopped worker is gone (at most a zombie), not orphaned
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
