@@ -5,9 +5,9 @@ workers under torchrun's `LocalElasticAgent`, built here rather than through `el
 for three reasons:
 
 - Loopback only. `TCPStore` servers listen on every interface whatever host they are given, so
-  the rendezvous store is served from a socket we bind to 127.0.0.1, and the same store is shared
-  with the workers for their process group (torchrun's shared agent store), so no worker listens
-  for the rendezvous either.
+  the rendezvous store is served from a socket we bind to 127.0.0.1, and so is the store the
+  agent shares with the workers for their process group (a fresh one per restart), so no worker
+  listens for the rendezvous either; gloo's own connections use the loopback interface (Linux `lo`).
 - Restarts. A worker that dies is restarted with the whole group up to `launch.max_restarts`
   times (the trainer resumes from the newest checkpoint by itself); but a worker that exits with
   status 2 (a user error it has printed) or 128+SIGTERM/SIGINT (a clean preemption stop, see
@@ -72,19 +72,18 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _loopback_store(run_id: str) -> tuple[Any, socket.socket]:
-    """A TCPStore served from a listening socket bound to 127.0.0.1 only (and that socket)."""
+def _loopback_store() -> Any:
+    """A TCPStore server listening on 127.0.0.1 only (it owns, and closes, the socket we bind)."""
     from torch.distributed import TCPStore
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((LOOPBACK, 0))
-    listener.listen(128)
-    store = TCPStore(LOOPBACK, listener.getsockname()[1], is_master=True, multi_tenant=True,
-                     master_listen_fd=listener.fileno())
-    return store, listener
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        return TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=listener.detach())
 
 
-def _agent(argv: list[str], nproc: int, max_restarts: int, store: Any, run_id: str, log_dir: str) -> Any:
+def _agent(argv: list[str], nproc: int, max_restarts: int, run_id: str, log_dir: str) -> Any:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -92,10 +91,19 @@ def _agent(argv: list[str], nproc: int, max_restarts: int, store: Any, run_id: s
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     class LoopbackRendezvous(DynamicRendezvousHandler):
-        """Serves the workers' store from the rendezvous store itself (already on loopback)."""
+        """Serves the workers' store on loopback, a fresh one for each round (each restart).
+
+        torch 2.13 keeps one workers' store for all rounds, so restarted workers read the
+        previous attempt's addresses and hang or fail to connect (pytorch/pytorch#135712).
+        """
+
+        def next_rendezvous(self) -> Any:
+            self._bootstrap_store_info = None
+            self._shared_tcp_store_server = None
+            return super().next_rendezvous()
 
         def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
-            return store
+            return _loopback_store()
 
     class Agent(LocalElasticAgent):
         """Restarts a failed group, except after a user error or a clean preemption stop."""
@@ -106,6 +114,7 @@ def _agent(argv: list[str], nproc: int, max_restarts: int, store: Any, run_id: s
                 self._remaining_restarts = 0
             return result
 
+    store = _loopback_store()
     rendezvous = LoopbackRendezvous.from_backend(
         run_id, store, C10dRendezvousBackend(store, run_id), min_nodes=1, max_nodes=1, local_addr=LOOPBACK,
     )
@@ -128,11 +137,12 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # each worker then sets its own thread count
+    if os.path.exists("/sys/class/net/lo"):  # gloo's pair sockets on loopback, not the hostname's address
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     run_id = f"ndtrain-{uuid.uuid4().hex[:8]}"
-    store, listener = _loopback_store(run_id)
-    with tempfile.TemporaryDirectory(prefix="ndtrain-launch-") as log_dir, listener:
+    with tempfile.TemporaryDirectory(prefix="ndtrain-launch-") as log_dir:
         os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(log_dir, "error.json"))
-        agent = _agent(argv, nproc, max_restarts, store, run_id, log_dir)
+        agent = _agent(argv, nproc, max_restarts, run_id, log_dir)
         try:
             result = agent.run()
         except SignalException as e:  # the agent has forwarded it and waited for the workers
