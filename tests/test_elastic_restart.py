@@ -53,13 +53,14 @@ CI_TRIALS = [("dp2", "save", 0), ("pp2", "step", 1)]
 class Run:
     """One `ndtrain train` subprocess with its output in files (no pipe can fill up and block it)."""
 
-    def __init__(self, out: Path, args: list[str]) -> None:
+    def __init__(self, out: Path, args: list[str], launcher: tuple[str, ...] = ("-m", "ndtrain"),
+                 env: dict[str, str] | None = None) -> None:
         self.out = out
         out.parent.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = out.parent / f"{out.name}.stdout", out.parent / f"{out.name}.stderr"
         with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ndtrain", "train", "--out", str(out), *args],
-                                         stdout=stdout, stderr=stderr)
+            self.proc = subprocess.Popen([sys.executable, *launcher, "train", "--out", str(out), *args],
+                                         stdout=stdout, stderr=stderr, env=env)
 
     def wait(self) -> int:
         try:
@@ -266,3 +267,17 @@ def test_sockets_on_loopback_and_no_orphans_after_launcher_sigkill(tmp_path: Pat
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait(timeout=TIMEOUT_S)
     poll(lambda: not any(alive(pid) for pid in workers.values()), "the workers to die with the launcher", timeout=30)
+
+
+@pytest.mark.slow
+def test_external_torchrun_restarts_too(tmp_path: Path, references: References) -> None:
+    """Nothing in the worker depends on our launcher: torchrun's own agent restarts it just as well."""
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                "-m", "ndtrain")
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see README: pytorch/pytorch#135712
+    run = Run(tmp_path / "run", ["--data", references.data, *RUN_ARGS], launcher=torchrun, env=env)
+    poll(lambda: newest_step(run.out) >= 4, "checkpoint 4", run)
+    os.kill(run.workers()[1], signal.SIGKILL)
+    assert run.wait() == 0, run.stderr()[-3000:]
+    assert restarts_reported(run) == 1
+    assert_bit_identical(final_weights(run.out), references.weights("dp2"))
