@@ -46,7 +46,7 @@ FULL_TRIALS = [
     ("dp2", "step", 0), ("dp2", "save", 1), ("zero1", "step", 1), ("zero1", "save", 0), ("zero3", "step", 0),
     ("zero3", "save", 1), ("pp2", "step", 1), ("pp2", "save", 0), ("dp2", "step", 1), ("zero3", "save", 0),
 ]
-CI_TRIALS = [("dp2", "save", 0), ("pp2", "step", 1)]
+CI_TRIALS = [("dp2", "save", 0), ("dp2", "step", 1)]  # one reference run, shared with test_preemption
 
 
 # ---- running the command --------------------------------------------------------------------
@@ -219,6 +219,16 @@ def test_killed_worker_is_restarted_and_result_is_bit_identical(
 def test_fault_trials_all_layouts(tmp_path: Path, references: References, trial: int) -> None:
     layout, moment, rank = FULL_TRIALS[trial]
     kill_trial(tmp_path, references, layout, moment, rank, seed=100 + trial)
+
+
+def test_restart_after_the_last_checkpoint_ends_cleanly(tmp_path: Path) -> None:
+    """A worker killed after the final checkpoint: the restarted group finds the run complete, exits 0."""
+    args = ["--nproc", "1", "--data", corpus_file(tmp_path), *RUN_ARGS, "--steps", "3"]
+    first = Run(tmp_path / "run", args)
+    assert first.wait() == 0, first.stderr()[-3000:]
+    restarted = Run(tmp_path / "run", args, env={**os.environ, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert restarted.wait() == 0, restarted.stderr()[-3000:]
+    assert "ndtrain: the run was complete at step 3 before elastic restart 1" in restarted.stdout()
 
 
 # ---- what is not retried, sockets, orphans --------------------------------------------------
