@@ -60,7 +60,8 @@ def die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this worker when its agent dies (no orphans after a SIGKILL).
 
     PR_SET_PDEATHSIG fires when the thread that forked us ends; the agent starts workers from its
-    main thread. A parent that died before the call is caught by comparing parent PIDs.
+    main thread. A parent dying during the call is caught by comparing parent PIDs; one that died
+    while this worker was still starting up (before the call) is not.
     """
     if not sys.platform.startswith("linux"):
         return
