@@ -31,6 +31,7 @@ def _flag_bool(text: str) -> bool:
 # Everyday flags and the config key each one sets.
 TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--nproc": ("launch.nproc", int, "local worker processes to start (default 2)"),
+    "--max-restarts": ("launch.max_restarts", int, "restarts of the worker group after a worker dies (default 3)"),
     "--dp": ("parallel.dp", int, "data-parallel degree (default: what the world leaves)"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree"),
     "--pp": ("parallel.pp", int, "pipeline-parallel degree"),
@@ -147,7 +148,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if cfg.launch.nproc == 1:
         return train_worker(cfg)
-    return launch_local(argv, cfg.launch.nproc)
+    return launch_local(argv, cfg.launch.nproc, cfg.launch.max_restarts)
 
 
 def check_host_memory(cfg: TrainConfig) -> None:
@@ -206,16 +207,22 @@ def _check_run_files(run_dir: Path) -> None:
 
 
 def train_worker(cfg: TrainConfig) -> int:
+    """Train in this process; exit status 0, 2 (user error) or 128+N (stopped by signal N, checkpoint written)."""
     from ndtrain.engine import NonFiniteError
-    from ndtrain.launch import set_worker_threads
+    from ndtrain.launch import die_with_parent, in_worker, set_worker_threads
     from ndtrain.mesh import init
+    from ndtrain.preemption import Preempted, exit_status
     from ndtrain.ps_trainer import PSTrainer
+    from ndtrain.run_lock import run_lock
     from ndtrain.trainer import Trainer
 
+    if in_worker():
+        die_with_parent()
     set_worker_threads(cfg.launch.threads)
     ctx = init(cfg.parallel)
     try:
-        (PSTrainer if cfg.ps.servers else Trainer)(cfg, ctx).run()
+        with run_lock(Path(cfg.log.out), ctx):
+            (PSTrainer if cfg.ps.servers else Trainer)(cfg, ctx).run()
     except NonFiniteError as e:
         e.newest_checkpoint = _newest_checkpoint(Path(cfg.log.out) / "checkpoints")
         if ctx.is_main:
@@ -225,6 +232,10 @@ def train_worker(cfg: TrainConfig) -> int:
         if ctx.is_main:
             print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Preempted as e:
+        if ctx.is_main:
+            print(f"ndtrain: {e.message()}", file=sys.stderr, flush=True)
+        return exit_status(e.signum)
     finally:
         ctx.destroy()
     return 0

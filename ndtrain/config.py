@@ -302,13 +302,20 @@ class LogConfig:
 
 @dataclass
 class LaunchConfig:
-    """Local processes started by `ndtrain train` (ignored when an external torchrun started us)."""
+    """Local processes started by `ndtrain train` (ignored when an external torchrun started us).
+
+    `max_restarts`: how many times a dead worker group is restarted (resuming from the newest
+    checkpoint) before the run fails.
+    """
 
     nproc: int = 2
     threads: int = 0
+    max_restarts: int = 3
 
     def validate(self) -> None:
         _positive(self, "nproc")
+        if self.max_restarts < 0:
+            raise UserError(f"launch.max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.threads <= MAX_THREADS:
             raise UserError(f"launch.threads must be in [0, {MAX_THREADS}] (0 = cores / nproc), got {self.threads}")
 

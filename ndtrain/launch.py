@@ -1,21 +1,45 @@
 """Starting workers: local processes under torchrun's elastic agent, or joining an external torchrun.
 
 `ndtrain train --nproc N` re-runs the same command line as `python -m ndtrain ...` on N local
-workers through `torch.distributed.launcher` (the agent behind `torchrun`, rendezvous on
-127.0.0.1). A process started by torchrun (ours or the user's, single or multi node) sees
-torchrun's environment and runs as a worker directly.
+workers under torchrun's `LocalElasticAgent`, built here rather than through `elastic_launch`
+for three reasons:
+
+- Loopback only. `TCPStore` servers listen on every interface whatever host they are given, so
+  the rendezvous store is served from a socket we bind to 127.0.0.1, and so is the store the
+  agent shares with the workers for their process group (a fresh one per restart), so no worker
+  listens for the rendezvous either; gloo's own connections use the loopback interface (Linux `lo`).
+- Restarts. A worker that dies is restarted with the whole group up to `launch.max_restarts`
+  times (the trainer resumes from the newest checkpoint by itself); but a worker that exits with
+  status 2 (a user error it has printed) or 128+SIGTERM/SIGINT (a clean preemption stop, see
+  `preemption.py`) ends the run at once: retrying would give the same answer.
+- Signals. SIGTERM/SIGINT to the launcher are forwarded by the agent to the workers, which finish
+  the step and write a checkpoint within `STOP_GRACE_S` before the agent kills them; the launcher
+  then exits with 128 + the signal number.
+
+A process started by torchrun (ours or the user's, single or multi node) sees torchrun's
+environment and runs as a worker directly; `die_with_parent` makes it end with its agent.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import socket
 import sys
 import tempfile
 import uuid
+from typing import Any
 
 import torch
 
 from ndtrain.errors import UserError
+from ndtrain.preemption import STOP_SIGNALS, exit_status
+
+LOOPBACK = "127.0.0.1"
+STOP_GRACE_S = 120  # seconds workers get to finish a step and checkpoint after a stop signal
+FINAL_EXIT_STATUSES = frozenset({2, *(exit_status(s) for s in STOP_SIGNALS)})
+_PR_SET_PDEATHSIG = 1
 
 
 def in_worker() -> bool:
@@ -32,37 +56,106 @@ def set_worker_threads(threads: int) -> int:
     return threads
 
 
-def launch_local(argv: list[str], nproc: int) -> int:
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this worker when its agent dies (no orphans after a SIGKILL).
+
+    PR_SET_PDEATHSIG fires when the thread that forked us ends; the agent starts workers from its
+    main thread. A parent dying during the call is caught by comparing parent PIDs; one that died
+    while this worker was still starting up (before the call) is not.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _loopback_store() -> Any:
+    """A TCPStore server listening on 127.0.0.1 only (it owns, and closes, the socket we bind)."""
+    from torch.distributed import TCPStore
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        return TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=listener.detach())
+
+
+def _agent(argv: list[str], nproc: int, max_restarts: int, run_id: str, log_dir: str) -> Any:
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    class LoopbackRendezvous(DynamicRendezvousHandler):
+        """Serves the workers' store on loopback, a fresh one for each round (each restart).
+
+        torch 2.13 keeps one workers' store for all rounds, so restarted workers read the
+        previous attempt's addresses and hang or fail to connect (pytorch/pytorch#135712).
+        """
+
+        def next_rendezvous(self) -> Any:
+            self._bootstrap_store_info = None
+            self._shared_tcp_store_server = None
+            return super().next_rendezvous()
+
+        def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
+            return _loopback_store()
+
+    class Agent(LocalElasticAgent):
+        """Restarts a failed group, except after a user error or a clean preemption stop."""
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed() and any(f.exitcode in FINAL_EXIT_STATUSES for f in result.failures.values()):
+                self._remaining_restarts = 0
+            return result
+
+    store = _loopback_store()
+    rendezvous = LoopbackRendezvous.from_backend(
+        run_id, store, C10dRendezvousBackend(store, run_id), min_nodes=1, max_nodes=1, local_addr=LOOPBACK,
+    )
+    spec = WorkerSpec(
+        role="default", local_world_size=nproc, entrypoint=sys.executable, args=("-m", "ndtrain", *argv),
+        rdzv_handler=rendezvous, max_restarts=max_restarts, monitor_interval=0.1, local_addr=LOOPBACK,
+    )
+    return Agent(spec, DefaultLogsSpecs(log_dir=log_dir), start_method="spawn", shutdown_timeout=STOP_GRACE_S)
+
+
+def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
     """Run `python -m ndtrain *argv` on `nproc` local workers; return the exit status to report.
 
-    A worker that exits with status 2 (a user error it has already printed) makes the launch
-    return 2; any other failure returns 1 after naming the failed ranks.
+    0: the workers finished (after at most `max_restarts` restarts). 2: a worker's user error
+    (printed by it). 128+N: stopped by signal N, a checkpoint written (rank 0 printed the line).
+    1: workers kept failing; the failed ranks are named.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing import SignalException
 
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # each worker then sets its own thread count
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"ndtrain-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-    )
+    if os.path.exists("/sys/class/net/lo"):  # gloo's pair sockets on loopback, not the hostname's address
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    run_id = f"ndtrain-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="ndtrain-launch-") as log_dir:
         os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(log_dir, "error.json"))
+        agent = _agent(argv, nproc, max_restarts, run_id, log_dir)
         try:
-            elastic_launch(config, entrypoint=sys.executable)("-m", "ndtrain", *argv)
-        except ChildFailedError as e:
-            codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
-            if any(code == 2 for code in codes.values()):
-                return 2
-            details = ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items()))
-            print(f"ndtrain: error: worker failure ({details}); see the worker output above", file=sys.stderr)
-            return 1
-    return 0
+            result = agent.run()
+        except SignalException as e:  # the agent has forwarded it and waited for the workers
+            return exit_status(e.sigval)
+        agent.get_worker_group().spec.rdzv_handler.shutdown()
+    if not result.is_failed():
+        return 0
+    codes = {rank: failure.exitcode for rank, failure in result.failures.items()}
+    final = sorted({code for code in codes.values() if code in FINAL_EXIT_STATUSES})
+    if final:
+        return final[0]
+    details = ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items()))
+    print(f"ndtrain: error: worker failure ({details}) after {max_restarts} restart(s); see the worker output above",
+          file=sys.stderr)
+    return 1

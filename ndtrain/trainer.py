@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
-from ndtrain.checkpoint import load_checkpoint, save_checkpoint, select_checkpoint
+from ndtrain.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint, select_checkpoint
 from ndtrain.config import TrainConfig, dump_toml
 from ndtrain.data.corpus import TokenWindows, load_corpus
 from ndtrain.data.sampler import DistributedSampler, eval_shard
@@ -31,6 +31,7 @@ from ndtrain.memory import peak_bytes, reset_peak
 from ndtrain.mesh import ParallelContext
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.models.llama import build_model
+from ndtrain.preemption import Preempted, StopRequest
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -39,6 +40,11 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def elastic_restarts() -> int:
+    """How often torchrun's agent has restarted this worker group (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def build_engine(cfg: TrainConfig, ctx: ParallelContext) -> Engine:
@@ -126,7 +132,7 @@ class Trainer:
         first. It applies to the run's first start only, not when torchrun's elastic agent
         restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), which must resume.
         """
-        start_over = self.cfg.checkpoint.overwrite and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        start_over = self.cfg.checkpoint.overwrite and elastic_restarts() == 0
         if start_over and self.ctx.is_main:
             for name in ("metrics.jsonl", "summary.json", "loss.png"):
                 (self.run_dir / name).unlink(missing_ok=True)
@@ -153,12 +159,22 @@ class Trainer:
         )
 
     def run(self) -> dict[str, Any]:
+        """Train to `schedule.steps`; on SIGTERM/SIGINT stop after the current step with a checkpoint (Preempted)."""
+        with StopRequest() as stop_request:
+            return self.train(stop_request)
+
+    def train(self, stop_request: StopRequest) -> dict[str, Any]:
         cfg, ctx = self.cfg, self.ctx
+        restarts = elastic_restarts()
         main = ctx.is_main
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         ctx.comm.barrier(ctx.group("world"))
         start = self.resume()
+        if start >= cfg.schedule.steps and restarts:  # the agent restarted us after the last checkpoint
+            if main:
+                print(f"ndtrain: the run was complete at step {start} before elastic restart {restarts}", flush=True)
+            return {"steps": start, "resumed_from": start, "restarts": restarts}
         if start >= cfg.schedule.steps:
             raise UserError(
                 f"the run in {str(self.run_dir)!r} is already complete at step {start}: "
@@ -167,7 +183,7 @@ class Trainer:
         metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=start) if main else None
         if main:
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
-            print(self.describe(start), flush=True)
+            print(self.describe(start, restarts), flush=True)
         bar = tqdm(total=cfg.schedule.steps, initial=start, disable=not (main and cfg.log.progress),
                    unit="step", dynamic_ncols=True)
         started = time.perf_counter()
@@ -191,12 +207,16 @@ class Trainer:
             if evaluate_now:
                 last_val, _ = self.engine.evaluate(self.eval_batches())
                 record.update(step=done, val_loss=last_val)
-            if (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == stop:
+            stop_signal = stop_request.agreed(ctx.comm, ctx.group("world"), ctx.device)
+            if (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == stop or stop_signal:
                 self.save(done)
             if metrics and record:
                 metrics.write(record)
             bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{last_val:.3f}", tok_s=f"{result.tokens / elapsed:,.0f}")
             bar.update(1)
+            if stop_signal and done < stop:
+                bar.close()
+                raise Preempted(stop_signal, done, checkpoint_name(done))
         bar.close()
         wall = time.perf_counter() - started
         peak = torch.tensor(float(step_peak), device=ctx.device)
@@ -208,6 +228,7 @@ class Trainer:
             "world_size": ctx.world_size, "parameters": self.engine.parameter_count,
             "model_state_bytes_rank0": self.engine.model_state_bytes(),
             "skipped_steps": self.engine.skipped_steps,
+            "restarts": restarts,
         }
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -223,10 +244,12 @@ class Trainer:
             "skipped": result.skipped, "loss_scale": result.loss_scale,
         }
 
-    def describe(self, start: int) -> str:
+    def describe(self, start: int, restarts: int = 0) -> str:
         cfg, ctx = self.cfg, self.ctx
         layout = " × ".join(f"{a}={ctx.size(a)}" for a in ("dp", "cp", "pp", "tp"))
         action = f"resuming at step {start}" if start else "starting"
+        if restarts:
+            action += f" after elastic restart {restarts}"
         return (
             f"ndtrain: {action}: model {cfg.model.preset} ({self.engine.parameter_count / 1e6:.2f} M params), "
             f"{layout} on {ctx.world_size} {ctx.device.type} process(es), backend {ctx.backend}, "
@@ -248,6 +271,7 @@ class Trainer:
             ("model state, rank 0", ", ".join(f"{k} {human_bytes(v)}" for k, v in s["model_state_bytes_rank0"].items())),
             ("peak memory", f"{human_bytes(s['peak_memory_bytes_max_rank'])} (max over ranks)"),
             ("skipped steps", f"{s['skipped_steps']} (inf/NaN gradients or loss)"),
+            ("elastic restarts", str(s["restarts"])),
             ("run directory", str(self.run_dir)),
         ]
         return format_table(rows, "ndtrain: summary")
