@@ -184,7 +184,7 @@ def _resume(ctx: ParallelContext, saved: bytes, first: int) -> dict[str, Any]:
     model = DataParallel(make_net(NET, SEED + 1000 + rank), ctx, bucket_mb=NET_BUCKET_MB, comm_dtype=DTYPE)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
-    ckpt = torch.load(io.BytesIO(saved), weights_only=False)
+    ckpt = torch.load(io.BytesIO(saved), weights_only=True)
     model.module.load_state_dict(ckpt["model"])
     sched.load_state_dict(ckpt["sched"])
     zero.load_state_dict(ckpt["zero"])
