@@ -20,6 +20,7 @@ from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.ddp import MB, pack
 from tests.distributed import init_method, run_distributed
+from tests.parity import assert_close_params
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -54,11 +55,6 @@ def micro_batches(step: int, rank: int, world: int, accumulation: int) -> list[t
     x, y = batch(step)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
     return list(zip(x.chunk(accumulation), y.chunk(accumulation)))
-
-
-def max_relative_error(ours: State, ref: State) -> float:
-    assert ours.keys() == ref.keys()
-    return max(((ours[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
 
 
 def reference(clip: float, pieces: int = 1) -> tuple[State, list[float]]:
@@ -114,8 +110,7 @@ def _check(out: list[dict], world: int, cases: list[tuple[int, float]]) -> None:
             assert max(ref_norms) > clip
         for rank, o in enumerate(out):
             run = o[(zero, acc, clip)]
-            err = max_relative_error(run["params"], ref)
-            assert err <= 1e-5, (world, zero, acc, clip, rank, err)
+            assert_close_params(run["params"], ref, 1e-5, f"world {world} zero {zero} acc {acc} clip {clip} rank {rank}")
             torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
             if zero == 2:
                 expected = _zero2_reduce_scatter(world, acc)

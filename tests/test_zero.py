@@ -3,6 +3,15 @@ and comm bytes, empty shards, state-dict round trip, bad optimizer factories.
 
 One spawn per world size runs every scenario; the parent trains the single-process references
 and computes the expected shard layout on its own (from `pack`, the bucketing rule of ddp.py).
+
+The parity runs and their references train in float64 (parameters, gradients, all-reduce, AdamW
+state). In float32 the comparison measured the CPU, not ZeRO: the ranks sum the shard gradients in
+gloo's ring order, the reference in autograd's, and AdamW gives an element whose gradient nearly
+cancels an update of about lr whatever the gradient's size, so the sum's last-bit rounding becomes a
+parameter error. Summing the reference's own 4 shard gradients in another order already moved the
+tiny Llama by 8.5e-6 relative (its fp32 run is 1.4e-5 away from its fp64 run), and an AVX-512 CPU's
+kernels reached 2.5e-5. In float64 the same effect is ~1e-15, so the 1e-5 bound has a margin of many
+orders of magnitude, and a wrong shard, group or gather still moves parameters by far more.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from ndtrain.models.llama import build_model
 from ndtrain.parallel.ddp import MB, DataParallel, pack
 from ndtrain.parallel.zero import ZeroOptimizer, no_decay_for_vectors
 from tests.distributed import init_method, run_distributed
+from tests.parity import assert_close_params
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -30,9 +40,11 @@ LR = 1e-2
 WEIGHT_DECAY = 0.1
 MAX_NORM = 0.05  # small enough that the Net's gradient is clipped
 SEED = 100
-NET_BUCKET_MB = 260 / MB  # buckets of 60 | 11 | 143 | 13 | 91 | 1 elements: mixed groups in the first, then odd
+DTYPE = torch.float64  # of the parity runs (see the docstring)
+TOL = 1e-5
+NET_BUCKET_MB = 65 * DTYPE.itemsize / MB  # buckets of 60 | 11 | 143 | 13 | 91 | 1 elements: mixed groups in the first, then odd
 PER_PARAM_BUCKET_MB = 1 / MB  # one bucket per parameter: the 1-element `scale` leaves ranks empty
-LLAMA_BUCKET_MB = 0.01
+LLAMA_BUCKET_MB = 0.01 * DTYPE.itemsize / 4  # the buckets of 0.01 MB of fp32
 
 State = dict[str, torch.Tensor]
 
@@ -55,14 +67,15 @@ NET = (7, 13, 11, 5)
 LONELY = (1, 1)  # 3 elements: on 4 ranks, rank 3 owns nothing at all
 
 
-def make_net(sizes: tuple[int, ...], seed: int) -> Net:
+def make_net(sizes: tuple[int, ...], seed: int, dtype: torch.dtype = DTYPE) -> Net:
     torch.manual_seed(seed)
-    return Net(sizes)
+    return Net(sizes).to(dtype)
 
 
-def net_batch(sizes: tuple[int, ...], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def net_batch(sizes: tuple[int, ...], step: int, dtype: torch.dtype = DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(GLOBAL_BATCH, sizes[0], generator=g), torch.randn(GLOBAL_BATCH, sizes[-1], generator=g)
+    x, y = torch.randn(GLOBAL_BATCH, sizes[0], generator=g), torch.randn(GLOBAL_BATCH, sizes[-1], generator=g)
+    return x.to(dtype), y.to(dtype)
 
 
 def llama_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +84,7 @@ def llama_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_llama() -> nn.Module:
-    return build_model(config_from_dict({"model": {"preset": "tiny"}}).model, seed=0)
+    return build_model(config_from_dict({"model": {"preset": "tiny"}}).model, seed=0).to(DTYPE)
 
 
 def schedule(step: int) -> float:
@@ -86,11 +99,6 @@ def state(model: nn.Module) -> State:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def max_relative_error(ours: State, ref: State) -> float:
-    assert ours.keys() == ref.keys()
-    return max(((ours[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
-
-
 def reference_groups(model: nn.Module) -> list[dict[str, Any]]:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
@@ -99,14 +107,14 @@ def reference_groups(model: nn.Module) -> list[dict[str, Any]]:
     return groups if first_is_decay else groups[::-1]
 
 
-def reference(kind: str, world: int, sizes: tuple[int, ...] = NET) -> tuple[State, list[float]]:
+def reference(kind: str, world: int, sizes: tuple[int, ...] = NET, dtype: torch.dtype = DTYPE) -> tuple[State, list[float]]:
     """Single process, whole global batch; its loss is the mean of the per-rank shard losses (equal shards)."""
-    model = make_llama() if kind == "llama" else make_net(sizes, SEED)
+    model = make_llama() if kind == "llama" else make_net(sizes, SEED, dtype)
     opt = adamw(reference_groups(model))
     sched = LambdaLR(opt, schedule)
     norms = []
     for step in range(STEPS):
-        x, y = llama_batch(step) if kind == "llama" else net_batch(sizes, step)
+        x, y = llama_batch(step) if kind == "llama" else net_batch(sizes, step, dtype)
         loss = sum(model(xs, ys) for xs, ys in zip(x.chunk(world), y.chunk(world))) / world
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
@@ -143,7 +151,7 @@ def _train(ctx: ParallelContext, kind: str, bucket_mb: float, sizes: tuple[int, 
            steps: int = STEPS, resume_at: int | None = None) -> dict[str, Any]:
     rank, n = ctx.rank, ctx.world_size
     module = make_llama() if kind == "llama" else make_net(sizes, SEED + rank)  # broadcast makes them equal
-    model = DataParallel(module, ctx, bucket_mb=bucket_mb)
+    model = DataParallel(module, ctx, bucket_mb=bucket_mb, comm_dtype=DTYPE)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
     out: dict[str, Any] = {"deltas": [], "norms": [], "saved": None}
@@ -173,10 +181,10 @@ def _train(ctx: ParallelContext, kind: str, bucket_mb: float, sizes: tuple[int, 
 def _resume(ctx: ParallelContext, saved: bytes, first: int) -> dict[str, Any]:
     """Rebuild from a checkpoint taken before step `first` and train to STEPS; also a wrong-layout load."""
     rank, n = ctx.rank, ctx.world_size
-    model = DataParallel(make_net(NET, SEED + 1000 + rank), ctx, bucket_mb=NET_BUCKET_MB)
+    model = DataParallel(make_net(NET, SEED + 1000 + rank), ctx, bucket_mb=NET_BUCKET_MB, comm_dtype=DTYPE)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
-    ckpt = torch.load(io.BytesIO(saved), weights_only=False)
+    ckpt = torch.load(io.BytesIO(saved), weights_only=True)
     model.module.load_state_dict(ckpt["model"])
     sched.load_state_dict(ckpt["sched"])
     zero.load_state_dict(ckpt["zero"])
@@ -217,20 +225,22 @@ def _check_run(runs: list[dict[str, Any]], world: int, kind: str, bucket_mb: flo
     layout = expected_layout(model, bucket_mb, world)
     if kind == "net" and clipped:
         assert max(ref_norms) > MAX_NORM  # the clipping path is exercised
-    ring_all_reduce = 2 * (world - 1) * 4 * layout["numel"] // world
-    gather = (world - 1) * 4 * layout["padded"] // world
+    item = DTYPE.itemsize
+    ring_all_reduce = 2 * (world - 1) * item * layout["numel"] // world
+    gather = (world - 1) * item * layout["padded"] // world
     expected_delta = {
-        "all_reduce/dp_cp": {"calls": layout["buckets"], "payload_bytes": 4 * layout["numel"], "wire_bytes": ring_all_reduce},
-        "all_gather/dp_cp": {"calls": layout["buckets"], "payload_bytes": 4 * layout["padded"], "wire_bytes": gather},
+        "all_reduce/dp_cp": {"calls": layout["buckets"], "payload_bytes": item * layout["numel"], "wire_bytes": ring_all_reduce},
+        "all_gather/dp_cp": {"calls": layout["buckets"], "payload_bytes": item * layout["padded"], "wire_bytes": gather},
     }
     for rank, o in enumerate(runs):
-        assert max_relative_error(o["params"], ref) <= 1e-5, (kind, sizes, bucket_mb, rank)
-        torch.testing.assert_close(torch.tensor(o["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        assert all(p.dtype == DTYPE for p in o["params"].values())
+        assert_close_params(o["params"], ref, TOL, f"{kind} {sizes} bucket {bucket_mb} MB rank {rank}")
+        torch.testing.assert_close(torch.tensor(o["norms"]), torch.tensor(ref_norms), rtol=TOL, atol=0)
         assert o["deltas"] == [expected_delta] * STEPS, (kind, rank)
         assert o["shard_numel"] == layout["elems"][rank]
         assert o["padded_numel"] == layout["padded"]
-        # AdamW: exp_avg + exp_avg_sq (fp32) per real element of the shard, one fp32 step counter per segment.
-        assert o["state_bytes"] == 8 * layout["elems"][rank] + 4 * layout["segments"][rank], (kind, rank)
+        # AdamW: exp_avg + exp_avg_sq (in DTYPE) per real element of the shard, one fp32 step counter per segment.
+        assert o["state_bytes"] == 2 * item * layout["elems"][rank] + 4 * layout["segments"][rank], (kind, rank)
         assert o["views"]
     assert sum(layout["elems"]) == layout["numel"]
     assert max(layout["elems"]) <= layout["padded"] // world
@@ -264,20 +274,38 @@ def test_four_ranks_match_single_process() -> None:
 
 def test_single_rank_equals_plain_adamw_and_keeps_lr_schedule() -> None:
     ctx = init(ParallelConfig())
-    model = DataParallel(make_net(NET, SEED), ctx, bucket_mb=NET_BUCKET_MB)
+    model = DataParallel(make_net(NET, SEED, torch.float32), ctx, bucket_mb=NET_BUCKET_MB)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
     assert [g["lr"] for g in zero.param_groups] == pytest.approx([LR / 3] * 2)
     for step in range(STEPS):
-        model(*net_batch(NET, step)).backward()
+        model(*net_batch(NET, step, torch.float32)).backward()
         zero.clip_grad_norm_(MAX_NORM)
         zero.step()
         sched.step()
         zero.zero_grad()
-    ref, _ = reference("net", 1)
-    assert max_relative_error(state(model.module), ref) <= 1e-6
+    ref, _ = reference("net", 1, dtype=torch.float32)
+    assert_close_params(state(model.module), ref, 1e-6, "one rank")
     assert [g["lr"] for g in zero.param_groups] == pytest.approx([LR] * 2)
     assert zero.state_bytes() == 8 * sum(p.numel() for p in model.parameters()) + 4 * len(zero.state)
+
+
+def test_fp64_parameters_are_their_own_master() -> None:
+    """fp64 parameters are updated in fp64: no fp32 master copy, no fp32 gradient norm."""
+    ctx = init(ParallelConfig())
+    model = DataParallel(make_net(NET, SEED, torch.float64), ctx, comm_dtype=torch.float64)
+    zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
+    sched = LambdaLR(zero, schedule)
+    for step in range(STEPS):
+        model(*net_batch(NET, step, torch.float64)).backward()
+        zero.clip_grad_norm_(MAX_NORM)
+        zero.step()
+        sched.step()
+        zero.zero_grad()
+    assert zero.master_bytes == 0
+    assert {t.dtype for s in zero.state.values() for k, t in s.items() if k != "step"} == {torch.float64}
+    ref, _ = reference("net", 1, dtype=torch.float64)
+    assert_close_params(state(model.module), ref, 1e-12, "one rank, fp64")  # fp32 master and norm: 2.3e-9
 
 
 def test_factory_that_ignores_its_groups_is_a_clear_error() -> None:
@@ -299,12 +327,12 @@ def test_zero2_keeps_only_the_gradient_shard() -> None:
     from ndtrain.parallel import zero2
 
     ctx = init(ParallelConfig())
-    model = zero2.Zero2DataParallel(make_net(NET, SEED), ctx, bucket_mb=PER_PARAM_BUCKET_MB)  # 7 buckets
+    model = zero2.Zero2DataParallel(make_net(NET, SEED, torch.float32), ctx, bucket_mb=PER_PARAM_BUCKET_MB)  # 7 buckets
     zero = ZeroOptimizer(model, ctx, adamw)
     live: list[int] = []
     for p in model.module.parameters():
         p.register_post_accumulate_grad_hook(lambda _: live.append(sum(b.staging is not None for b in model.buckets)))
-    model(*net_batch(NET, 0)).backward()
+    model(*net_batch(NET, 0, torch.float32)).backward()
     assert len(model.buckets) == 7 and len(live) == 7
     assert max(live) <= zero2.MAX_IN_FLIGHT + 1 and max(live) >= 2  # counted after the wrapper's hook
     assert all(p.grad is None for p in model.module.parameters())

@@ -9,7 +9,7 @@ of that slice (padding excluded) are cut where the parameter group changes (e.g.
 matrices, none on biases and norms) into *segments*: parameters that alias the flat buffer, whose
 `.grad` aliases the DDP gradient bucket. The inner optimizer (built by the caller's factory) sees
 only these segments, so its state exists only for this rank's slice, and its in-place update
-writes straight into the model's parameters. The segment is the fp32 master: no copy.
+writes straight into the model's parameters. The segment is the fp32 (or fp64) master: no copy.
 
 What is communicated, and when:
 - During backward, DDP all-reduces (averages) the gradient buckets as usual: every rank holds the
@@ -57,6 +57,11 @@ from ndtrain.parallel.ddp import DataParallel
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` upcast to fp32 if it is less precise (bf16/fp16); fp32 and fp64 as they are."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _one_group(name: str, param: nn.Parameter) -> dict[str, Any]:
@@ -157,7 +162,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             padded = -(-numel // n) * n
             size = padded // n
             flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
-            master = torch.zeros(size, dtype=torch.float32, device=first.device) if first.dtype != torch.float32 else None
+            low_precision = torch.finfo(first.dtype).bits < 32  # bf16/fp16 compute copies; fp64 is its own master
+            master = torch.zeros(size, dtype=torch.float32, device=first.device) if low_precision else None
             shard = _Shard(flat, numel, rank * size, (rank + 1) * size, master)
             runs: list[tuple[int, int, int]] = []  # (start, end, group) of this rank's real elements
             a = 0
@@ -273,12 +279,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         grads = self.prepare_grads()
         if self.model.gradients_sharded:
-            squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+            squares = torch.stack([_at_least_fp32(g).pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
             self.ctx.comm.all_reduce(squares, self.group)
             norm = squares.sqrt()
         else:
             flats = [b.flat for b in self.model.buckets]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f.float()) for f in flats]))
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(_at_least_fp32(f)) for f in flats]))
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
@@ -301,7 +307,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def master_bytes(self) -> int:
-        """Bytes of separate fp32 master slices (0 when the parameters themselves are fp32)."""
+        """Bytes of separate fp32 master slices (0 when the parameters themselves are fp32 or fp64)."""
         return sum(s.master.numel() * 4 for s in self._shards if s.master is not None)
 
     def _layout(self) -> dict[str, Any]:
