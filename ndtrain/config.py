@@ -60,11 +60,6 @@ class ModelConfig:
     def validate(self) -> None:
         _positive(self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")
         _positive(self, "norm_eps", "rope_theta", "init_std")
-        if self.vocab_size < BYTE_VOCAB:
-            raise UserError(
-                f"model.vocab_size={self.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens: "
-                f"use model.vocab_size >= {BYTE_VOCAB}"
-            )
         if self.dim % self.n_heads:
             raise UserError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if (self.dim // self.n_heads) % 2:
@@ -388,6 +383,11 @@ class TrainConfig:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.validate()
+        if self.model.vocab_size < BYTE_VOCAB:  # the run's data are bytes; a model alone may have any vocabulary
+            raise UserError(
+                f"model.vocab_size={self.model.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens: "
+                f"use model.vocab_size >= {BYTE_VOCAB}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
