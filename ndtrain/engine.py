@@ -47,7 +47,7 @@ from ndtrain.parallel.context import shard_sequence
 from ndtrain.parallel.ddp import DataParallel
 from ndtrain.parallel.fsdp import FullyShardedDataParallel
 from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
-from ndtrain.parallel.precision import DTYPES, LossScaler
+from ndtrain.parallel.precision import DTYPES, LossScaler, at_least_fp32, master_dtype
 from ndtrain.parallel.replicate import SingleProcessDataParallel
 from ndtrain.parallel.zero import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
 from ndtrain.parallel.zero2 import Zero2DataParallel
@@ -261,26 +261,27 @@ class Engine:
         device = self.ctx.device
         if self.model_parallel:  # zero 0/1 only (config validation): every rank holds whole, reduced gradients
             tp = self.ctx.group("tp").size
-            squares = torch.zeros((), device=device)
+            dtype = master_dtype(next(self.model.parameters()).dtype)  # fp32, float64 for a float64 model
+            squares = torch.zeros((), dtype=dtype, device=device)
             for p in self.model.parameters():
                 if p.grad is not None:
-                    squares += norm_weight(p, tp) * p.grad.detach().float().pow(2).sum()
+                    squares += norm_weight(p, tp) * at_least_fp32(p.grad.detach()).pow(2).sum()
             self.ctx.comm.all_reduce(squares, self.ctx.group("mp"))
             return squares
         if self.fsdp is not None:
-            squares = self.fsdp.local_grad_squares().float()
+            squares = at_least_fp32(self.fsdp.local_grad_squares())
             self.ctx.comm.all_reduce(squares, self.ctx.group("dp_cp"))
             return squares
         if isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.sharded:
             grads = self.optimizer.prepare_grads()
-            squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+            squares = torch.stack([at_least_fp32(g).pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
             self.ctx.comm.all_reduce(squares, self.ctx.group("dp_cp"))
             return squares
         if isinstance(self.optimizer, ZeroOptimizer):  # stage 0 with fp32 masters: one unsharded "shard"
             grads = self.optimizer.prepare_grads()
             return torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+        return torch.stack([at_least_fp32(g.detach()).pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
 
     def clip_gradients(self) -> float:
         """Global L2 norm of the gradient the optimizer will use; clip it if `grad_clip` > 0.

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.config import ModelConfig
+from ndtrain.parallel.precision import at_least_fp32
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +40,7 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the two halves of the last dim of x [B, heads, T, h] by the angles for its T positions."""
-    first, second = x.float().chunk(2, dim=-1)
+    first, second = at_least_fp32(x).chunk(2, dim=-1)
     rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
     return rotated.type_as(x)
 
@@ -51,7 +52,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+        return F.rms_norm(at_least_fp32(x), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
 class Attention(nn.Module):
@@ -163,8 +164,8 @@ class Llama(nn.Module):
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens, computed in fp32."""
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        """Mean cross-entropy over all tokens, computed in fp32 (float64 for a float64 model)."""
+        return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten())
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Llama:

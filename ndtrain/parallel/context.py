@@ -30,7 +30,7 @@ c·2BKsh (dK/dV, fp32). Saved for backward per layer: q, k, v, out and the log-s
 B·H·s), the same tensors as `scaled_dot_product_attention`, so activation memory per rank is
 1/c of the unsharded model's. Transient: two K/V buffers and two dK/dV buffers in flight, and
 a few tiles of scores (B·H·tile² fp32 each). Blocks are computed in fp32 whatever the input
-dtype (bf16 K/V travel as bf16; dK/dV travel and accumulate in fp32).
+dtype (bf16 K/V travel as bf16; dK/dV travel and accumulate in fp32); a float64 model in float64.
 Recomputing ring attention (selective or full recompute) runs the forward ring again inside
 backward: (c−1) more K/V exchanges per layer.
 
@@ -49,6 +49,7 @@ from torch import nn
 from ndtrain.comm import Communicator, Group, Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
+from ndtrain.parallel.precision import at_least_fp32, master_dtype
 
 Chunks = tuple[int, ...]
 DEFAULT_TILE = 512  # rows and columns of the score tiles: transient memory B·H·tile²·4 bytes, a few times
@@ -155,8 +156,8 @@ def _tile_forward(
 ) -> None:
     """Attention of q [B,K,G,s,h] rows over kv [2,B,K,s,h] columns, merged into the running fp32
     `out` [B,K,G,s,h] and log-sum-exp `lse` [B,K,G,s] of those rows (online softmax)."""
-    k, v = (t[..., tile.cols, :].float().unsqueeze(2) for t in kv)
-    scores = _tile_scores(q[..., tile.rows, :].float(), k, tile, scale)
+    k, v = (at_least_fp32(t[..., tile.cols, :]).unsqueeze(2) for t in kv)
+    scores = _tile_scores(at_least_fp32(q[..., tile.rows, :]), k, tile, scale)
     tile_lse = scores.logsumexp(dim=-1)
     tile_out = torch.exp(scores - tile_lse.unsqueeze(-1)) @ v
     old = lse[..., tile.rows]
@@ -173,8 +174,8 @@ def _tile_backward(
     tile: Block, scale: float, dq: torch.Tensor, dkv: torch.Tensor,
 ) -> None:
     """Add one tile's gradients (probabilities recomputed from the final `lse`) into dq and dkv."""
-    q_rows = q[..., tile.rows, :].float()
-    k, v = (t[..., tile.cols, :].float().unsqueeze(2) for t in kv)
+    q_rows = at_least_fp32(q[..., tile.rows, :])
+    k, v = (at_least_fp32(t[..., tile.cols, :]).unsqueeze(2) for t in kv)
     probs = torch.exp(_tile_scores(q_rows, k, tile, scale) - lse[..., tile.rows].unsqueeze(-1))
     dout_rows = dout[..., tile.rows, :]
     dscores = probs * (dout_rows @ v.transpose(-1, -2) - delta[..., tile.rows].unsqueeze(-1))
@@ -217,8 +218,9 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(head_dim)
         kv = torch.stack((k, v))
         size = ring.group.size
-        out = torch.zeros(q5.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        acc = master_dtype(q.dtype)  # fp32, or float64 for a float64 model
+        out = torch.zeros(q5.shape, dtype=acc, device=q.device)
+        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         for step in range(size):  # step 0: the rank's own chunks, a causal block where every row sees itself
             if step < size - 1:
                 next_kv, pending = ring.exchange(kv)  # travels while this block is computed
@@ -240,17 +242,17 @@ class _RingAttention(torch.autograd.Function):
         ring: Ring = fctx.ring
         batch, heads, seq, head_dim = q.shape
         shape5 = (batch, k.shape[1], heads // k.shape[1], seq, head_dim)
-        q5, dout, out5 = q.reshape(shape5), grad_out.reshape(shape5).float(), out.reshape(shape5).float()
+        q5, dout, out5 = q.reshape(shape5), at_least_fp32(grad_out.reshape(shape5)), at_least_fp32(out.reshape(shape5))
         scale = 1.0 / math.sqrt(head_dim)
         delta = (dout * out5).sum(dim=-1)
-        dq = torch.zeros(shape5, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(shape5, dtype=master_dtype(q.dtype), device=q.device)
         kv = torch.stack((k, v))
         size = ring.group.size
         incoming = None  # (dK/dV buffer, pending) from the previous rank
         for step in range(size):
             if step < size - 1:
                 next_kv, kv_pending = ring.exchange(kv)
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv = torch.zeros(kv.shape, dtype=master_dtype(kv.dtype), device=kv.device)
             for tile in ring.tiles(step, seq):
                 _tile_backward(q5, kv, dout, lse, delta, tile, scale, dq, dkv)
             if incoming is not None:

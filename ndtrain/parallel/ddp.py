@@ -28,7 +28,8 @@ Cost per synchronising step, with G the gradient bytes on the wire (Σ numel · 
 trainable parameters in the comm dtype) and the ring algorithm: each rank sends 2(N−1)/N · G bytes
 in about G / bucket_mb calls (+ P bytes, P parameters, with `allow_unused`). Memory: the
 gradients live in the buckets, no extra copy; a comm dtype other than the parameters' (bf16)
-adds one buffer per bucket, G bytes in total.
+adds one buffer per bucket, G bytes in total. The fp32 comm dtype reduces float64 parameters'
+gradients in float64 (`reduction_dtype`), so a float64 model is never narrowed.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 from ndtrain.comm import Group, Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
+from ndtrain.parallel.precision import reduction_dtype
 
 MB = 1024 * 1024
 
@@ -109,6 +111,7 @@ class _Bucket:
         for p in params:
             self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+        comm_dtype = reduction_dtype(comm_dtype, self.flat.dtype)
         needs_cast = comm_dtype != self.flat.dtype and group_size > 1
         self.comm = torch.empty_like(self.flat, dtype=comm_dtype) if needs_cast else self.flat
         self.waiting = len(params)  # hooks still expected in this synchronising backward

@@ -266,7 +266,7 @@ class FullyShardedDataParallel(nn.Module):
         return groups
 
     def local_grad_squares(self) -> torch.Tensor:
-        """Σ g² over this rank's gradient shards, padding excluded (fp32 scalar; all-reduce it over dp_cp)."""
+        """Σ g² over this rank's gradient shards, padding excluded (master-dtype scalar; all-reduce it over dp_cp)."""
         parts = [u.shard_grad[: u.real].pow(2).sum() for u in self.units]
         return torch.stack(parts).sum()
 

@@ -17,6 +17,9 @@ of `full`, a Ψᵤ'-element buffer in the compute dtype whose storage exists onl
   group changes: `nn.Parameter`s aliasing `shard`, with `.grad` aliasing `shard_grad`, which is
   what the optimizer updates in place.
 
+A float64 model keeps float64 masters, gradients and compute (`master_dtype`): "fp32" below means
+the master dtype; only a 16-bit `param_dtype` is mixed precision.
+
 Per unit and rank: 4s bytes of master + 4s of gradient (+ AdamW's 8 per real element); while
 gathered, Ψᵤ'·c bytes of parameters (c = compute itemsize), and during its backward Ψᵤ'·c of
 gradient (+ Ψᵤ'·4 for the cast when the reduction dtype differs). Communication: each gather
@@ -32,6 +35,7 @@ from torch import nn
 
 from ndtrain.comm import Communicator, Group, Pending
 from ndtrain.memory import tensor_bytes
+from ndtrain.parallel.precision import master_dtype, reduction_dtype
 
 
 class FlatUnit:
@@ -42,9 +46,12 @@ class FlatUnit:
         param_dtype: torch.dtype, reduce_dtype: torch.dtype,
     ) -> None:
         self.name, self.group, self.comm = name, group, comm
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
+        self.master_dtype = master_dtype(self.params[0].dtype)
+        # a 16-bit param_dtype is mixed precision; fp32 asks for none, so float64 stays float64
+        self.param_dtype = param_dtype if param_dtype.itemsize < 4 else self.master_dtype
+        self.reduce_dtype = reduction_dtype(reduce_dtype, self.param_dtype)
         self.offsets: list[int] = []
         offset = 0
         for p in self.params:
@@ -56,7 +63,7 @@ class FlatUnit:
         self.padded = self.size * n
         self.lo = group.rank * self.size
         device = self.params[0].device
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        flat = torch.zeros(self.padded, dtype=self.master_dtype, device=device)
         with torch.no_grad():
             for p, a in zip(self.params, self.offsets):
                 flat[a : a + p.numel()].copy_(p.detach().reshape(-1))
@@ -64,7 +71,7 @@ class FlatUnit:
         self.shard = flat[self.lo : self.lo + self.size].clone()
         self.shard_grad = torch.zeros_like(self.shard)
         del flat
-        self.full = torch.empty(self.padded, dtype=param_dtype, device=device)
+        self.full = torch.empty(self.padded, dtype=self.param_dtype, device=device)
         for p, a in zip(self.params, self.offsets):
             p.data = self.full[a : a + p.numel()].view(p.shape)
         self._storage_bytes = tensor_bytes(self.full)
@@ -89,7 +96,7 @@ class FlatUnit:
         if self.busy:
             return
         self.full.untyped_storage().resize_(self._storage_bytes)
-        self._send = self.shard if self.param_dtype == torch.float32 else self.shard.to(self.param_dtype)
+        self._send = self.shard if self.param_dtype == self.master_dtype else self.shard.to(self.param_dtype)
         self._pending = self.comm.all_gather(self.full, self._send, self.group, async_op=True)
 
     def wait(self) -> None:
@@ -150,7 +157,7 @@ class FlatUnit:
         with torch.no_grad():
             if any(seg.grad is None for _, _, seg in self.segments):
                 self.shard_grad.zero_()
-            self.shard_grad.add_(out.to(torch.float32).div_(self.group.size))
+            self.shard_grad.add_(out.to(self.master_dtype).div_(self.group.size))
         self.attach_segment_grads()
 
     def drop_grads(self) -> None:
@@ -199,7 +206,7 @@ class FlatUnit:
         return {"name": self.name, "numel": self.numel, "size": self.size, "names": list(self.names)}
 
     def gather_fp32(self) -> torch.Tensor:
-        """The full fp32 parameters (a new buffer; one all-gather), for state dicts."""
-        flat = torch.empty(self.padded, dtype=torch.float32, device=self.shard.device)
+        """The full master-dtype (fp32, or float64) parameters (a new buffer; one all-gather), for state dicts."""
+        flat = torch.empty(self.padded, dtype=self.master_dtype, device=self.shard.device)
         self.comm.all_gather(flat, self.shard, self.group)
         return flat

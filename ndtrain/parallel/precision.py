@@ -5,7 +5,9 @@ parameters are cast to the compute dtype (2 bytes each) and forward/backward run
 optimizer updates fp32 master weights and keeps fp32 state: `ZeroOptimizer` (zero.py) holds the
 master slice of this rank (stages 1, 2; the whole master with `sharded=False` for plain DDP) and
 copies it back into the compute copy after each step; FSDP (fsdp.py) keeps fp32 shards and gathers
-`param_dtype` copies. Gradients are reduced in `parallel.comm_dtype`.
+`param_dtype` copies. Gradients are reduced in `parallel.comm_dtype`. A float64 model (tests'
+parity references) stays float64 throughout: `master_dtype` and `reduction_dtype` never narrow it
+below what it is unless bf16 reduction is asked for.
 
 fp16's narrow exponent range needs loss scaling. `LossScaler` multiplies the loss by S before
 backward; afterwards `unscale_and_check` multiplies the gradients the optimizer will read (fp32)
@@ -25,6 +27,23 @@ import torch.distributed as dist
 from ndtrain.mesh import ParallelContext
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` upcast to fp32 if it is less precise (bf16/fp16); fp32 and float64 as they are (no copy)."""
+    return t.to(master_dtype(t.dtype))
+
+
+def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of masters, shards and their gradients for parameters of `param_dtype`: fp32 for
+    bf16/fp16/fp32, float64 for float64 (never below fp32, never below the parameters)."""
+    return torch.promote_types(param_dtype, torch.float32)
+
+
+def reduction_dtype(requested: torch.dtype, grad_dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients of `grad_dtype` are reduced in when `requested` is asked for: a 16-bit
+    request (bf16) as asked; otherwise `requested` widened to the gradients' dtype (fp32 → float64)."""
+    return requested if requested.itemsize < 4 else torch.promote_types(requested, grad_dtype)
 
 
 class LossScaler:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.comm import Communicator, Group
+from ndtrain.parallel.precision import at_least_fp32
 from ndtrain.parallel.tensor import from_parallel, mark_sharded, _slice
 
 
@@ -66,7 +67,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         comm: Communicator, group: Group,
     ) -> torch.Tensor:
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        logits = logits.flatten(0, -2).float().clone()  # [N, v], worked on in place from here
+        logits = at_least_fp32(logits.flatten(0, -2)).clone()  # [N, v], worked on in place from here
         width = logits.shape[-1]
         real = vocab_size - start  # columns of this shard that are real vocabulary entries
         if real < width:

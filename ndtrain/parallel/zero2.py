@@ -3,7 +3,7 @@
 What is split: the optimizer state (as in stage 1, by `ZeroOptimizer` of zero.py) and the
 gradient. The trainable parameters are packed into buckets exactly as DDP packs them (`pack`, in
 reverse registration order, at most `bucket_mb` per bucket), each padded to a multiple of N (the
-size of `ctx.group("dp_cp")`). Group rank r keeps only the fp32 gradient of its slice
+size of `ctx.group("dp_cp")`). Group rank r keeps only the fp32 (float64 for a float64 model) gradient of its slice
 [r·s, (r+1)·s) of every bucket (s = padded size / N): the *gradient shard*, which `ZeroOptimizer`
 uses as the `.grad` of its segments.
 
@@ -50,6 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from ndtrain.comm import Pending
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import MB, broadcast_state, pack
+from ndtrain.parallel.precision import master_dtype, reduction_dtype
 
 MAX_IN_FLIGHT = 2  # reduce-scatters in flight during backward (bounds the staging memory)
 
@@ -57,7 +58,7 @@ MAX_IN_FLIGHT = 2  # reduce-scatters in flight during backward (bounds the stagi
 class _Bucket:
     """Parameters of one bucket, their offsets, this rank's gradient shard and the in-flight staging."""
 
-    def __init__(self, params: list[nn.Parameter], n: int, rank: int) -> None:
+    def __init__(self, params: list[nn.Parameter], n: int, rank: int, comm_dtype: torch.dtype) -> None:
         self.params = params
         self.offsets: list[int] = []
         offset = 0
@@ -67,7 +68,8 @@ class _Bucket:
         self.numel = offset
         self.size = -(-offset // n)  # shard elements, padding included
         self.lo = rank * self.size
-        self.shard = torch.zeros(self.size, dtype=torch.float32, device=params[0].device)
+        self.shard = torch.zeros(self.size, dtype=master_dtype(params[0].dtype), device=params[0].device)
+        self.comm_dtype = reduction_dtype(comm_dtype, params[0].dtype)
         self.waiting = len(params)
         self.staging: torch.Tensor | None = None  # [size·N] in the comm dtype, only while in use
         self.received: torch.Tensor | None = None  # [size] reduce-scatter output
@@ -102,12 +104,11 @@ class Zero2DataParallel(nn.Module):
         self.module = module
         self.ctx = ctx
         self.group = ctx.group("dp_cp")
-        self.comm_dtype = comm_dtype
         cap = max(1, int(bucket_mb * MB))
         broadcast_state(ctx, self.group, [*module.parameters(), *module.buffers()], cap)
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         n, rank = self.group.size, self.group.rank
-        self._buckets = [_Bucket([params[i] for i in run], n, rank) for run in pack(params, cap)]
+        self._buckets = [_Bucket([params[i] for i in run], n, rank, comm_dtype) for run in pack(params, cap)]
         owner = weakref.ref(self)
         handles = []
         for k, bucket in enumerate(self._buckets):
@@ -136,14 +137,13 @@ class Zero2DataParallel(nn.Module):
 
     @property
     def gradient_bytes(self) -> int:
-        """Bytes of gradient this rank keeps between steps: the fp32 shards."""
+        """Bytes of gradient this rank keeps between steps: the fp32 (or float64) shards."""
         return sum(b.shard.numel() * b.shard.element_size() for b in self._buckets)
 
     @property
     def reduce_scatter_bytes(self) -> int:
         """Payload of one backward's reduce-scatters (padded buckets in the comm dtype)."""
-        itemsize = torch.empty((), dtype=self.comm_dtype).element_size()
-        return sum(b.size * self.group.size * itemsize for b in self._buckets)
+        return sum(b.size * self.group.size * b.comm_dtype.itemsize for b in self._buckets)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradient shards (they are kept allocated; `set_to_none` is accepted and ignored)."""
@@ -168,7 +168,7 @@ class Zero2DataParallel(nn.Module):
 
     def _staging(self, bucket: _Bucket) -> torch.Tensor:
         if bucket.staging is None:
-            bucket.staging = torch.zeros(bucket.size * self.group.size, dtype=self.comm_dtype, device=bucket.shard.device)
+            bucket.staging = torch.zeros(bucket.size * self.group.size, dtype=bucket.comm_dtype, device=bucket.shard.device)
         return bucket.staging
 
     def _launch_ready(self) -> None:
@@ -177,7 +177,7 @@ class Zero2DataParallel(nn.Module):
             bucket = self._buckets[self._next_launch]
             if len(self._in_flight) >= MAX_IN_FLIGHT:
                 self._complete(self._in_flight.pop(0))
-            bucket.received = torch.empty(bucket.size, dtype=self.comm_dtype, device=bucket.shard.device)
+            bucket.received = torch.empty(bucket.size, dtype=bucket.comm_dtype, device=bucket.shard.device)
             bucket.pending = self.ctx.comm.reduce_scatter(bucket.received, self._staging(bucket), self.group, async_op=True)
             self._in_flight.append(bucket)
             self._next_launch += 1
