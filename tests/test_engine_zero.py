@@ -37,8 +37,9 @@ DTYPE = torch.float64
 State = dict[str, torch.Tensor]
 
 
-def make_llama() -> torch.nn.Module:
-    return build_model(config_from_dict({"model": {"preset": "tiny"}}).model, seed=0).to(DTYPE)
+def make_llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The tiny Llama (fp32 unless asked: test_precision and test_nonfinite build it too)."""
+    return build_model(config_from_dict({"model": {"preset": "tiny"}}).model, seed=0).to(dtype)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +65,7 @@ def micro_batches(step: int, rank: int, world: int, accumulation: int) -> list[t
 def reference(clip: float, pieces: int = 1) -> tuple[State, list[float]]:
     """Single process, whole global batch; its loss the mean over `pieces` equal chunks (the same
     mean as one loss over the batch, with the rounding of the distributed runs' summation)."""
-    model = make_llama()
+    model = make_llama(DTYPE)
     groups = [{"params": [p for p in model.parameters() if p.ndim >= 2]},
               {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
     opt = adamw(groups)
@@ -81,7 +82,7 @@ def reference(clip: float, pieces: int = 1) -> tuple[State, list[float]]:
 # ------------------------------------------------------------------------------------ worker
 def _train(ctx: ParallelContext, zero: int, accumulation: int, clip: float) -> dict[str, Any]:
     ctx = with_config(ctx, zero=zero, bucket_mb=BUCKET_MB)
-    engine = Engine(make_llama, adamw, ctx, grad_clip=clip)
+    engine = Engine(lambda: make_llama(DTYPE), adamw, ctx, grad_clip=clip)
     norms, deltas = [], []
     for step in range(STEPS):
         before = ctx.comm.stats.snapshot()
@@ -100,7 +101,7 @@ def _suite(stages: tuple[int, ...], cases: list[tuple[int, float]]) -> dict[tupl
 # ------------------------------------------------------------------------------------ checks
 def _zero2_reduce_scatter(world: int, accumulation: int) -> dict[str, int]:
     """From first principles: DDP's buckets (reverse order, bucket cap), each padded to a multiple of N."""
-    params = [p for p in make_llama().parameters()][::-1]
+    params = [p for p in make_llama(DTYPE).parameters()][::-1]
     padded = [-(-sum(params[i].numel() for i in run) // world) * world for run in pack(params, int(BUCKET_MB * MB))]
     e = DTYPE.itemsize  # the fp32 comm dtype reduces float64 gradients in float64
     return {"calls": len(padded) * accumulation, "payload_bytes": e * sum(padded) * accumulation,

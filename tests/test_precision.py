@@ -20,7 +20,9 @@ from torch import nn
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.mesh import ParallelContext, init
-from ndtrain.parallel.precision import LossScaler
+from ndtrain.parallel.fsdp import FullyShardedDataParallel
+from ndtrain.parallel.precision import LossScaler, master_dtype, reduction_dtype
+from ndtrain.parallel.zero2 import Zero2DataParallel
 from tests.distributed import init_method, run_distributed
 from tests.test_engine_zero import batch, make_llama, with_config
 
@@ -109,3 +111,24 @@ def test_bf16_tracks_fp32_and_fp16_skips_overflowing_steps() -> None:
             assert r["final_scale"] == 2.0**11
             assert r["loss"][5] < r["loss"][0]  # training goes on after the skip
             assert r["skipped_steps"] == 1 and r["restored"]
+
+
+def test_float64_models_are_never_narrowed() -> None:
+    """Masters and shards are at least fp32 and never below the parameters; an fp32 reduction of
+    float64 gradients runs in float64, a bf16 one as asked (single process: the wrappers' buffers)."""
+    assert [master_dtype(d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)] == [
+        torch.float32, torch.float32, torch.float32, torch.float64]
+    assert reduction_dtype(torch.float32, torch.bfloat16) == torch.float32
+    assert reduction_dtype(torch.float32, torch.float32) == torch.float32
+    assert reduction_dtype(torch.float32, torch.float64) == torch.float64
+    assert reduction_dtype(torch.bfloat16, torch.float64) == torch.bfloat16
+    ctx = init(ParallelConfig())
+    zero2 = Zero2DataParallel(make_llama(torch.float64), ctx)
+    assert {(b.shard.dtype, b.comm_dtype) for b in zero2._buckets} == {(torch.float64, torch.float64)}
+    fsdp = FullyShardedDataParallel(make_llama(torch.float64), ctx)
+    assert {(u.shard.dtype, u.param_dtype, u.reduce_dtype) for u in fsdp.units} == {(torch.float64,) * 3}
+    mixed = FullyShardedDataParallel(make_llama(), ctx, param_dtype=torch.bfloat16)
+    assert {(u.shard.dtype, u.param_dtype, u.reduce_dtype) for u in mixed.units} == {
+        (torch.float32, torch.bfloat16, torch.float32)}
+    plain = FullyShardedDataParallel(make_llama(), ctx)
+    assert {(u.shard.dtype, u.param_dtype, u.reduce_dtype) for u in plain.units} == {(torch.float32,) * 3}
