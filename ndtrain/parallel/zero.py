@@ -54,14 +54,10 @@ from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.precision import at_least_fp32
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-
-
-def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
-    """`t` upcast to fp32 if it is less precise (bf16/fp16); fp32 and fp64 as they are."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _one_group(name: str, param: nn.Parameter) -> dict[str, Any]:
@@ -279,12 +275,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         grads = self.prepare_grads()
         if self.model.gradients_sharded:
-            squares = torch.stack([_at_least_fp32(g).pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+            squares = torch.stack([at_least_fp32(g).pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
             self.ctx.comm.all_reduce(squares, self.group)
             norm = squares.sqrt()
         else:
             flats = [b.flat for b in self.model.buckets]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(_at_least_fp32(f)) for f in flats]))
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(at_least_fp32(f)) for f in flats]))
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
