@@ -40,11 +40,13 @@ LAYOUTS = {
     "zero1": ["--nproc", "2", "--zero", "1"],
     "zero3": ["--nproc", "2", "--zero", "3"],
     "pp2": ["--nproc", "2", "--pp", "2"],
+    "dp2pp2": ["--nproc", "4", "--pp", "2"],
 }
 # (layout, moment, rank killed): every layout, both moments, both ranks.
 FULL_TRIALS = [
     ("dp2", "step", 0), ("dp2", "save", 1), ("zero1", "step", 1), ("zero1", "save", 0), ("zero3", "step", 0),
     ("zero3", "save", 1), ("pp2", "step", 1), ("pp2", "save", 0), ("dp2", "step", 1), ("zero3", "save", 0),
+    ("dp2pp2", "step", 3), ("dp2pp2", "save", 0),
 ]
 CI_TRIALS = [("dp2", "save", 0), ("dp2", "step", 1)]  # one reference run, shared with test_preemption
 
