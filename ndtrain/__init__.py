@@ -10,5 +10,8 @@ from ndtrain.config import ParallelConfig, TrainConfig, load_config
 from ndtrain.engine import Engine, StepResult
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
+from ndtrain.version import package_version
+
+__version__ = package_version()
 
 __all__ = ["Engine", "ParallelConfig", "ParallelContext", "StepResult", "TrainConfig", "UserError", "init", "load_config"]

@@ -17,47 +17,52 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from ndtrain.config import MODEL_PRESETS, TrainConfig, dump_toml, load_config, parse_override
+from ndtrain import cli_flags
+from ndtrain.cli_flags import parse_bool
+from ndtrain.config import TrainConfig, dump_toml, load_config, parse_override
 from ndtrain.errors import UserError
 
-def _flag_bool(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes", "on"):
-        return True
-    if text.lower() in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-# Everyday flags and the config key each one sets.
+# Everyday flags and the config key each one sets; the help adds the key, its allowed values and
+# its config default (cli_flags.add_config_flag).
 TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
-    "--nproc": ("launch.nproc", int, "local worker processes to start (default 2)"),
-    "--max-restarts": ("launch.max_restarts", int, "restarts of the worker group after a worker dies (default 3)"),
-    "--dp": ("parallel.dp", int, "data-parallel degree (default: what the world leaves)"),
+    "--nproc": ("launch.nproc", int, "local worker processes to start"),
+    "--max-restarts": ("launch.max_restarts", int, "restarts of the worker group after a worker dies"),
+    "--dp": ("parallel.dp", int, "data-parallel degree, 0 = what the world leaves"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree"),
     "--pp": ("parallel.pp", int, "pipeline-parallel degree"),
     "--cp": ("parallel.cp", int, "context-parallel degree"),
-    "--zero": ("parallel.zero", int, "ZeRO stage 0-3"),
-    "--precision": ("parallel.precision", str, "compute dtype: fp32, bf16 or fp16 (fp32 master weights)"),
-    "--recompute": ("parallel.recompute", str, "activation recomputation: none, selective or full"),
-    "--sp": ("parallel.sequence_parallel", _flag_bool, "sequence parallelism with tp (true/false)"),
-    "--schedule": ("parallel.pp_schedule", str, "pipeline schedule: naive, gpipe, 1f1b, interleaved, zb"),
+    "--zero": ("parallel.zero", int, "ZeRO stage"),
+    "--precision": ("parallel.precision", str, "compute dtype (fp32 master weights)"),
+    "--recompute": ("parallel.recompute", str, "activation recomputation"),
+    "--sp": ("parallel.sequence_parallel", parse_bool, "sequence parallelism with tp"),
+    "--schedule": ("parallel.pp_schedule", str, "pipeline schedule"),
     "--vpp": ("parallel.pp_virtual", int, "virtual pipeline stages per rank (interleaved)"),
     "--dp-mode": ("parallel.dp_mode", str, "ddp (processes) or single-process (DataParallel over replicas)"),
-    "--ps.servers": ("ps.servers", int, "parameter-server ranks (0 = off)"),
-    "--ps.mode": ("ps.mode", str, "parameter-server consistency: sync, async or ssp"),
+    "--ps.servers": ("ps.servers", int, "parameter-server ranks, 0 = off"),
+    "--ps.mode": ("ps.mode", str, "parameter-server consistency"),
     "--ps.staleness": ("ps.staleness", int, "ssp staleness bound (steps)"),
     "--ps.slow-worker": ("ps.slow_worker", str, "RANK:FACTOR, one worker FACTOR× slower"),
-    "--model": ("model.preset", str, f"model size preset: {', '.join(MODEL_PRESETS)}"),
+    "--model": ("model.preset", str, "model size preset"),
+    "--seq-len": ("model.seq_len", int, "tokens per sequence"),
     "--steps": ("schedule.steps", int, "optimizer steps"),
-    "--out": ("log.out", str, "run directory (default runs/default)"),
+    "--global-batch": ("schedule.global_batch", int, "sequences per optimizer step, over all dp ranks"),
+    "--micro-batch": ("schedule.micro_batch", int, "sequences per micro-batch (accumulation covers the rest)"),
+    "--lr": ("optim.lr", float, "peak learning rate (after warmup, before cosine decay)"),
+    "--eval-every": ("log.eval_every", int, "validate every N steps, 0 = only at the end"),
+    "--out": ("log.out", str, "run directory"),
     "--seed": ("seed", int, "seed of init and data order"),
-    "--save-every": ("checkpoint.save_every", int, "checkpoint every N steps (0 = only at the end)"),
-    "--data": ("data.path", str, "text file, folder of text files, or .jsonl with a 'text' field"),
+    "--save-every": ("checkpoint.save_every", int, "checkpoint every N steps, 0 = only at the end"),
+    "--data": ("data.path", str, "text file, folder of text files, or .jsonl with a 'text' field; none = the "
+               "standard library's source"),
 }
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line, `ndtrain: error: ...`, exit status 2 (not usage + error)."""
+    """argparse whose usage errors are one line, `ndtrain: error: ...`, exit status 2 (not usage + error),
+    and whose help shows every option's default (its subcommands' parsers are of this class too)."""
+
+    def __init__(self, *args: Any, formatter_class: type = cli_flags.HelpFormatter, **kwargs: Any) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"ndtrain: error: {self.prog}: {message} (see {self.prog} --help)\n")
@@ -70,12 +75,13 @@ RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "f
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="ndtrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a model (no arguments: the embedded default run)")
     train.add_argument("config", nargs="?", help="TOML config file (optional)")
     for flag, (key, kind, help_text) in TRAIN_FLAGS.items():
-        train.add_argument(flag, type=kind, dest=flag.lstrip("-").replace("-", "_"), help=f"{help_text} [{key}]")
+        cli_flags.add_config_flag(train, flag, key, kind, help_text)
     train.add_argument("--resume", action="store_true", help="continue from the run directory's newest checkpoint")
     train.add_argument("--overwrite", action="store_true",
                        help="delete the run directory's checkpoints and metrics and start over [checkpoint.overwrite]")
@@ -83,19 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="validate the configuration, the run directory and the data, print the resolved "
                             "config as TOML and exit 0 without training")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override any config key, e.g. --set optim.lr=3e-4 (repeatable)")
+                       help="override any config key, e.g. --set optim.lr=3e-4 (repeatable; default: none)")
 
     gen = commands.add_parser("generate", help="sample text from a trained run")
-    gen.add_argument("run_dir", type=Path)
-    gen.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    gen.add_argument("--max-new-tokens", type=int, default=300)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=40)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("run_dir", type=Path, help="a run directory with a checkpoint")
+    gen.add_argument("--prompt", default="def ", metavar="TEXT", help="text to continue (default: 'def ')")
+    gen.add_argument("--max-new-tokens", type=int, default=300, metavar="N", help="bytes to sample")
+    gen.add_argument("--temperature", type=float, default=0.8, metavar="T", help="softmax temperature")
+    gen.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K most likely bytes")
+    gen.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed")
 
     export = commands.add_parser("export", help="write a run's model as one safetensors file (config in its metadata)")
-    export.add_argument("run_dir", type=Path)
-    export.add_argument("out", type=Path, metavar="OUT.safetensors")
+    export.add_argument("run_dir", type=Path, help="a run directory with a checkpoint")
+    export.add_argument("out", type=Path, metavar="OUT.safetensors", help="the file to write")
 
     from ndtrain.bench import cli as bench_cli
     from ndtrain.plan import cli as plan_cli
@@ -110,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 def train_config(args: argparse.Namespace) -> TrainConfig:
     overrides: dict[str, Any] = {}
     for flag, (key, _, _) in TRAIN_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        value = getattr(args, cli_flags.flag_dest(flag))
         if value is not None:
             overrides[key] = value
     if args.resume:
@@ -119,7 +125,21 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         overrides["checkpoint.overwrite"] = True
     overrides.update(parse_override(item) for item in args.set)
     cfg = load_config(args.config, overrides)
+    from ndtrain.launch import in_worker
+
+    warning = cli_flags.preset_override_warning(args.config, overrides)
+    if warning is not None and not in_worker():  # once, from the launching process
+        print(f"ndtrain: warning: {warning}", file=sys.stderr, flush=True)
     return cfg
+
+
+def version_line() -> str:
+    """`ndtrain X.Y.Z (torch A.B.C)`, what `ndtrain --version` prints."""
+    import torch
+
+    from ndtrain import __version__
+
+    return f"ndtrain {__version__} (torch {torch.__version__})"
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> int:

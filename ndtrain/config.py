@@ -39,6 +39,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "bench": dict(dim=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_dim=1024, seq_len=256),
 }
 
+# The allowed values of the closed-set keys: validated here, offered as `choices` by the command line.
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+DEVICES = ("auto", "cpu", "cuda")
+COMM_DTYPES = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "selective", "full")
+PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb")
+PP_BALANCES = ("params", "measured")
+DP_MODES = ("ddp", "single-process")
+ZERO_STAGES = (0, 1, 2, 3)
+PS_MODES = ("sync", "async", "ssp")
+
 
 @dataclass
 class ModelConfig:
@@ -140,19 +152,19 @@ class ParallelConfig:
                 f"parallel.watchdog_s must be in (0, 120] seconds, got {self.watchdog_s}: "
                 "use a value above the longest wait on one collective (default 60)"
             )
-        _choice(self, "backend", ("auto", "gloo", "nccl", "mpi"))
-        _choice(self, "device", ("auto", "cpu", "cuda"))
-        _choice(self, "comm_dtype", ("fp32", "bf16"))
-        _choice(self, "precision", ("fp32", "bf16", "fp16"))
-        _choice(self, "recompute", ("none", "selective", "full"))
-        _choice(self, "pp_schedule", ("naive", "gpipe", "1f1b", "interleaved", "zb"))
-        _choice(self, "pp_balance", ("params", "measured"))
-        _choice(self, "dp_mode", ("ddp", "single-process"))
+        _choice(self, "backend", BACKENDS)
+        _choice(self, "device", DEVICES)
+        _choice(self, "comm_dtype", COMM_DTYPES)
+        _choice(self, "precision", PRECISIONS)
+        _choice(self, "recompute", RECOMPUTE_MODES)
+        _choice(self, "pp_schedule", PP_SCHEDULES)
+        _choice(self, "pp_balance", PP_BALANCES)
+        _choice(self, "dp_mode", DP_MODES)
         if self.dp_mode == "single-process" and self.zero > 1:
             raise UserError(
                 f"parallel.dp_mode=single-process does not combine with parallel.zero={self.zero}: use zero 0 or 1"
             )
-        if self.zero not in (0, 1, 2, 3):
+        if self.zero not in ZERO_STAGES:
             raise UserError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.precision == "fp16" and not self.loss_scaling:
             raise UserError(
@@ -333,7 +345,7 @@ class PSConfig:
             raise UserError(f"ps.servers must be >= 0 (0 = off), got {self.servers}")
         if self.staleness < 0:
             raise UserError(f"ps.staleness must be >= 0, got {self.staleness}")
-        _choice(self, "mode", ("sync", "async", "ssp"))
+        _choice(self, "mode", PS_MODES)
         self.straggler()
 
     def straggler(self) -> tuple[int, float] | None:

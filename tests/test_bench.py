@@ -96,5 +96,5 @@ def test_zero1_scenario_result_and_exact_bytes() -> None:
 def test_options_are_validated() -> None:
     with pytest.raises(UserError, match="--steps must be > 0"):
         BenchOptions(steps=0).validate()
-    with pytest.raises(UserError, match="--preset 'huge' is unknown"):
+    with pytest.raises(UserError, match="--model 'huge' is unknown"):
         BenchOptions(preset="huge").validate()

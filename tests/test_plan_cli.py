@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
+from ndtrain.cli import OneLineParser
 from ndtrain.plan import arch, cli
 from tests.plan_profiles import bench_pieces, cpu_profile
 
@@ -15,9 +15,14 @@ LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "2", "--cp", "1", "--zero", "1", "--
 
 
 def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ndtrain plan")
+    """`ndtrain plan ARGV`'s exit status; a usage error (refused by the parser) is one line and status 2."""
+    parser = OneLineParser(prog="ndtrain plan")
     cli.add_arguments(parser)
-    return cli.main(parser.parse_args(argv))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return cli.main(args)
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
@@ -69,15 +74,15 @@ def test_nothing_fits_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
      "tp=8 does not divide the 12 attention heads"),
     (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "9", *LAYOUT],
      "global batch 9 is not divisible by dp×mbs = 2×1"),
-    (["--model", "gpt9", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16"], "--model 'gpt9' is unknown"),
-    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "v100", "--global-batch", "16"], "--gpu 'v100' is unknown"),
+    (["--model", "gpt9", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16"], "argument --model: invalid choice: 'gpt9'"),
+    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "v100", "--global-batch", "16"], "argument --gpu: invalid choice: 'v100'"),
     (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb"], "--global-batch is required"),
     (["--arch", "gpt", "--layers", "2", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "8"],
      "--arch gpt needs --hidden, --heads, --vocab, --seq"),
     (["--model", "gpt3-125m", "--gpus", "12", "--gpu", "a100-80gb", "--global-batch", "16"],
      "--gpus 12 is not a multiple of --gpus-per-node 8"),
-    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16", "--sp", "yes"],
-     "--sp 'yes'"),
+    (["--model", "gpt3-125m", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "16", "--sp", "maybe"],
+     "argument --sp: expected true or false, got 'maybe'"),
     (["--model", "gpt3-125m", "--gpus", "8", "--profile", "/nonexistent/p.json", "--global-batch", "16"],
      "cannot read an ndtrain CPU profile"),
 ])

@@ -122,8 +122,8 @@ def test_validate_reports_a_miss(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (bench_result({"dp4": 1.0, "dp4-zero1": 1.0}), False, "--validate needs --profile PATH"),
     ({"scenario": "ddp"}, True, "is not a `bench layouts` result"),
     (bench_result({"dp4": 1.0, "dp4-zero1": 1.0}, dp4={"precision": "bf16"}), True, "CPU profile models fp32 only"),
-    (bench_result({"dp4": 1.0, "pp4-gpipe": 1.0}, **{"pp4-gpipe": {"pp_schedule": "naive"}}), True,
-     "layout pp4-gpipe is not one the planner models: schedule='naive'"),
+    (bench_result({"dp4": 1.0, "pp4-gpipe": 1.0}, **{"pp4-gpipe": {"pp_schedule": "chimera"}}), True,
+     "layout pp4-gpipe is not one the planner models: schedule='chimera'"),
 ])
 def test_validate_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], data: dict[str, Any],
                                         profile: bool, message: str) -> None:

@@ -19,6 +19,7 @@ from ndtrain.bench import cp
 from ndtrain.bench import pp
 from ndtrain.bench import layouts
 from ndtrain.bench.harness import BenchOptions, ContestResult
+from ndtrain.cli_flags import KEY_CHOICES
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.launch import in_worker, launch_local, set_worker_threads
@@ -51,17 +52,21 @@ DEFAULTS = BenchOptions()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", choices=sorted(SCENARIOS), help="what to compare with PyTorch's own")
-    parser.add_argument("--nproc", type=int, default=2, help="local worker processes (default 2)")
-    parser.add_argument("--threads", type=int, default=0, help="threads per worker (default: cores / nproc)")
-    parser.add_argument("--steps", type=int, default=DEFAULTS.steps, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="untimed steps before each run")
-    parser.add_argument("--repeats", type=int, default=DEFAULTS.repeats, help="runs of each contestant, alternating")
-    parser.add_argument("--bucket-mb", type=float, default=DEFAULTS.bucket_mb, help="gradient bucket cap (MB)")
-    parser.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch, help="sequences per rank per step")
-    parser.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, help="tokens per sequence")
-    parser.add_argument("--preset", default=DEFAULTS.preset, help="model preset (default: bench)")
-    parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
-    parser.add_argument("--out", type=Path, default=None, help="JSON result (default bench-results/SCENARIO-nN.json)")
+    parser.add_argument("--nproc", type=int, default=2, metavar="N", help="local worker processes")
+    parser.add_argument("--threads", type=int, default=0, metavar="N", help="threads per worker, 0 = cores / nproc")
+    parser.add_argument("--steps", type=int, default=DEFAULTS.steps, metavar="N", help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=DEFAULTS.warmup, metavar="N", help="untimed steps before each run")
+    parser.add_argument("--repeats", type=int, default=DEFAULTS.repeats, metavar="N",
+                        help="runs of each contestant, alternating")
+    parser.add_argument("--bucket-mb", type=float, default=DEFAULTS.bucket_mb, metavar="X", help="gradient bucket cap (MB)")
+    parser.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch, metavar="N",
+                        help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, metavar="N", help="tokens per sequence")
+    parser.add_argument("--model", dest="preset", choices=KEY_CHOICES["model.preset"], default=DEFAULTS.preset,
+                        help="model size preset (as `train --model`)")
+    parser.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N", help="seed of init and data")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON result (default: bench-results/SCENARIO-nN.json)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -95,7 +100,7 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     argv = [
         args.scenario, "--nproc", str(args.nproc), "--threads", str(args.threads), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
-        "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--preset", args.preset,
+        "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--model", args.preset,
         "--seed", str(args.seed),
     ]
     return argv + (["--out", str(args.out)] if args.out is not None else [])

@@ -69,7 +69,7 @@ class BenchOptions:
         if self.warmup < 0:
             raise UserError(f"bench --warmup must be >= 0, got {self.warmup}")
         if self.preset not in MODEL_PRESETS:
-            raise UserError(f"bench --preset {self.preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)}")
+            raise UserError(f"bench --model {self.preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)}")
 
 
 @dataclass

@@ -98,7 +98,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     if cfg.n_heads % 2 or cfg.n_kv_heads % 2:
         raise UserError(
             f"bench layouts has tp=2 layouts: preset {options.preset!r} has {cfg.n_heads} heads and "
-            f"{cfg.n_kv_heads} kv heads, both must be even: use --preset bench"
+            f"{cfg.n_kv_heads} kv heads, both must be even: use --model bench"
         )
     tokens = _tokens(cfg, options)
     configs = {name: ParallelConfig(**fields) for name, fields in LAYOUTS.items()}

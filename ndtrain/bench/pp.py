@@ -116,7 +116,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     if cfg.n_layers < p:
         raise UserError(
             f"bench pp with --nproc {p} needs a model of >= {p} layers; preset {options.preset!r} has "
-            f"{cfg.n_layers}: use --preset bench or fewer processes"
+            f"{cfg.n_layers}: use --model bench or fewer processes"
         )
     interleave = cfg.n_layers >= 2 * p  # else the interleaved contestants are left out (too few layers)
     tokens = _tokens(options)

@@ -1,10 +1,10 @@
 """`ndtrain plan`: predict memory and step time of every layout of a model on a cluster; recommend one.
 
     ndtrain plan --model llama3-70b --gpus 64 --gpu h100-sxm --global-batch 512
-    ndtrain plan --arch gpt --layers 48 --hidden 6144 --heads 48 --vocab 51200 --seq 2048 ...
-    ndtrain plan ... --tp 8 --pp 4 --dp 2 --cp 1 --zero 1 --mbs 1 --recompute selective --sp on
+    ndtrain plan --arch gpt --layers 48 --hidden 6144 --heads 48 --vocab 51200 --seq-len 2048 ...
+    ndtrain plan ... --tp 8 --pp 4 --dp 2 --cp 1 --zero 1 --micro-batch 1 --recompute selective --sp true
                  --schedule 1f1b      (every layout flag given: that one layout is evaluated)
-    ndtrain plan --calibrate [--out PATH] [--model P | --arch ...] [--gpus N]
+    ndtrain plan --calibrate [--out PATH] [--model NAME | --arch ...] [--gpus N]
                                                  measure this machine (and the model's layers)
     ndtrain plan --profile PATH --gpus 4 ...     plan local CPU processes with that profile
     ndtrain plan --published                     the cluster-scale check against published runs
@@ -21,48 +21,79 @@ import argparse
 import sys
 from pathlib import Path
 
+from ndtrain.cli_flags import BOOL_METAVAR, parse_bool
+from ndtrain.config import MODEL_PRESETS, PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
 from ndtrain.errors import UserError
 from ndtrain.plan import arch, calibrate, report, validate
 from ndtrain.plan.cpu_profile import load_profile
-from ndtrain.plan.hardware import Cluster, gpu
+from ndtrain.plan.hardware import GPUS, Cluster, gpu
 from ndtrain.plan.search import Fixed, search
 
 DEFAULT_PROFILE = Path("plan-profile.json")
 
 
+# Model names: ndtrain's own presets (as `train --model` and `bench --model` spell them), then the
+# published models. `ndtrain-bench` and the like are read as `bench` (the spelling of earlier versions).
+MODEL_NAMES = (*MODEL_PRESETS, *(name for name in arch.PRESETS if name.removeprefix("ndtrain-") not in MODEL_PRESETS))
+OLD_PREFIX = "ndtrain-"
+
+
+def model_name(text: str) -> str:
+    """`--model` as given, with the old `ndtrain-PRESET` spelling read as `PRESET`."""
+    rest = text.removeprefix(OLD_PREFIX)
+    return rest if text.startswith(OLD_PREFIX) and rest in MODEL_PRESETS else text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, or --arch and its sizes)")
-    model.add_argument("--model", help=f"preset: {', '.join(arch.PRESETS)}")
-    model.add_argument("--arch", help="gpt or llama, with --layers --hidden --heads [--kv-heads] [--ffn] --vocab --seq")
-    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab", "--seq"):
-        model.add_argument(flag, type=int)
+    model.add_argument("--model", type=model_name, choices=MODEL_NAMES, metavar="NAME",
+                       help=f"model: {', '.join(MODEL_NAMES)} (default: none; give it or --arch)")
+    model.add_argument("--arch", choices=arch.ARCHS, help="architecture, with --layers --hidden --heads [--kv-heads] "
+                       "[--ffn] --vocab --seq-len (default: none; give it or --model)")
+    for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
+                       ("--vocab", "vocabulary size")):
+        model.add_argument(flag, type=int, metavar="N", help=f"{what} (default: none; needed with --arch)")
+    model.add_argument("--kv-heads", type=int, metavar="N", help="key/value heads (default: --heads)")
+    model.add_argument("--ffn", type=int, metavar="N", help="FFN width (default: 4·hidden for gpt, Llama's rule for llama)")
+    model.add_argument("--seq-len", "--seq", dest="seq", type=int, metavar="N",
+                       help="tokens per sequence (default: the model's; needed with --arch)")
 
     cluster = parser.add_argument_group("cluster")
-    cluster.add_argument("--gpus", type=int, help="number of GPUs (or local processes with --profile)")
-    cluster.add_argument("--gpu", help="a100-40gb, a100-80gb, h100-sxm or h200")
-    cluster.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    cluster.add_argument("--intra-bw", type=float, help="intra-node bandwidth per GPU, GB/s")
-    cluster.add_argument("--inter-bw", type=float, help="inter-node bandwidth per GPU, GB/s")
-    cluster.add_argument("--profile", type=Path, help="calibrated CPU profile (from --calibrate) instead of --gpu")
-    cluster.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    cluster.add_argument("--gpus", type=int, metavar="N",
+                         help="number of GPUs, or local processes with --profile (default: none; required)")
+    cluster.add_argument("--gpu", choices=tuple(GPUS), help="GPU type (default: none; give it or --profile)")
+    cluster.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node")
+    cluster.add_argument("--intra-bw", type=float, metavar="GB/S",
+                         help="intra-node bandwidth per GPU, GB/s (default: the GPU's)")
+    cluster.add_argument("--inter-bw", type=float, metavar="GB/S",
+                         help="inter-node bandwidth per GPU, GB/s (default: the GPU's)")
+    cluster.add_argument("--profile", type=Path, help="calibrated CPU profile (from --calibrate) instead of --gpu "
+                         "(default: none)")
+    cluster.add_argument("--global-batch", type=int, metavar="N",
+                         help="sequences per optimizer step (default: none; required)")
 
-    fixed = parser.add_argument_group("layout (each one given is fixed; all given = one layout)")
-    for flag in ("--tp", "--pp", "--dp", "--cp", "--zero", "--mbs", "--vpp"):
-        fixed.add_argument(flag, type=int)
-    fixed.add_argument("--recompute", help="none, selective or full")
-    fixed.add_argument("--sp", help="sequence parallelism: on or off")
-    fixed.add_argument("--schedule", help="gpipe, 1f1b, interleaved or zb")
+    fixed = parser.add_argument_group("layout (each one given is fixed, the rest searched; all given = one layout)")
+    for flag in ("--tp", "--pp", "--dp", "--cp"):
+        fixed.add_argument(flag, type=int, metavar="N", help=f"{flag[2:]} degree (default: searched)")
+    fixed.add_argument("--zero", type=int, choices=ZERO_STAGES, help="ZeRO stage (default: searched)")
+    fixed.add_argument("--micro-batch", "--mbs", dest="mbs", type=int, metavar="N",
+                       help="sequences per micro-batch (default: searched)")
+    fixed.add_argument("--vpp", type=int, metavar="N", help="virtual pipeline stages per rank (default: searched)")
+    fixed.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recomputation (default: searched)")
+    fixed.add_argument("--sp", type=parse_bool, metavar=BOOL_METAVAR, help="sequence parallelism (default: searched)")
+    fixed.add_argument("--schedule", choices=PP_SCHEDULES, help="pipeline schedule (default: searched; "
+                       "naive and gpipe only when given)")
 
     out = parser.add_argument_group("output")
-    out.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    out.add_argument("--top", type=int, default=10, metavar="N", help="layouts to show")
     out.add_argument("--json", action="store_true", help='print {"candidates": [...]} best first')
     out.add_argument("--explain", action="store_true", help="why rejected layouts fail: counts and examples")
     out.add_argument("--published", action="store_true", help="compare with published large-scale runs")
     out.add_argument("--calibrate", action="store_true", help="measure this machine into a CPU profile; with --model/--arch also "
                      "that model's layers; --gpus N adds a process count to the default 1, 2, 4")
     out.add_argument("--validate", type=Path, metavar="RESULT",
-                     help="compare with a `bench layouts` JSON result (needs --profile)")
-    out.add_argument("--out", type=Path, default=DEFAULT_PROFILE, help=f"profile path (default {DEFAULT_PROFILE})")
+                     help="compare with a `bench layouts` JSON result (needs --profile; default: none)")
+    out.add_argument("--out", type=Path, default=DEFAULT_PROFILE, help="profile path written by --calibrate")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -127,11 +158,11 @@ def _model(args: argparse.Namespace) -> arch.ModelSpec:
     if args.model and args.arch:
         raise UserError("give either --model PRESET or --arch with sizes, not both")
     if args.model:
-        return arch.preset(args.model, args.seq)
+        return arch.preset(OLD_PREFIX + args.model if args.model in MODEL_PRESETS else args.model, args.seq)
     if args.arch:
         return arch.explicit(args.arch, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn,
                              args.vocab, args.seq)
-    raise UserError("no model: give --model PRESET (e.g. llama3-8b) or --arch gpt|llama with its sizes")
+    raise UserError("no model: give --model NAME (e.g. llama3-8b or bench) or --arch gpt|llama with its sizes")
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
@@ -149,12 +180,5 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 
 
 def _fixed(args: argparse.Namespace) -> Fixed:
-    sp = None
-    if args.sp is not None:
-        if args.sp not in ("on", "off"):
-            raise UserError(f"--sp {args.sp!r}: use --sp on or --sp off")
-        sp = args.sp == "on"
-    if args.schedule is not None and args.schedule not in ("gpipe", "1f1b", "interleaved", "zb", "none"):
-        raise UserError(f"--schedule {args.schedule!r} is unknown: choose gpipe, 1f1b, interleaved or zb")
-    return Fixed(args.tp, args.pp, args.dp, args.cp, args.zero, args.mbs, args.vpp, args.recompute, sp,
+    return Fixed(args.tp, args.pp, args.dp, args.cp, args.zero, args.mbs, args.vpp, args.recompute, args.sp,
                  args.schedule)

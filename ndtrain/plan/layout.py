@@ -14,10 +14,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ndtrain.config import PP_SCHEDULES as SCHEDULES
+from ndtrain.config import RECOMPUTE_MODES as RECOMPUTE
 from ndtrain.plan.arch import ModelSpec
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)

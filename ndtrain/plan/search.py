@@ -5,8 +5,8 @@ Axes enumerated (each one fixed instead when given on the command line):
     pp         divisors of what tp leaves;  cp  divisors of what tp·pp leaves;  dp = the rest
     zero       0, 1, 2, 3
     mbs        1, 2, 4, 8
-    schedule   1f1b, zb, and interleaved with v ∈ {2, 4, 8} (pp > 1 only); gpipe only when
-               asked for, since it has 1F1B's bubble and more activation memory
+    schedule   1f1b, zb, and interleaved with v ∈ {2, 4, 8} (pp > 1 only); gpipe and naive only
+               when asked for: gpipe has 1F1B's bubble and more activation memory, naive p× the time
     recompute  none, selective (dense attention only: flash attention always recomputes the
                scores), full
     sp         off, on (tp > 1 only)
@@ -212,5 +212,5 @@ def _schedules(model: ModelSpec, pp: int, fixed: Fixed) -> list[tuple[str, int]]
         return [("interleaved", fixed.vpp)]
     if pp == 1:
         return [("none", 1)]
-    plain = [("1f1b", 1), ("zb", 1)]  # gpipe: 1F1B's bubble with more memory, so only when asked for
+    plain = [("1f1b", 1), ("zb", 1)]  # gpipe, naive: only when asked for (see the docstring)
     return plain + [("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= model.layers]

@@ -259,7 +259,7 @@ def flops_per_step(model: ModelSpec, layout: Layout, global_batch: int) -> tuple
 def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int) -> Timing:
     m = layout.micro_batches(global_batch)
     mb = _micro_batch(model, layout, cluster)
-    bubble = schedules.bubble_time(layout.schedule, layout.pp, layout.vpp, mb.t_f, mb.t_b)
+    bubble = schedules.bubble_time(layout.schedule, layout.pp, layout.vpp, mb.t_f, mb.t_b, m)
     model_flops, hardware_flops = flops_per_step(model, layout, global_batch)
     compute, optimizer = m * (mb.compute_f + mb.compute_b), _optimizer(model, layout, cluster)
     return Timing(
