@@ -145,9 +145,9 @@ CASES = [
     (["train", "--check", *OUT, "--set", "model.dim=[1, 2]"], "'model.dim' must be int"),
     (["train", "--check", *OUT, "--set", "seed.x=1"], "config key 'seed' must be int"),
     (["train", "--check", *OUT, "--steps", "many"], "argument --steps: invalid int value"),
-    (["train", "--check", *OUT, "--precision", "fp8"], "parallel.precision='fp8' is not one of"),
+    (["train", "--check", *OUT, "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     (["train", "--check", *OUT, "--nproc", "0"], "launch.nproc must be > 0"),
-    (["train", "--check", *OUT, "--zero", "7"], "parallel.zero must be 0, 1, 2 or 3"),
+    (["train", "--check", *OUT, "--zero", "7"], "argument --zero: invalid choice: 7"),
     (["train", "--check", *OUT, "--bogus"], "unrecognized arguments: --bogus"),
     # data: a FIFO, a socket, a device, binary, empty, no text, too short
     (["train", "--check", *OUT, "--data", "fifo"], "is a FIFO, not a regular file"),
