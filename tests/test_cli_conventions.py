@@ -23,9 +23,6 @@ from ndtrain.bench import cli as bench_cli
 from ndtrain.config import MODEL_PRESETS, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
 from ndtrain.plan import cli as plan_cli
 
-COMMANDS = ("train", "generate", "export", "bench", "plan")
-
-
 def exit_status(argv: list[str]) -> int:
     """`ndtrain ARGV`'s exit status, whether main returns it or the parser exits with it."""
     try:
@@ -96,7 +93,7 @@ def test_version_falls_back_to_pyproject_without_install(monkeypatch: pytest.Mon
     assert version.source_tree_version(tmp_path / "missing.toml") == "unknown"
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", sorted(subcommands()))  # every command there is, not a list to keep up
 def test_every_option_shows_its_default(command: str, capsys: pytest.CaptureFixture[str],
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     text = help_text([command], capsys, monkeypatch)
