@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,12 @@ from ndtrain import cli, cli_flags, version
 from ndtrain.bench import cli as bench_cli
 from ndtrain.config import MODEL_PRESETS, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
 from ndtrain.plan import cli as plan_cli
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
 
 def exit_status(argv: list[str]) -> int:
     """`ndtrain ARGV`'s exit status, whether main returns it or the parser exits with it."""
