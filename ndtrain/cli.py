@@ -65,7 +65,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 # What a run writes into its directory (trainer.py) and the kind each must be.
 RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "file", "summary.json": "file",
-             "loss.png": "file"}
+             "loss.png": "file", "timeline.json": "file"}
 
 
 def build_parser() -> argparse.ArgumentParser:
