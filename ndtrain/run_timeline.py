@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ndtrain.config import TrainConfig
-from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.pipeline.timeline import KINDS, Event, Timeline, bubble_fraction
+
+if TYPE_CHECKING:  # the report reads timelines without building engines
+    from ndtrain.engine import Engine
 
 FORMAT, VERSION = "ndtrain-timeline", 1
 FILE_NAME = "timeline.json"
