@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="predict memory and step time of every layout; recommend one")
     plan_cli.add_arguments(plan)
     report = commands.add_parser("report", help="one self-contained HTML page of a run directory or of bench-results/")
-    report.add_argument("directory", type=Path, metavar="RUN_DIR|BENCH_DIR")
+    report.add_argument("directory", type=Path, metavar="RUN_DIR|BENCH_DIR",
+                        help="a run directory (with metrics.jsonl) or a folder of `ndtrain bench` JSON results")
     report.add_argument("--out", type=Path, default=None, metavar="FILE.html", help="default: DIR/report.html")
     return parser
 

@@ -48,7 +48,7 @@ def write_report(directory: Path, out: Path | None = None) -> Path:
     try:
         target.write_text(page, encoding="utf-8")
     except OSError as e:
-        raise UserError(f"cannot write the report to {str(target)!r}: {e.strerror}: give a writable --out") from None
+        raise UserError(f"report: cannot write {str(target)!r}: {e.strerror}: give a writable --out") from None
     return target
 
 
