@@ -70,7 +70,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 # What a run writes into its directory (trainer.py) and the kind each must be.
 RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "file", "summary.json": "file",
-             "loss.png": "file"}
+             "loss.png": "file", "timeline.json": "file"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_arguments(bench)
     plan = commands.add_parser("plan", help="predict memory and step time of every layout; recommend one")
     plan_cli.add_arguments(plan)
+    report = commands.add_parser("report", help="one self-contained HTML page of a run directory or of bench-results/")
+    report.add_argument("directory", type=Path, metavar="RUN_DIR|BENCH_DIR",
+                        help="a run directory (with metrics.jsonl) or a folder of `ndtrain bench` JSON results")
+    report.add_argument("--out", type=Path, default=None, metavar="FILE.html", help="default: DIR/report.html")
     return parser
 
 
@@ -290,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
             from ndtrain.plan import cli as plan_cli
 
             return plan_cli.main(args)
+        if args.command == "report":
+            from ndtrain.report import write_report
+
+            print(f"ndtrain: report written to {write_report(args.directory, args.out)}")
+            return 0
         from ndtrain.bench import cli as bench_cli
 
         return bench_cli.main(args)

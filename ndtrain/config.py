@@ -298,8 +298,11 @@ class LogConfig:
     eval_every: int = 50
     log_every: int = 10
     progress: bool = True
+    timeline: bool | int = False  # pp > 1: record one step's pipeline timeline (true: step 2; N: step N)
 
     def validate(self) -> None:
+        if not isinstance(self.timeline, bool) and self.timeline < 1:
+            raise UserError(f"log.timeline must be true, false or a step number >= 1, got {self.timeline}")
         if not self.out.strip():
             raise UserError("log.out (--out) is empty: give the run directory, e.g. --out runs/my-run")
         if self.eval_every < 0:

@@ -32,6 +32,7 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.models.llama import build_model
 from ndtrain.preemption import Preempted, StopRequest
+from ndtrain.run_timeline import TimelineRecorder
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -85,6 +86,7 @@ class Trainer:
                 f"the training data has {len(self.train_set)} windows of {cfg.model.seq_len + 1} bytes, fewer than "
                 f"one global batch of {cfg.schedule.global_batch}: use more data or a smaller schedule.global_batch"
             )
+        self.timeline = TimelineRecorder(cfg, ctx, self.run_dir)
         self.engine = self.make_engine()
 
     def data_ranks(self) -> tuple[int, int]:
@@ -134,7 +136,7 @@ class Trainer:
         """
         start_over = self.cfg.checkpoint.overwrite and elastic_restarts() == 0
         if start_over and self.ctx.is_main:
-            for name in ("metrics.jsonl", "summary.json", "loss.png"):
+            for name in ("metrics.jsonl", "summary.json", "loss.png", "timeline.json"):
                 (self.run_dir / name).unlink(missing_ok=True)
         path = select_checkpoint(self.checkpoints, self.ctx, start_over)
         if path is None:
@@ -193,9 +195,11 @@ class Trainer:
             stop = min(stop, start + cfg.checkpoint.exit_after)
         for step in range(start, stop):
             reset_peak(ctx.device)
+            self.timeline.before(step + 1, self.engine)
             t0 = time.perf_counter()
             result = self.engine.train_step(self.micro_batches(step))
             elapsed = time.perf_counter() - t0
+            self.timeline.after(step + 1, self.engine)
             rank_peak = peak_bytes(ctx.device)
             step_peak = max(step_peak, rank_peak)
             tokens_seen += result.tokens

@@ -1,0 +1,103 @@
+"""The bench page of `ndtrain report bench-results/`: every `ndtrain bench` JSON result of a folder.
+
+Per benchmark (one JSON file, `ContestResult.to_json`): each contestant's median step time, its
+ratio to the reference (PyTorch's native equivalent, or the baseline the scenario names), counted
+and loopback bytes per step and rank, and the peak memory of the largest rank, as a table; bar
+plots of the ratios, the peaks and the loopback bytes of all benchmarks, and of each benchmark's
+median step times. Files that are not bench results are listed, not read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ndtrain import report_html as h
+from ndtrain.report_plots import bars
+
+_MIB = 2**20
+
+
+def bench_files(directory: Path) -> list[tuple[Path, dict[str, Any] | str]]:
+    """Every *.json of the folder, sorted by name: its bench result, or why it is not one."""
+    found: list[tuple[Path, dict[str, Any] | str]] = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            found.append((path, f"not readable JSON ({e})"))
+            continue
+        found.append((path, data if _is_result(data) else "not an `ndtrain bench` result"))
+    return found if any(isinstance(d, dict) for _, d in found) else []
+
+
+def _is_result(data: Any) -> bool:
+    if not isinstance(data, dict) or not isinstance(data.get("scenario"), str):
+        return False
+    summary = data.get("summary")
+    return isinstance(summary, dict) and bool(summary) and all(
+        isinstance(s, dict) and _num(s.get("median_step_s")) and _num(s.get("ratio")) for s in summary.values()
+    )
+
+
+def bench_page(directory: Path, files: list[tuple[Path, dict[str, Any] | str]]) -> str:
+    results = [(p, d) for p, d in files if isinstance(d, dict)]
+    rows, labels, ratios, peaks, loopback = [], [], [], [], []
+    per_bench = []
+    for path, data in results:
+        reference = data.get("reference", "?")
+        summary = data["summary"]
+        for name, s in summary.items():
+            peak = max(s.get("peak_bytes") or [0])
+            over = max(s.get("peak_over_baseline_bytes") or [0])
+            rows.append([
+                path.stem, data.get("world_size", "?"), name + (" (reference)" if name == reference else ""),
+                f"{s['median_step_s'] * 1e3:.2f}", f"{s['ratio']:.3f}", _bytes(s.get("comm_bytes_per_step")),
+                _bytes(s.get("loopback_bytes_per_step")), _bytes(peak), _bytes(over),
+            ])
+            labels.append(f"{path.stem}: {name}")
+            ratios.append(s["ratio"])
+            peaks.append(peak / _MIB)
+            loop = s.get("loopback_bytes_per_step")
+            loopback.append(loop / _MIB if _num(loop) else None)
+        names = list(summary)
+        plot = bars(names, {"median step (ms)": [summary[n]["median_step_s"] * 1e3 for n in names]},
+                    f"{path.stem}: median step time (reference {reference})", "ms")
+        facts = {**data.get("facts", {}), **{f"option {k}": v for k, v in data.get("options", {}).items()}}
+        per_bench.append(h.section(
+            f"{path.stem} — {data['scenario']} on {data.get('world_size', '?')} ranks",
+            h.plots(h.image(f"bench-{path.stem}", plot, f"{path.stem}: median step time per contestant")),
+            h.table([[k, h.fmt(k, v)] for k, v in facts.items()], ["fact", "value"]),
+        ))
+    header = ["benchmark", "ranks", "contestant", "median step (ms)", "ratio", "counted comm/step",
+              "loopback/step", "peak (largest rank)", "peak over baseline"]
+    overview = [
+        h.image("bench-ratio", bars(labels, {"ratio": ratios}, "Median step time ÷ the reference's", "ratio",
+                                    reference_line=1.0), "ratio of each contestant's median step time to its reference"),
+        h.image("bench-peak", bars(labels, {"peak": peaks}, "Peak memory of the largest rank", "MiB"),
+                "peak memory per contestant (median over runs, largest rank)"),
+    ]
+    if any(v is not None for v in loopback):
+        overview.append(h.image("bench-loopback", bars(labels, {"loopback": loopback}, "Loopback bytes per step and rank",
+                                                       "MiB"), "bytes the process group sent over loopback per step"))
+    sections = [
+        h.section("Results", h.table(rows, header), h.note(
+            "ratio = median step / the reference's median step; bytes per rank and step; counted = through "
+            "ndtrain's comm layer (none for PyTorch's own), loopback = measured on the lo interface")),
+        h.section("Comparison", h.plots(*overview)),
+        *per_bench,
+    ]
+    skipped = [f"{p.name}: {d}" for p, d in files if isinstance(d, str)]
+    if skipped:
+        sections.append(h.section("Other files (not read)", h.note("; ".join(skipped))))
+    subtitle = f"{len(results)} benchmark result(s) from {directory.resolve()}"
+    return h.page("ndtrain bench report", subtitle, sections)
+
+
+def _bytes(value: Any) -> str:
+    return h.fmt("bytes", value) if _num(value) else "—"
+
+
+def _num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
