@@ -110,13 +110,11 @@ def report_user_error(message: str) -> None:
     rank log, in torchrun's error file."""
     text = f"ndtrain: error: {message}"
     main = _worker_rank() == 0
-    if main:
-        for handler in log.handlers:  # the console handlers only: the line is unprefixed on any layout
-            if isinstance(handler, ConsoleHandler):
-                handler.stderr.write(text + "\n")
-                handler.stderr.flush()
-        if not any(isinstance(h, ConsoleHandler) for h in log.handlers):
-            print(text, file=sys.stderr, flush=True)
+    if main:  # straight to the console, unprefixed whatever the layout
+        consoles = [h for h in log.handlers if isinstance(h, ConsoleHandler)]
+        stream = consoles[0].stderr if consoles else sys.stderr
+        stream.write(text + "\n")
+        stream.flush()
     log.error(text, extra={"console": False})
     record_user_error(message, printed=main)
 
@@ -146,7 +144,6 @@ class WorkerConsole:
         self._handlers: list[logging.Handler] = []
         self._level = log.level
         self._propagate = log.propagate
-        self.rank_log: Path | None = None
 
     def __enter__(self) -> WorkerConsole:
         sys.stdout.flush()
@@ -198,7 +195,6 @@ class WorkerConsole:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.close(fd)
-        self.rank_log = path
         return path
 
     def crash(self, error: BaseException) -> None:
