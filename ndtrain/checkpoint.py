@@ -30,7 +30,7 @@ import contextlib
 import json
 import os
 import shutil
-import sys
+import logging
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -105,7 +105,7 @@ def _report(choice: Choice, directory: Path) -> None:
     if choice.path is not None and not pointer.exists():
         lines.append(f"{str(pointer)!r} is missing: using the newest verified checkpoint {choice.path.name}")
     for line in lines:
-        print(f"ndtrain: warning: {line}", file=sys.stderr, flush=True)
+        logging.getLogger("ndtrain").warning(f"ndtrain: warning: {line}")
 
 
 def _none_verified(choice: Choice, directory: Path, fix: str) -> str:

@@ -70,7 +70,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 # What a run writes into its directory (trainer.py) and the kind each must be.
 RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "file", "summary.json": "file",
-             "loss.png": "file", "timeline.json": "file"}
+             "loss.png": "file", "timeline.json": "file", "logs": "folder"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +172,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if cfg.launch.nproc == 1:
         return train_worker(cfg)
-    return launch_local(argv, cfg.launch.nproc, cfg.launch.max_restarts)
+    return launch_local(argv, cfg.launch.nproc, cfg.launch.max_restarts, Path(cfg.log.out))
 
 
 def check_host_memory(cfg: TrainConfig) -> None:
@@ -231,7 +231,9 @@ def _check_run_files(run_dir: Path) -> None:
 
 
 def train_worker(cfg: TrainConfig) -> int:
-    """Train in this process; exit status 0, 2 (user error) or 128+N (stopped by signal N, checkpoint written)."""
+    """Train in this process; exit status 0, 2 (user error), 1 (a bug) or 128+N (stopped by signal N,
+    checkpoint written). Output: console and RUN_DIR/logs/rank_N.log (see console.py)."""
+    from ndtrain.console import WorkerConsole, log, report_user_error
     from ndtrain.engine import NonFiniteError
     from ndtrain.launch import die_with_parent, in_worker, set_worker_threads
     from ndtrain.mesh import init
@@ -243,25 +245,32 @@ def train_worker(cfg: TrainConfig) -> int:
     if in_worker():
         die_with_parent()
     set_worker_threads(cfg.launch.threads)
-    ctx = init(cfg.parallel)
-    try:
-        with run_lock(Path(cfg.log.out), ctx):
-            (PSTrainer if cfg.ps.servers else Trainer)(cfg, ctx).run()
-    except NonFiniteError as e:
-        e.newest_checkpoint = _newest_checkpoint(Path(cfg.log.out) / "checkpoints")
-        if ctx.is_main:
-            print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except UserError as e:
-        if ctx.is_main:
-            print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Preempted as e:
-        if ctx.is_main:
-            print(f"ndtrain: {e.message()}", file=sys.stderr, flush=True)
-        return exit_status(e.signum)
-    finally:
-        ctx.destroy()
+    with WorkerConsole() as console:
+        try:
+            ctx = init(cfg.parallel)
+        except UserError as e:
+            report_user_error(str(e))
+            return 2
+        try:
+            with run_lock(Path(cfg.log.out), ctx):
+                console.attach_rank_log(Path(cfg.log.out))
+                (PSTrainer if cfg.ps.servers else Trainer)(cfg, ctx).run()
+        except NonFiniteError as e:
+            e.newest_checkpoint = _newest_checkpoint(Path(cfg.log.out) / "checkpoints")
+            report_user_error(str(e))
+            return 2
+        except UserError as e:
+            report_user_error(str(e))
+            return 2
+        except Preempted as e:
+            if ctx.is_main:
+                log.warning(f"ndtrain: {e.message()}")
+            return exit_status(e.signum)
+        except Exception as e:
+            console.crash(e)
+            return 1
+        finally:
+            ctx.destroy()
     return 0
 
 
@@ -303,5 +312,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_cli.main(args)
     except UserError as e:
-        print(f"ndtrain: error: {e}", file=sys.stderr)
+        from ndtrain.launch import in_worker
+
+        if args.command == "train" and in_worker():  # every rank raised it: printed once
+            from ndtrain.console import report_user_error
+
+            report_user_error(str(e))
+        else:
+            print(f"ndtrain: error: {e}", file=sys.stderr)
         return 2

@@ -292,13 +292,22 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    """Run directory, evaluation cadence and progress display."""
+    """Run directory, evaluation cadence and progress display.
+
+    `every`: a metrics record and a progress line every N steps (`log_every` is its old name, still
+    read). `progress`: auto (a bar on a terminal, lines otherwise), bar, lines or off; true/false
+    mean auto/off.
+    """
 
     out: str = "runs/default"
     eval_every: int = 50
-    log_every: int = 10
-    progress: bool = True
+    every: int = 10
+    progress: bool | str = "auto"
     timeline: bool | int = False  # pp > 1: record one step's pipeline timeline (true: step 2; N: step N)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.progress, bool):
+            self.progress = "auto" if self.progress else "off"
 
     def validate(self) -> None:
         if not isinstance(self.timeline, bool) and self.timeline < 1:
@@ -307,7 +316,8 @@ class LogConfig:
             raise UserError("log.out (--out) is empty: give the run directory, e.g. --out runs/my-run")
         if self.eval_every < 0:
             raise UserError(f"log.eval_every must be >= 0 (0 = only at the end), got {self.eval_every}")
-        _positive(self, "log_every")
+        _positive(self, "every")
+        _choice(self, "progress", ("auto", "bar", "lines", "off"))
 
 
 @dataclass
@@ -451,6 +461,11 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
     if not isinstance(preset, str) or preset not in MODEL_PRESETS:
         raise UserError(f"model.preset={preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)}")
     raw["model"] = {**MODEL_PRESETS[preset], **model_raw, "preset": preset}
+    log_raw = raw.get("log")
+    if isinstance(log_raw, dict) and "log_every" in log_raw:  # the old name of log.every
+        if "every" in log_raw:
+            raise UserError("log.log_every is the old name of log.every: give only log.every")
+        log_raw["every"] = log_raw.pop("log_every")
     return _build(TrainConfig, raw, prefix="")
 
 

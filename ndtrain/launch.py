@@ -12,6 +12,10 @@ for three reasons:
   times (the trainer resumes from the newest checkpoint by itself); but a worker that exits with
   status 2 (a user error it has printed) or 128+SIGTERM/SIGINT (a clean preemption stop, see
   `preemption.py`) ends the run at once: retrying would give the same answer.
+- Output. Workers inherit the launcher's stdout and stderr (so rank 0 can draw a progress bar on a
+  terminal) and each appends everything it writes to RUN_DIR/logs/rank_N.log itself (`console.py`).
+  A user error is printed once: by rank 0, or here from the lowest rank's torchrun error file
+  when no rank printed it; other failures name the failed ranks' log files.
 - Signals. SIGTERM/SIGINT to the launcher are forwarded by the agent to the workers, which finish
   the step and write a checkpoint within `STOP_GRACE_S` before the agent kills them; the launcher
   then exits with 128 + the signal number.
@@ -29,10 +33,12 @@ import socket
 import sys
 import tempfile
 import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ndtrain.console import rank_log_path, unprinted_user_error
 from ndtrain.errors import UserError
 from ndtrain.preemption import STOP_SIGNALS, exit_status
 
@@ -84,10 +90,9 @@ def _loopback_store() -> Any:
         return TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=listener.detach())
 
 
-def _agent(argv: list[str], nproc: int, max_restarts: int, run_id: str, log_dir: str) -> Any:
+def _agent(argv: list[str], nproc: int, max_restarts: int, run_id: str, logs: Any) -> Any:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
@@ -123,14 +128,32 @@ def _agent(argv: list[str], nproc: int, max_restarts: int, run_id: str, log_dir:
         role="default", local_world_size=nproc, entrypoint=sys.executable, args=("-m", "ndtrain", *argv),
         rdzv_handler=rendezvous, max_restarts=max_restarts, monitor_interval=0.1, local_addr=LOOPBACK,
     )
-    return Agent(spec, DefaultLogsSpecs(log_dir=log_dir), start_method="spawn", shutdown_timeout=STOP_GRACE_S)
+    return Agent(spec, logs, start_method="spawn", shutdown_timeout=STOP_GRACE_S)
 
 
-def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
+def _error_files_spec(log_dir: str) -> Any:
+    """torchrun's default logs spec (no redirection: workers keep our stdout/stderr), remembering the
+    per-rank error files of the newest attempt in `.error_files`."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    class ErrorFiles(DefaultLogsSpecs):
+        def __init__(self, log_dir: str) -> None:
+            super().__init__(log_dir=log_dir)
+            self.error_files: dict[int, str] = {}
+
+        def reify(self, envs: dict[int, dict[str, str]]) -> Any:
+            dest = super().reify(envs)
+            self.error_files = dict(dest.error_files)
+            return dest
+
+    return ErrorFiles(log_dir=log_dir)
+
+
+def launch_local(argv: list[str], nproc: int, max_restarts: int = 0, run_dir: Path | None = None) -> int:
     """Run `python -m ndtrain *argv` on `nproc` local workers; return the exit status to report.
 
     0: the workers finished (after at most `max_restarts` restarts). 2: a worker's user error
-    (printed by it). 128+N: stopped by signal N, a checkpoint written (rank 0 printed the line).
+    (printed once, see `console.py`). 128+N: stopped by signal N, a checkpoint written (rank 0 printed the line).
     1: workers kept failing; the failed ranks are named.
     """
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -143,19 +166,25 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
     run_id = f"ndtrain-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="ndtrain-launch-") as log_dir:
         os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(log_dir, "error.json"))
-        agent = _agent(argv, nproc, max_restarts, run_id, log_dir)
+        logs = _error_files_spec(log_dir)
+        agent = _agent(argv, nproc, max_restarts, run_id, logs)
         try:
             result = agent.run()
         except SignalException as e:  # the agent has forwarded it and waited for the workers
             return exit_status(e.sigval)
         agent.get_worker_group().spec.rdzv_handler.shutdown()
-    if not result.is_failed():
-        return 0
+        if not result.is_failed():
+            return 0
+        message = unprinted_user_error(logs.error_files)
+    if message is not None:
+        print(f"ndtrain: error: {message}", file=sys.stderr, flush=True)
     codes = {rank: failure.exitcode for rank, failure in result.failures.items()}
     final = sorted({code for code in codes.values() if code in FINAL_EXIT_STATUSES})
     if final:
         return final[0]
     details = ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items()))
-    print(f"ndtrain: error: worker failure ({details}) after {max_restarts} restart(s); see the worker output above",
-          file=sys.stderr)
+    where = "the worker output above"
+    if run_dir is not None:
+        where = ", ".join(str(rank_log_path(run_dir, r)) for r in sorted(codes))
+    print(f"ndtrain: error: worker failure ({details}) after {max_restarts} restart(s); see {where}", file=sys.stderr)
     return 1

@@ -23,14 +23,15 @@ import time
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ndtrain.config import TrainConfig, dump_toml
+from ndtrain.console import console_stream, ensure_console, log
 from ndtrain.errors import UserError
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model, count_parameters
 from ndtrain.parallel.parameter_server import ParameterServer, PSSetup, PSWorker, ServerReport
+from ndtrain.progress import Progress
 from ndtrain.trainer import Trainer, lr_multiplier
 
 
@@ -80,10 +81,11 @@ class PSTrainer(Trainer):
     def run(self) -> dict[str, Any]:
         cfg, ctx = self.cfg, self.ctx
         steps, main = cfg.schedule.steps, ctx.is_main
+        ensure_console(main)
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
-            print(self.describe(0), flush=True)
+            log.info(self.describe(0))
         metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=0) if main else None
         ctx.comm.barrier(ctx.group("world"))
         started = time.perf_counter()
@@ -91,19 +93,18 @@ class PSTrainer(Trainer):
         if self.is_server:
             report = self.server.serve()
         else:
-            bar = tqdm(total=steps, disable=not (main and cfg.log.progress), unit="step", dynamic_ncols=True)
+            progress = Progress(cfg.log.progress, cfg.log.every, steps, 0, main, console_stream())
             for step in range(steps):
                 t0 = time.perf_counter()
                 loss = self.worker.train_step(self.micro_batches(step))
                 done = step + 1
-                if metrics and (done % cfg.log.log_every == 0 or done == steps):
+                if metrics and (done % cfg.log.every == 0 or done == steps):
                     metrics.write({
                         "step": done, "loss": loss, "step_time_s": time.perf_counter() - t0,
                         "pushes_per_s": self.worker.report.pushes_per_s, "version": self.worker.report.versions[-1],
                     })
-                bar.set_postfix(loss=f"{loss:.3f}")
-                bar.update(1)
-            bar.close()
+                progress.update(done, loss=loss)
+            progress.close()
         wall = time.perf_counter() - started
         val_loss = self.evaluate()
         summary = self.summarise(report, loss, val_loss, wall)
@@ -112,7 +113,7 @@ class PSTrainer(Trainer):
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             plot_loss_curve(metrics.read(), self.run_dir / "loss.png",
                             f"{cfg.model.preset}, ps {cfg.ps.mode}, {self.workers} workers + {cfg.ps.servers} servers")
-            print(self.ps_table(summary), flush=True)
+            log.info(self.ps_table(summary))
         return summary
 
     @torch.no_grad()

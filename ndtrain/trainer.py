@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from tqdm import tqdm
 
 from ndtrain.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint, select_checkpoint
 from ndtrain.config import TrainConfig, dump_toml
+from ndtrain.console import console_stream, ensure_console, log
 from ndtrain.data.corpus import TokenWindows, load_corpus
 from ndtrain.data.sampler import DistributedSampler, eval_shard
 from ndtrain.engine import Batch, Engine, StepResult
@@ -32,6 +32,7 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.models.llama import build_model
 from ndtrain.preemption import Preempted, StopRequest
+from ndtrain.progress import Progress
 from ndtrain.run_timeline import TimelineRecorder
 
 
@@ -169,13 +170,14 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         restarts = elastic_restarts()
         main = ctx.is_main
+        ensure_console(main)
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         ctx.comm.barrier(ctx.group("world"))
         start = self.resume()
         if start >= cfg.schedule.steps and restarts:  # the agent restarted us after the last checkpoint
             if main:
-                print(f"ndtrain: the run was complete at step {start} before elastic restart {restarts}", flush=True)
+                log.info(f"ndtrain: the run was complete at step {start} before elastic restart {restarts}")
             return {"steps": start, "resumed_from": start, "restarts": restarts}
         if start >= cfg.schedule.steps:
             raise UserError(
@@ -185,9 +187,8 @@ class Trainer:
         metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=start) if main else None
         if main:
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
-            print(self.describe(start, restarts), flush=True)
-        bar = tqdm(total=cfg.schedule.steps, initial=start, disable=not (main and cfg.log.progress),
-                   unit="step", dynamic_ncols=True)
+            log.info(self.describe(start, restarts))
+        progress = Progress(cfg.log.progress, cfg.log.every, cfg.schedule.steps, start, main, console_stream())
         started = time.perf_counter()
         tokens_seen, last_val, step_peak, result = 0, float("nan"), 0, None
         stop = cfg.schedule.steps
@@ -205,7 +206,7 @@ class Trainer:
             tokens_seen += result.tokens
             done = step + 1
             record: dict[str, Any] = {}
-            if done % cfg.log.log_every == 0 or done == cfg.schedule.steps:
+            if done % cfg.log.every == 0 or done == cfg.schedule.steps:
                 record.update(self.step_record(done, result, elapsed, rank_peak))
             evaluate_now = (cfg.log.eval_every and done % cfg.log.eval_every == 0) or done == cfg.schedule.steps
             if evaluate_now:
@@ -216,12 +217,12 @@ class Trainer:
                 self.save(done)
             if metrics and record:
                 metrics.write(record)
-            bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{last_val:.3f}", tok_s=f"{result.tokens / elapsed:,.0f}")
-            bar.update(1)
+            progress.update(done, loss=result.loss, tokens=result.tokens, val=last_val if evaluate_now else None,
+                            lr=result.lr, grad_norm=result.grad_norm, mem_bytes=rank_peak)
             if stop_signal and done < stop:
-                bar.close()
+                progress.close()
                 raise Preempted(stop_signal, done, checkpoint_name(done))
-        bar.close()
+        progress.close()
         wall = time.perf_counter() - started
         peak = torch.tensor(float(step_peak), device=ctx.device)
         ctx.comm.all_reduce(peak, ctx.group("world"), op=torch.distributed.ReduceOp.MAX)
@@ -237,7 +238,7 @@ class Trainer:
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             plot_loss_curve(metrics.read(), self.run_dir / "loss.png", f"{cfg.model.preset} on {ctx.world_size} ranks")
-            print(self.summary_table(summary), flush=True)
+            log.info(self.summary_table(summary))
         return summary
 
     def step_record(self, step: int, result: StepResult, elapsed: float, peak: int) -> dict[str, Any]:
@@ -259,7 +260,8 @@ class Trainer:
             f"{layout} on {ctx.world_size} {ctx.device.type} process(es), backend {ctx.backend}, "
             f"{torch.get_num_threads()} thread(s)/process\n"
             f"ndtrain: data {self.corpus_description}: {len(self.train_set)} train / {len(self.val_set)} val windows "
-            f"of {cfg.model.seq_len} tokens; global batch {cfg.schedule.global_batch} = dp {ctx.size('dp')} × "
+            f"of {cfg.model.seq_len} tokens\n"
+            f"ndtrain: global batch {cfg.schedule.global_batch} = dp {ctx.size('dp')} × "
             f"micro {cfg.schedule.micro_batch} × accumulation {self.accumulation}; run dir {self.run_dir}"
         )
 

@@ -32,6 +32,7 @@ seconds and shortens it to "the rendezvous store does not answer", never suppres
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -179,7 +180,7 @@ class Watchdog:
         _bounded(lambda: result.append(self.diagnose(wait, waited)), 2 * self._grace_s)
         message, stopped = result[0] if result else (self._unanswered(wait, waited), [])
         sys.stdout.flush()
-        print(f"ndtrain: error: {message}", file=sys.stderr, flush=True)
+        logging.getLogger("ndtrain").error(f"ndtrain: error: {message}")
         _bounded(self._await_reports, self._grace_s + 1)
         for beat in stopped:
             self._kill_if_stopped(beat)

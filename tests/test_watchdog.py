@@ -159,7 +159,9 @@ def test_sigstopped_worker_ends_the_run_within_watchdog_plus_15_s(tmp_path: Path
             proc.communicate()
     assert proc.returncode == 1, stderr[-3000:]
     assert elapsed <= WATCHDOG_S + 15
-    errors = [line for line in stderr.splitlines() if line.startswith("ndtrain: error: rank ")]
+    prefixed = [re.fullmatch(r"(?:\[rank(\d+)\] )?(ndtrain: error: rank (\d+) .*)", line) for line in stderr.splitlines()]
+    assert all(m.group(1) == (m.group(3) if m.group(3) != "0" else None) for m in prefixed if m)  # [rankN] but rank 0
+    errors = [m.group(2) for m in prefixed if m]
     live = sorted(set(range(nproc)) - {victim})
     assert sorted(int(line.split()[3]) for line in errors) == live, stderr[-3000:]
     group = ", ".join(str(r) for r in range(nproc))
