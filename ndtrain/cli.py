@@ -141,7 +141,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     check_run_dir(cfg.log.out)
     from ndtrain.data.prepare import check_data
 
-    check_data(cfg)  # builds the token file once, before any worker starts
+    check_data(cfg, write=not args.check)  # builds the token file once, before any worker starts
     if args.check:
         print(dump_toml(cfg), end="")
         return 0

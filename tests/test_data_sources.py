@@ -83,7 +83,7 @@ def data_cfg(path: Path, cache: Path, **kw: object) -> DataConfig:
 def tokens(data_path: Path, cache: Path, **kw: object) -> tuple[torch.Tensor, torch.Tensor, list]:
     data = prepare_data(data_cfg(data_path, cache, **kw), 8, cache)
     windows = [data.train[i] for i in range(len(data.train))] + [data.val[i] for i in range(len(data.val))]
-    return data.file.tokens("train").clone(), data.file.tokens("val").clone(), windows
+    return data.file.reader("train")[:].clone(), data.file.reader("val")[:].clone(), windows
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,10 +60,10 @@ def test_built_once_then_reused_and_equal_to_the_in_memory_corpus(tmp_path: Path
         assert not again.file.built and "(reused)" in again.description
         assert mtimes(tmp_path / "cache") == stamps
     corpus = load_corpus(str(data_path), 0.2)  # the in-memory byte corpus: same rule, same bytes
-    assert torch.equal(first.file.tokens("train"), corpus.train) and torch.equal(first.file.tokens("val"), corpus.val)
+    assert torch.equal(first.file.reader("train")[:], corpus.train) and torch.equal(first.file.reader("val")[:], corpus.val)
     assert first.file.meta["train_documents"] == corpus.train_documents
     default = prepare_data(DataConfig(path=str(data_path), val_fraction=0.2), 16, tmp_path / "run")
-    assert default.file.folder == tmp_path / "run" / "data" and torch.equal(default.file.tokens("val"), corpus.val)
+    assert default.file.folder == tmp_path / "run" / "data" and torch.equal(default.file.reader("val")[:], corpus.val)
 
 
 @pytest.mark.parametrize("vocab, code, dtype", [(256, "B", torch.uint8), (300, "H", torch.uint16),
@@ -74,7 +75,7 @@ def test_token_dtype_follows_the_vocabulary(tmp_path: Path, vocab: int, code: st
     assert tokenizer.vocab_size == vocab and token_format(vocab) == code
     data_path = write_jsonl(tmp_path / "d.jsonl", texts(40))
     data = prepare_data(cfg(data_path, tmp_path / "cache", tokenizer=spec), 8, tmp_path)
-    train = data.file.tokens("train")
+    train = data.file.reader("train")[:]
     assert data.file.meta["dtype"] == code and train.dtype == dtype
     assert (tmp_path / "cache" / "train.bin").stat().st_size == len(train) * train.element_size()
     if vocab > 256:
@@ -116,8 +117,8 @@ def test_a_stale_or_corrupt_cache_is_rebuilt(tmp_path: Path, damage) -> None:  #
     rebuilt = prepare_data(cfg(data_path, folder), 16, tmp_path, verify=True)  # the launcher's check
     assert rebuilt.file.built
     expected = load_corpus(str(data_path), 0.2)
-    assert torch.equal(rebuilt.file.tokens("train"), expected.train)
-    assert torch.equal(rebuilt.file.tokens("val"), expected.val)
+    assert torch.equal(rebuilt.file.reader("train")[:], expected.train)
+    assert torch.equal(rebuilt.file.reader("val")[:], expected.val)
     assert not list(folder.glob(".building-*"))  # the work folder is gone
     assert not prepare_data(cfg(data_path, folder), 16, tmp_path).file.built
 
@@ -140,11 +141,11 @@ def test_text_file_streams_in_chunks_and_splits_by_token_position(tmp_path: Path
     spec = wordlevel(tmp_path / "tok.json", [*WORDS, ".", "no", "newline", "at", "end"])
     data = prepare_data(cfg(tmp_path / "book.txt", tmp_path / "cache", tokenizer=spec), 8, tmp_path)
     whole = load_tokenizer(spec).encode(content)
-    train, val = data.file.tokens("train").long(), data.file.tokens("val").long()
+    train, val = data.file.reader("train")[:].long(), data.file.reader("val")[:].long()
     assert len(val) == round(len(whole) * 0.2) and torch.equal(torch.cat([train, val]), whole)
     assert (data.file.meta["train_documents"], data.file.meta["val_documents"]) == (1, 1)
     byte_data = prepare_data(cfg(tmp_path / "book.txt", tmp_path / "cache-bytes"), 8, tmp_path).file
-    assert bytes(torch.cat([byte_data.tokens("train"), byte_data.tokens("val")]).tolist()) == content.encode()
+    assert bytes(torch.cat([byte_data.reader("train")[:], byte_data.reader("val")[:]]).tolist()) == content.encode()
 
 
 def test_fallback_split_with_a_multi_byte_dtype(tmp_path: Path) -> None:
@@ -158,8 +159,8 @@ def test_fallback_split_with_a_multi_byte_dtype(tmp_path: Path) -> None:
     assert data.file.meta["dtype"] == "H"
     # round(3 · 0.99) = 3 clipped to n - 1 = 2: the last two documents are val
     assert (data.file.meta["train_documents"], data.file.meta["val_documents"]) == (1, 2)
-    assert torch.equal(data.file.tokens("train").long(), tok.encode(docs[0]))
-    assert torch.equal(data.file.tokens("val").long(), tok.encode(docs[1] + " " + docs[2]))
+    assert torch.equal(data.file.reader("train")[:].long(), tok.encode(docs[0]))
+    assert torch.equal(data.file.reader("val")[:].long(), tok.encode(docs[1] + " " + docs[2]))
 
 
 def test_resume_reads_the_same_windows_after_reopening(tmp_path: Path) -> None:
@@ -184,7 +185,7 @@ def test_resume_reads_the_same_windows_after_reopening(tmp_path: Path) -> None:
 
 # ---- memory --------------------------------------------------------------------------------
 def _memory_kib() -> dict[str, int]:
-    """Rss / Pss / Anonymous of this process, and the Rss of its train.bin mappings, in KiB."""
+    """Rss / Pss / Anonymous of this process, and the Rss of any train.bin mapping (none expected), in KiB."""
     fields = {}
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
         key, value = line.split(":")
@@ -201,7 +202,8 @@ def _memory_kib() -> dict[str, int]:
 def _read_windows(cache: str, data_path: str, steps: int, global_batch: int, seq_len: int) -> dict[str, object]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = DataConfig(path=data_path, val_fraction=0.001, cache=cache)
-    probe = prepare_data(config, seq_len, cache)  # the sampler's index list is not token-file memory: made first
+    start = _memory_kib()
+    probe = prepare_data(config, seq_len, cache)  # the sampler's epoch order (the trainer's too) is made first
     sampler = DistributedSampler(len(probe.train), world, rank, seed=0)
     order = sampler.epoch_indices(0)
     del probe
@@ -213,7 +215,8 @@ def _read_windows(cache: str, data_path: str, steps: int, global_batch: int, seq
         x, y = zip(*(data.train[i] for i in order[step * per_rank : (step + 1) * per_rank]))
         checksum += int(torch.stack(x).sum()) + int(torch.stack(y).sum())
     after = _memory_kib()
-    return {"before": before, "after": after, "windows": len(data.train), "checksum": checksum, "built": data.file.built}
+    return {"start": start, "before": before, "after": after, "windows": len(data.train), "checksum": checksum,
+            "built": data.file.built}
 
 
 @pytest.mark.slow
@@ -223,18 +226,25 @@ def test_resident_memory_for_data_stays_small_on_a_500_mb_corpus(tmp_path: Path)
     data_path = tmp_path / "big.txt"
     line = ("the quick brown fox jumps over the lazy dog " * 3 + "\n").encode()
     block = b"".join(f"{i} ".encode() + line for i in range(10_000))
-    with open(data_path, "wb") as f:
-        while f.tell() < 520 * 2**20:
-            f.write(block)
     cache = tmp_path / "cache"
-    built = prepare_data(DataConfig(path=str(data_path), val_fraction=0.001, cache=str(cache)), 256, cache, verify=True)
-    assert built.file.built and built.file.meta["train_tokens"] > 500 * 2**20
-    del built
-    results = run_distributed(_read_windows, 2, str(cache), str(data_path), 200, 64, 256, timeout=600)
+    try:
+        with open(data_path, "wb") as f:
+            while f.tell() < 520 * 2**20:
+                f.write(block)
+        config = DataConfig(path=str(data_path), val_fraction=0.001, cache=str(cache))
+        built = prepare_data(config, 256, cache, verify=True)
+        assert built.file.built and built.file.meta["train_tokens"] > 500 * 2**20
+        del built
+        results = run_distributed(_read_windows, 2, str(cache), str(data_path), 200, 64, 256, timeout=600)
+    finally:  # 1 GB on disk: gone even when the test fails
+        data_path.unlink(missing_ok=True)
+        shutil.rmtree(cache, ignore_errors=True)
     report = []
     for rank, result in enumerate(results):
         assert not result["built"]
         grown = {key: (result["after"][key] - result["before"][key]) / 1024 for key in result["after"]}
-        report.append(f"rank {rank}: " + ", ".join(f"{k} +{v:.1f} MiB" for k, v in grown.items()))
-        assert grown["rss"] < 50 and grown["token_file_rss"] < 50, report[-1]
+        order = (result["before"]["rss"] - result["start"]["rss"]) / 1024
+        report.append(f"rank {rank}: " + ", ".join(f"{k} +{v:.1f} MiB" for k, v in grown.items())
+                      + f" (the sampler's epoch order of {result['windows'] // 2:,} windows: +{order:.1f} MiB before)")
+        assert grown["rss"] < 50 and result["after"]["token_file_rss"] == 0, report[-1]
     print("\n".join(report))

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ndtrain.data.sources import open_source
-from ndtrain.data.token_file import build_token_file
+from ndtrain.data.token_file import TokenReader, build_token_file
 from ndtrain.data.tokenizer import ByteTokenizer, bytes_to_tensor
 from ndtrain.errors import UserError
 
@@ -53,12 +53,11 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Non-overlapping windows of `seq_len` inputs and their next-token targets (both int64).
 
     Sample i: x = data[i·seq_len : (i+1)·seq_len], y = data[i·seq_len + 1 : (i+1)·seq_len + 1];
-    there are (len(data) - 1) // seq_len of them. `data` is any 1-D integer tensor (a byte tensor, or
-    a token file mapped by `TokenFile.tokens`: only the windows read are touched). `name` only
-    labels the error message.
+    there are (len(data) - 1) // seq_len of them. `data` is a 1-D integer tensor or a `TokenReader`
+    (a token file read window by window). `name` only labels the error message.
     """
 
-    def __init__(self, data: torch.Tensor, seq_len: int, name: str = "corpus") -> None:
+    def __init__(self, data: torch.Tensor | TokenReader, seq_len: int, name: str = "corpus") -> None:
         if len(data) < seq_len + 1:
             unit = "bytes" if data.dtype == torch.uint8 else "tokens"
             raise UserError(

@@ -3,8 +3,9 @@
 Every corpus goes through a token file, small ones included (one code path; the default standard
 library corpus is ≈12 MB of uint8). The cache folder is `data.cache`, by default `RUN_DIR/data`
 (RUN_DIR = `log.out`). `ndtrain train` builds or verifies it once in the launcher process before any
-worker starts (`check_data`: identity, sizes and SHA-256); workers then only open it (`prepare_data`:
-identity and sizes checked, files mapped). A `Trainer` started without the launcher (Python API)
+worker starts (`check_data`: identity, sizes and SHA-256; `--check` builds into a temporary folder
+instead, so it writes nothing); workers then only open it (`prepare_data`: identity and sizes
+checked, files mapped). A `Trainer` started without the launcher (Python API)
 builds it on any rank that finds it missing or stale; builds are atomic, so ranks building at once
 are harmless (they only repeat the work). A shared `data.cache` holds one corpus at a time: a run
 with other data, tokenizer or val_fraction rebuilds it.
@@ -12,6 +13,8 @@ with other data, tokenizer or val_fraction rebuilds it.
 
 from __future__ import annotations
 
+import dataclasses
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,18 +51,20 @@ def prepare_data(data: DataConfig, seq_len: int, run_dir: str | Path, verify: bo
     tokenizer = load_tokenizer(data.tokenizer)
     source = open_source(data.path, data.format, data.text_field)
     file = ensure_token_file(cache_folder(data, run_dir), source, tokenizer, data.val_fraction, verify=verify)
-    train = TokenWindows(file.tokens("train"), seq_len, name="train")
-    val = TokenWindows(file.tokens("val"), seq_len, name="validation")
+    train = TokenWindows(file.reader("train"), seq_len, name="train")
+    val = TokenWindows(file.reader("val"), seq_len, name="validation")
     return TokenData(train, val, file)
 
 
-def check_data(cfg: TrainConfig) -> TokenData:
+def check_data(cfg: TrainConfig, write: bool = True) -> None:
     """Build or verify the run's token file before workers start: both splits hold a window of
-    `seq_len` + 1 tokens and train at least one global batch of windows."""
-    data = prepare_data(cfg.data, cfg.model.seq_len, cfg.log.out, verify=True)
-    if len(data.train) < cfg.schedule.global_batch:
+    `seq_len` + 1 tokens and train at least one global batch of windows. With `write=False`
+    (`ndtrain train --check`) the data are tokenized into a temporary folder, deleted after."""
+    with tempfile.TemporaryDirectory(prefix="ndtrain-check-") as scratch:
+        data_cfg = cfg.data if write else dataclasses.replace(cfg.data, cache=scratch)
+        windows = len(prepare_data(data_cfg, cfg.model.seq_len, cfg.log.out, verify=True).train)
+    if windows < cfg.schedule.global_batch:
         raise UserError(
-            f"the training data has {len(data.train)} windows of {cfg.model.seq_len + 1} tokens, fewer than one global "
+            f"the training data has {windows} windows of {cfg.model.seq_len + 1} tokens, fewer than one global "
             f"batch of {cfg.schedule.global_batch}: use more data or a smaller schedule.global_batch"
         )
-    return data
