@@ -396,9 +396,11 @@ class TrainConfig:
 
         tokens = tokenizer_vocab_size(self.data.tokenizer)  # BYTE_VOCAB for bytes; a model alone may have any vocabulary
         if self.model.vocab_size < tokens:
+            whose = (f"the byte tokenizer's {tokens} tokens" if self.data.tokenizer == "bytes"
+                     else f"the {tokens} tokens of data.tokenizer={self.data.tokenizer!r}")
             raise UserError(
-                f"model.vocab_size={self.model.vocab_size} is smaller than the {tokens} tokens of data.tokenizer="
-                f"{self.data.tokenizer!r}: use model.vocab_size >= {tokens}, or leave it out to take the tokenizer's"
+                f"model.vocab_size={self.model.vocab_size} is smaller than {whose}: "
+                f"use model.vocab_size >= {tokens}, or leave it out to take the tokenizer's"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -148,9 +148,9 @@ def test_vocab_size_comes_from_the_tokenizer_and_a_smaller_one_is_refused(tmp_pa
     cfg = load_config(overrides={"model.preset": "tiny", "data.tokenizer": spec})
     assert cfg.model.vocab_size == vocab
     assert load_config(overrides={"data.tokenizer": spec, "model.vocab_size": 500}).model.vocab_size == 500
-    with pytest.raises(UserError, match=rf"model.vocab_size=10 is smaller than the {vocab} tokens of data.tokenizer"):
+    with pytest.raises(UserError, match=rf"model.vocab_size=10 is smaller than the {vocab} tokens of data.tokenizer='hf:"):
         load_config(overrides={"data.tokenizer": spec, "model.vocab_size": 10})
-    with pytest.raises(UserError, match="model.vocab_size=100 is smaller than the 256 tokens"):
+    with pytest.raises(UserError, match="model.vocab_size=100 is smaller than the byte tokenizer's 256 tokens"):
         load_config(overrides={"model.vocab_size": 100})
     for bad, message in [("hf:", "is not 'bytes' or 'hf:PATH'"), ("sentencepiece", "is not 'bytes'"),
                          (f"hf:{tmp_path / 'missing.json'}", "does not exist"),
