@@ -5,9 +5,9 @@ library corpus is ≈12 MB of uint8). The cache folder is `data.cache`, by defau
 (RUN_DIR = `log.out`). `ndtrain train` builds or verifies it once in the launcher process before any
 worker starts (`check_data`: identity, sizes and SHA-256; `--check` builds into a temporary folder
 instead, so it writes nothing); workers then only open it (`prepare_data`: identity and sizes
-checked, files mapped). A `Trainer` started without the launcher (Python API)
-builds it on any rank that finds it missing or stale; builds are atomic, so ranks building at once
-are harmless (they only repeat the work). A shared `data.cache` holds one corpus at a time: a run
+checked; windows read with pread). A `Trainer` started without the launcher (Python API) builds
+it on any rank that finds it missing or stale; builds are atomic, so ranks building at once are
+harmless (they only repeat the work). A shared `data.cache` holds one corpus at a time: a run
 with other data, tokenizer or val_fraction rebuilds it.
 """
 

@@ -1,4 +1,4 @@
-"""Token files: a corpus tokenized once into `train.bin` / `val.bin`, mapped (not read) by every rank.
+"""Token files: a corpus tokenized once into `train.bin` / `val.bin`, read window by window by every rank.
 
 A cache folder holds three files:
 - `train.bin`, `val.bin`: each split's token ids as native unsigned ints, uint8 when the vocabulary
