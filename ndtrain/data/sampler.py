@@ -14,12 +14,45 @@ duplicates, so a sum of per-rank losses over all ranks counts every sample exact
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence, overload
 
 import torch
 from torch.utils.data import Sampler
 
 from ndtrain.errors import UserError
+
+
+class EpochOrder(Sequence[int]):
+    """One rank's sample indices for an epoch, held as an int64 tensor: 8 bytes per index, where a
+    Python list takes ≈ 41 (44 MiB per rank at a million windows). Indexing gives an int, slicing a
+    list; it compares equal to a list of the same indices."""
+
+    def __init__(self, indices: torch.Tensor) -> None:
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self.indices[index].tolist()
+        return int(self.indices[index])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, EpochOrder)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class DistributedSampler(Sampler[int]):
@@ -45,13 +78,13 @@ class DistributedSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples // self.num_replicas
 
-    def epoch_indices(self, epoch: int) -> list[int]:
+    def epoch_indices(self, epoch: int) -> EpochOrder:
         """This rank's indices for `epoch`, in order."""
         if self.shuffle:
             order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:
             order = torch.arange(self.num_samples)
-        return order[: len(self) * self.num_replicas][self.rank :: self.num_replicas].tolist()
+        return EpochOrder(order[: len(self) * self.num_replicas][self.rank :: self.num_replicas].clone())
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
