@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from ndtrain.config import MODEL_PRESETS, TrainConfig, dump_toml, load_config, parse_override
+from ndtrain.config import PRESET_NAMES, TrainConfig, dump_toml, load_config, parse_override
 from ndtrain.errors import UserError
 
 def _flag_bool(text: str) -> bool:
@@ -47,7 +47,7 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--ps.mode": ("ps.mode", str, "parameter-server consistency: sync, async or ssp"),
     "--ps.staleness": ("ps.staleness", int, "ssp staleness bound (steps)"),
     "--ps.slow-worker": ("ps.slow_worker", str, "RANK:FACTOR, one worker FACTOR× slower"),
-    "--model": ("model.preset", str, f"model size preset: {', '.join(MODEL_PRESETS)}"),
+    "--model": ("model.preset", str, f"model preset: {', '.join(PRESET_NAMES)}"),
     "--steps": ("schedule.steps", int, "optimizer steps"),
     "--out": ("log.out", str, "run directory (default runs/default)"),
     "--seed": ("seed", int, "seed of init and data order"),

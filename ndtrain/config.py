@@ -39,6 +39,20 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "bench": dict(dim=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_dim=1024, seq_len=256),
 }
 
+# Presets of the tasks other than the language model (tasks.py), with the defaults they bring to any
+# section (below the TOML file and flags). `digits`: the CNN of models/digits.py (model.dim is its
+# embedding size; the other model keys are unused); its run reaches CMC rank-1 >= 0.95 on CPU in seconds.
+TASK_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "digits": {
+        "model": dict(dim=64),
+        "schedule": dict(steps=150, global_batch=64, micro_batch=32, warmup_steps=10),
+        "optim": dict(lr=3e-3, weight_decay=0.01),
+        "data": dict(eval_samples=0),
+        "log": dict(eval_every=50),
+    },
+}
+PRESET_NAMES = (*MODEL_PRESETS, *TASK_PRESETS)
+
 
 @dataclass
 class ModelConfig:
@@ -433,9 +447,12 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
     if not isinstance(model_raw, dict):
         raise UserError("config key 'model' must be a table")
     preset = model_raw.get("preset", ModelConfig.preset)
-    if not isinstance(preset, str) or preset not in MODEL_PRESETS:
-        raise UserError(f"model.preset={preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)}")
-    raw["model"] = {**MODEL_PRESETS[preset], **model_raw, "preset": preset}
+    if not isinstance(preset, str) or preset not in PRESET_NAMES:
+        raise UserError(f"model.preset={preset!r} is unknown: choose one of {', '.join(PRESET_NAMES)}")
+    raw["model"] = {**MODEL_PRESETS.get(preset, {}), **model_raw, "preset": preset}
+    for section, defaults in TASK_PRESETS.get(preset, {}).items():
+        given = raw.get(section, {})
+        raw[section] = {**defaults, **given} if isinstance(given, dict) else given
     return _build(TrainConfig, raw, prefix="")
 
 
