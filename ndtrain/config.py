@@ -49,6 +49,7 @@ TASK_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "optim": dict(lr=3e-3, weight_decay=0.01),
         "data": dict(eval_samples=0),
         "log": dict(eval_every=50),
+        "parallel": dict(fsdp_wrap="features,project"),  # ZeRO-3 units: the conv stack, the projection; root: classifier
     },
 }
 PRESET_NAMES = (*MODEL_PRESETS, *TASK_PRESETS)

@@ -32,8 +32,8 @@ class DigitsNet(nn.Module):
         self.classifier = nn.Linear(dim, CLASSES)
 
     def embedding(self, images: torch.Tensor) -> torch.Tensor:
-        """Unnormalised embeddings [B, D] of images [B, 1, 8, 8]."""
-        return self.project(self.features(images))
+        """Unnormalised embeddings [B, D] of images [B, 1, 8, 8] (cast to the weights' dtype)."""
+        return self.project(self.features(images.to(self.classifier.weight.dtype)))
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         z = self.embedding(images)
