@@ -398,6 +398,12 @@ class TrainConfig:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.validate()
+        p = self.parallel
+        if self.model.preset in TASK_PRESETS and (p.tp * p.pp * p.cp > 1 or self.ps.servers or self.data.path is not None):
+            raise UserError(
+                f"--model {self.model.preset} trains on its own data with data parallelism only (dp, zero, dp_mode): "
+                "leave data.path unset and tp, pp, cp at 1, ps.servers at 0"
+            )
         if self.model.vocab_size < BYTE_VOCAB:  # the run's data are bytes; a model alone may have any vocabulary
             raise UserError(
                 f"model.vocab_size={self.model.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens: "

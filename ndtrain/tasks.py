@@ -16,7 +16,6 @@ from torch import nn
 
 from ndtrain.config import TrainConfig
 from ndtrain.engine import Engine
-from ndtrain.errors import UserError
 
 
 RETRIEVAL_METRICS = ("map", "cmc1", "cmc5")
@@ -61,11 +60,6 @@ def digits_task(cfg: TrainConfig) -> Task:
     from ndtrain.eval.retrieval import evaluate_retrieval
     from ndtrain.models.digits import build_digits_model
 
-    p = cfg.parallel
-    if p.tp * p.pp * p.cp > 1 or cfg.ps.servers:
-        raise UserError("--model digits trains with data parallelism only (dp, zero, dp_mode): set tp, pp, cp to 1 and ps.servers to 0")
-    if cfg.data.path is not None:
-        raise UserError(f"--model digits uses scikit-learn's bundled digits: drop data.path={cfg.data.path!r}")
     split = load_digits_split()
 
     def retrieval(engine: Engine) -> dict[str, float]:

@@ -198,8 +198,15 @@ def test_digits_preset_brings_its_defaults_below_explicit_keys() -> None:
     cfg = load_config(None, {"model.preset": "digits", "schedule.steps": 7})
     assert (cfg.model.dim, cfg.schedule.steps, cfg.schedule.global_batch, cfg.data.eval_samples) == (64, 7, 64, 0)
     assert load_config(None, {}).schedule.global_batch == 32  # other presets keep the general defaults
-    with pytest.raises(UserError, match="data parallelism only"):
-        build_task(load_config(None, {"model.preset": "digits", "parallel.tp": 2}))
+    for refused in ({"parallel.tp": 2}, {"ps.servers": 1}, {"data.path": __file__}):
+        with pytest.raises(UserError, match="data parallelism only"):
+            load_config(None, {"model.preset": "digits", **refused})
+
+
+def test_missing_scikit_learn_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import fails as if not installed
+    with pytest.raises(UserError, match=r"pip install 'ndtrain\[vision\]'"):
+        build_task(load_config(None, {"model.preset": "digits"}))
 
 
 LAYOUTS = {"ddp": {}, "zero1": {"parallel.zero": 1}, "zero3": {"parallel.zero": 3}}
