@@ -6,6 +6,8 @@ ranks, so the data order is a pure function of (seed, epoch, step) and resuming 
 step. Each rank splits its G/dp windows into micro-batches (gradient accumulation).
 Evaluation: a fixed, evenly spaced subset of validation windows, split into uneven contiguous
 shards (no padding), loss and token counts summed with one all-reduce.
+The data sets, the model and any evaluation beyond the loss come from the config's `Task`
+(tasks.py): the byte-level language model above by default, e.g. digits retrieval by preset.
 """
 
 from __future__ import annotations
