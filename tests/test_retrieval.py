@@ -4,6 +4,7 @@ single-process DataParallel with parity against one process."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -88,48 +89,8 @@ def test_metrics_equal_brute_force_on_tied_embeddings(seed: int) -> None:
 # --------------------------------------------------------------------------------- uneven gather
 
 SHARD_ROWS = {1: [3], 2: [0, 4], 3: [2, 0, 3]}
-
-
-def _gather_worker(rows: list[int]) -> tuple[list[torch.Tensor], dict[str, dict[str, int]], dict[str, int]]:
-    ctx = init(ParallelConfig(), init_method=init_method())
-    g = ctx.group("world")
-    mine = rows[g.rank]
-    floats = torch.arange(mine * 2, dtype=torch.float32).reshape(mine, 2) + 100 * g.rank
-    ints = torch.full((mine,), g.rank, dtype=torch.int64)
-    empty = torch.zeros(0, 5)
-    out = [ctx.comm.all_gather_uneven(floats, g), ctx.comm.all_gather_uneven(ints, g),
-           ctx.comm.all_gather_uneven(empty, g)]
-    return out, ctx.comm.stats.snapshot(), dict(ctx.comm.issued)
-
-
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_uneven_all_gather_concatenates_in_rank_order(world: int) -> None:
-    rows = SHARD_ROWS[world]
-    want_floats = torch.cat([torch.arange(n * 2, dtype=torch.float32).reshape(n, 2) + 100 * r for r, n in enumerate(rows)])
-    want_ints = torch.cat([torch.full((n,), r, dtype=torch.int64) for r, n in enumerate(rows)])
-    if world == 1:
-        ctx = init(ParallelConfig(dp=1))
-        gather = lambda t: ctx.comm.all_gather_uneven(t, ctx.group("world"))
-        results = [([gather(want_floats), gather(want_ints), gather(torch.zeros(0, 5))], ctx.comm.stats.snapshot(), {})]
-    else:
-        results = run_distributed(_gather_worker, world, rows)
-    longest = max(rows)
-    for (floats, ints, empty), stats, issued in results:
-        assert torch.equal(floats, want_floats) and torch.equal(ints, want_ints)
-        assert empty.shape == (0, 5)
-        if world == 1:
-            assert stats == {}  # a group of one is a no-op that counts nothing
-            continue
-        n = world
-        entry = stats["all_gather_uneven/world"]
-        assert entry["calls"] == 5  # sizes + rows for two gathers, sizes only for the all-empty one
-        sizes_wire = 3 * (n - 1) * 8
-        rows_wire = (n - 1) * longest * (2 * 4 + 8)  # float32 rows of 2, int64 rows of 1
-        assert entry["wire_bytes"] == sizes_wire + rows_wire
-        assert issued["world"] == 5
-
-
-# ----------------------------------------------------------------------- distributed evaluation
+SET_SIZES = [(13, 22), (2, 31)]  # (2, 31) on 3 ranks: one rank has no query
+CMC_RANKS = (1, 2, 3, 5)
 
 
 def elementwise_embed(x: torch.Tensor) -> torch.Tensor:
@@ -143,26 +104,63 @@ def retrieval_sets(n_query: int, n_gallery: int) -> tuple[LabeledSet, LabeledSet
     return make(n_query), make(n_gallery)
 
 
-def _evaluate_worker(n_query: int, n_gallery: int) -> tuple[dict[str, float], int]:
-    ctx = init(ParallelConfig(), init_method=init_method())
-    calls = []
-    embed = lambda x: calls.append(len(x)) or elementwise_embed(x)
-    query, gallery = retrieval_sets(n_query, n_gallery)
-    return evaluate_retrieval(embed, query, gallery, ctx, batch_size=4, ranks=(1, 2, 3, 5)), len(calls)
+def _collectives(ctx) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """On each rank: three uneven gathers (with the counters they left), then the retrieval of each SET_SIZES."""
+    g = ctx.group("world")
+    mine = SHARD_ROWS[g.size][g.rank]
+    floats = torch.arange(mine * 2, dtype=torch.float32).reshape(mine, 2) + 100 * g.rank
+    ints = torch.full((mine,), g.rank, dtype=torch.int64)
+    gathered = [ctx.comm.all_gather_uneven(t, g) for t in (floats, ints, torch.zeros(0, 5))]
+    out: dict[str, object] = {"gathered": gathered, "stats": ctx.comm.stats.snapshot(), "issued": dict(ctx.comm.issued)}
+    for sizes in SET_SIZES:
+        calls: list[int] = []
+        embed = lambda x: calls.append(len(x)) or elementwise_embed(x)
+        metrics = evaluate_retrieval(embed, *retrieval_sets(*sizes), ctx, batch_size=4, ranks=CMC_RANKS)
+        out[f"retrieval{sizes}"] = (metrics, len(calls))
+    return out
+
+
+def _collectives_worker() -> dict[str, object]:
+    return _collectives(init(ParallelConfig(), init_method=init_method()))
+
+
+@functools.cache
+def collective_results(world: int) -> list[dict[str, object]]:
+    """Per rank, what `_collectives` returned: one spawn of `world` processes serves every test below."""
+    if world == 1:
+        return [_collectives(init(ParallelConfig(dp=1)))]
+    return run_distributed(_collectives_worker, world)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("sizes", [(13, 22), (2, 31)])  # (2, 31) on 3 ranks: one rank has no query
+def test_uneven_all_gather_concatenates_in_rank_order(world: int) -> None:
+    rows = SHARD_ROWS[world]
+    want_floats = torch.cat([torch.arange(n * 2, dtype=torch.float32).reshape(n, 2) + 100 * r for r, n in enumerate(rows)])
+    want_ints = torch.cat([torch.full((n,), r, dtype=torch.int64) for r, n in enumerate(rows)])
+    longest = max(rows)
+    for result in collective_results(world):
+        floats, ints, empty = result["gathered"]
+        assert torch.equal(floats, want_floats) and torch.equal(ints, want_ints)
+        assert empty.shape == (0, 5)
+        if world == 1:
+            assert result["stats"] == {}  # a group of one is a no-op that counts nothing
+            continue
+        entry = result["stats"]["all_gather_uneven/world"]
+        assert entry["calls"] == 5  # sizes + rows for two gathers, sizes only for the all-empty one
+        sizes_wire = 3 * (world - 1) * 8
+        rows_wire = (world - 1) * longest * (2 * 4 + 8)  # float32 rows of 2, int64 rows of 1
+        assert entry["wire_bytes"] == sizes_wire + rows_wire
+        assert result["issued"]["world"] == 5
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("sizes", SET_SIZES)
 def test_distributed_retrieval_equals_single_process_exactly(world: int, sizes: tuple[int, int]) -> None:
     query, gallery = retrieval_sets(*sizes)
     reference = retrieval_metrics(elementwise_embed(query.inputs), query.labels, elementwise_embed(gallery.inputs),
-                                  gallery.labels, ranks=(1, 2, 3, 5))
+                                  gallery.labels, ranks=CMC_RANKS)
     assert 0 < reference["map"] < 1  # not a trivial case
-    if world == 1:
-        results = [(evaluate_retrieval(elementwise_embed, query, gallery, init(ParallelConfig(dp=1)), batch_size=4,
-                                       ranks=(1, 2, 3, 5)), 0)]
-    else:
-        results = run_distributed(_evaluate_worker, world, *sizes)
+    results = [result[f"retrieval{sizes}"] for result in collective_results(world)]
     for metrics, _ in results:
         assert metrics == reference  # exact: same embeddings, same order, same arithmetic
     assert len({calls for _, calls in results}) == 1  # every rank embedded in lockstep (ZeRO-3 needs it)
@@ -244,17 +242,20 @@ def test_digits_single_process_data_parallel_equals_one_device(tmp_path: Path, o
         assert summary[key] == pytest.approx(one_summary[key], abs=1e-9), key
 
 
-def test_cli_digits_two_ranks(tmp_path: Path) -> None:
+def test_cli_digits_single_process_data_parallel(tmp_path: Path) -> None:
+    """`ndtrain train --model digits` in one process over 2 replicas (the 2-process CLI run is the slow test)."""
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "ndtrain", "train", "--model", "digits", "--nproc", "2", "--steps", "3", "--out", str(out),
-         "--set", "log.progress=false"],
+        [sys.executable, "-m", "ndtrain", "train", "--model", "digits", "--nproc", "1", "--dp-mode", "single-process",
+         "--steps", "3", "--out", str(out), "--set", "log.progress=false", "--set", "launch.threads=1"],
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cmc1" in proc.stdout and "images/s" in proc.stdout and "nats/byte" not in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["world_size"] == 2 and 0 <= summary["cmc1"] <= 1
+    assert summary["steps"] == 3 and summary["unit"] == "images" and 0 <= summary["cmc1"] <= 1
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "cmc5" in m] == [3]
 
 
 @pytest.mark.slow
@@ -264,5 +265,6 @@ def test_default_digits_run_reaches_rank1_095(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--model", "digits", "--out", str(out),
                            "--set", "log.progress=false"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cmc1" in proc.stdout and "images/s" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["cmc1"] >= 0.95, summary
+    assert summary["world_size"] == 2 and summary["cmc1"] >= 0.95, summary
