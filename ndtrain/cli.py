@@ -42,7 +42,7 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--ps.mode": ("ps.mode", str, "parameter-server consistency"),
     "--ps.staleness": ("ps.staleness", int, "ssp staleness bound (steps)"),
     "--ps.slow-worker": ("ps.slow_worker", str, "RANK:FACTOR, one worker FACTOR× slower"),
-    "--model": ("model.preset", str, "model size preset"),
+    "--model": ("model.preset", str, "model preset"),
     "--seq-len": ("model.seq_len", int, "tokens per sequence"),
     "--steps": ("schedule.steps", int, "optimizer steps"),
     "--global-batch": ("schedule.global_batch", int, "sequences per optimizer step, over all dp ranks"),

@@ -14,7 +14,7 @@ import argparse
 from typing import Any, Callable
 
 from ndtrain.config import (
-    DP_MODES, MODEL_PRESETS, PP_SCHEDULES, PRECISIONS, PS_MODES, RECOMPUTE_MODES, ZERO_STAGES, TrainConfig,
+    DP_MODES, MODEL_PRESETS, PP_SCHEDULES, PRESET_NAMES, PRECISIONS, PS_MODES, RECOMPUTE_MODES, ZERO_STAGES, TrainConfig,
     read_toml,
 )
 
@@ -25,7 +25,7 @@ NUMBER_METAVARS: dict[Callable[[str], Any], str] = {int: "N", float: "X"}
 
 # The allowed values of each closed-set config key a flag sets.
 KEY_CHOICES: dict[str, tuple[Any, ...]] = {
-    "model.preset": tuple(MODEL_PRESETS),
+    "model.preset": PRESET_NAMES,
     "parallel.precision": PRECISIONS,
     "parallel.recompute": RECOMPUTE_MODES,
     "parallel.pp_schedule": PP_SCHEDULES,

@@ -8,6 +8,7 @@ measurements can be compared with the textbook volumes:
     all-reduce of S bytes over n ranks      2(n-1)/n · S
     all-gather / reduce-scatter, S = full   (n-1)/n · S
     broadcast of S bytes                    S (the root's send, pipelined)
+    uneven all-gather, n_r rows of R bytes  8(n-1) + (n-1)·max_r n_r·R (sizes, then padded rows)
     send / recv of S bytes                  S (counted on the sender)
 
 Each collective gets a per-axis sequence number. Every wait arms the communicator's `Watchdog`
@@ -196,6 +197,38 @@ class Communicator:
         seq = self._issue("all_gather", group, size, (n - 1) * size // n)
         work = _all_gather_single(output, shard, group=group.process_group, async_op=True)
         return self._finish(work, "all_gather", group, seq, async_op)
+
+    def all_gather_uneven(self, shard: torch.Tensor, group: Group) -> torch.Tensor:
+        """Concatenate every rank's `shard` [n_r, ...] in group order; n_r may differ and be 0.
+
+        The trailing shape and dtype must be the same on every rank. Two collectives: an
+        all-gather of the n row counts (int64), then one all-gather of the shards padded to
+        m = max_r n_r rows (skipped when m = 0), from which the padding is cut. Each rank sends
+        8(n−1) + (n−1)·m·R bytes for rows of R bytes: the padding costs (n−1)·(m − n_r)·R over an
+        exact variable-size gather, nothing when the shards are equal. Counted as
+        "all_gather_uneven" (both collectives, each with its sequence number, under the watchdog)."""
+        if group.size == 1:
+            return shard.clone()
+        n = group.size
+        device = shard.device
+        sizes = torch.empty(n, dtype=torch.int64, device=device)
+        count = torch.tensor([shard.shape[0]], dtype=torch.int64, device=device)
+        seq = self._issue("all_gather_uneven", group, _nbytes(sizes), (n - 1) * _nbytes(count))
+        work = _all_gather_single(sizes, count, group=group.process_group, async_op=True)
+        self._finish(work, "all_gather_uneven", group, seq, async_op=False)
+        rows = sizes.tolist()
+        longest = max(rows)
+        row_shape = tuple(shard.shape[1:])
+        if longest == 0:
+            return shard.new_empty((0, *row_shape))
+        padded = shard.new_zeros((longest, *row_shape))
+        padded[: shard.shape[0]] = shard
+        gathered = shard.new_empty((n * longest, *row_shape))
+        size = _nbytes(gathered)
+        seq = self._issue("all_gather_uneven", group, size, (n - 1) * size // n)
+        work = _all_gather_single(gathered, padded, group=group.process_group, async_op=True)
+        self._finish(work, "all_gather_uneven", group, seq, async_op=False)
+        return torch.cat([gathered[r * longest : r * longest + rows[r]] for r in range(n)])
 
     def reduce_scatter(
         self, shard: torch.Tensor, full: torch.Tensor, group: Group,

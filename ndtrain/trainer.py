@@ -6,6 +6,8 @@ ranks, so the data order is a pure function of (seed, epoch, step) and resuming 
 step. Each rank splits its G/dp windows into micro-batches (gradient accumulation).
 Evaluation: a fixed, evenly spaced subset of validation windows, split into uneven contiguous
 shards (no padding), loss and token counts summed with one all-reduce.
+The data sets, the model and any evaluation beyond the loss come from the config's `Task`
+(tasks.py): the byte-level language model above by default, e.g. digits retrieval by preset.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import os
 import time
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
+
 
 from ndtrain.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint, select_checkpoint
 from ndtrain.config import TrainConfig, dump_toml
@@ -30,10 +34,10 @@ from ndtrain.errors import UserError
 from ndtrain.memory import peak_bytes, reset_peak
 from ndtrain.mesh import ParallelContext
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
-from ndtrain.models.llama import build_model
 from ndtrain.preemption import Preempted, StopRequest
 from ndtrain.progress import Progress
 from ndtrain.run_timeline import TimelineRecorder
+from ndtrain.tasks import build_task
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -49,11 +53,11 @@ def elastic_restarts() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def build_engine(cfg: TrainConfig, ctx: ParallelContext) -> Engine:
+def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: Callable[[], nn.Module]) -> Engine:
     """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine."""
     o, s = cfg.optim, cfg.schedule
     return Engine(
-        lambda: build_model(cfg.model, cfg.seed),
+        model_fn,
         lambda groups: torch.optim.AdamW(
             groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         ),
@@ -72,9 +76,9 @@ class Trainer:
         self.ctx = ctx
         self.run_dir = Path(cfg.log.out)
         self.checkpoints = self.run_dir / "checkpoints"
-        data = prepare_data(cfg.data, cfg.model.seq_len, self.run_dir)
-        self.corpus_description = data.description
-        self.train_set, self.val_set = data.train, data.val
+        self.task = build_task(cfg)
+        self.corpus_description = self.task.data_description
+        self.train_set, self.val_set = self.task.train_set, self.task.val_set
         dp, dp_rank = self.data_ranks()
         self.accumulation = cfg.schedule.accumulation_steps(dp)
         self.rank_batch = cfg.schedule.global_batch // dp
@@ -94,7 +98,7 @@ class Trainer:
         return self.ctx.size("dp"), self.ctx.coord("dp")
 
     def make_engine(self) -> Engine:
-        return build_engine(self.cfg, self.ctx)
+        return build_engine(self.cfg, self.ctx, self.task.model_fn)
 
     # ---- data -------------------------------------------------------------------------------
     def _epoch_indices(self, epoch: int) -> list[int]:
@@ -189,7 +193,7 @@ class Trainer:
             log.info(self.describe(start, restarts))
         progress = Progress(cfg.log.progress, cfg.log.every, cfg.schedule.steps, start, main, console_stream())
         started = time.perf_counter()
-        tokens_seen, last_val, step_peak, result = 0, float("nan"), 0, None
+        tokens_seen, last_val, step_peak, result, task_metrics = 0, float("nan"), 0, None, {}
         stop = cfg.schedule.steps
         if cfg.checkpoint.exit_after:
             stop = min(stop, start + cfg.checkpoint.exit_after)
@@ -210,7 +214,8 @@ class Trainer:
             evaluate_now = (cfg.log.eval_every and done % cfg.log.eval_every == 0) or done == cfg.schedule.steps
             if evaluate_now:
                 last_val, _ = self.engine.evaluate(self.eval_batches())
-                record.update(step=done, val_loss=last_val)
+                task_metrics = self.task.evaluate(self.engine) if self.task.evaluate else {}
+                record.update(step=done, val_loss=last_val, **task_metrics)
             stop_signal = stop_request.agreed(ctx.comm, ctx.group("world"), ctx.device)
             if (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == stop or stop_signal:
                 self.save(done)
@@ -232,7 +237,7 @@ class Trainer:
             "world_size": ctx.world_size, "parameters": self.engine.parameter_count,
             "model_state_bytes_rank0": self.engine.model_state_bytes(),
             "skipped_steps": self.engine.skipped_steps,
-            "restarts": restarts,
+            "restarts": restarts, "unit": self.task.unit, **task_metrics,
         }
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -258,8 +263,8 @@ class Trainer:
             f"ndtrain: {action}: model {cfg.model.preset} ({self.engine.parameter_count / 1e6:.2f} M params), "
             f"{layout} on {ctx.world_size} {ctx.device.type} process(es), backend {ctx.backend}, "
             f"{torch.get_num_threads()} thread(s)/process\n"
-            f"ndtrain: data {self.corpus_description}: {len(self.train_set)} train / {len(self.val_set)} val windows "
-            f"of {cfg.model.seq_len} tokens\n"
+            f"ndtrain: data {self.corpus_description}: {len(self.train_set)} train / {len(self.val_set)} val "
+            f"{self.task.items}\n"
             f"ndtrain: global batch {cfg.schedule.global_batch} = dp {ctx.size('dp')} × "
             f"micro {cfg.schedule.micro_batch} × accumulation {self.accumulation}; run dir {self.run_dir}"
         )
@@ -267,11 +272,12 @@ class Trainer:
     def summary_table(self, s: dict[str, Any]) -> str:
         rows = [
             ("steps", f"{s['steps']} (resumed from {s['resumed_from']})" if s["resumed_from"] else str(s["steps"])),
-            ("final train loss", f"{s['final_loss']:.4f} nats/byte"),
-            ("validation loss", f"{s['val_loss']:.4f} nats/byte"),
-            ("tokens", f"{s['tokens']:,}"),
+            ("final train loss", f"{s['final_loss']:.4f} {self.task.loss_unit}"),
+            ("validation loss", f"{s['val_loss']:.4f} {self.task.loss_unit}"),
+            *((name, f"{s[name]:.4f}") for name in self.task.metrics if name in s),
+            (self.task.unit, f"{s['tokens']:,}"),
             ("wall time", f"{s['seconds']:.1f} s"),
-            ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
+            ("throughput", f"{s['tokens_per_s']:,.0f} {self.task.unit}/s"),
             ("comm per step", f"{human_bytes(s['comm_bytes_per_step'])} sent per rank"),
             ("model state, rank 0", ", ".join(f"{k} {human_bytes(v)}" for k, v in s["model_state_bytes_rank0"].items())),
             ("peak memory", f"{human_bytes(s['peak_memory_bytes_max_rank'])} (max over ranks)"),

@@ -36,10 +36,15 @@ class TokenData:
     train: TokenWindows
     val: TokenWindows
     file: TokenFile
+    run_dir: Path
 
     @property
     def description(self) -> str:
-        return f"{self.file.meta['description']}; token file {str(self.file.folder)!r} ({'built' if self.file.built else 'reused'})"
+        """The source and the token file, the latter named relative to the run directory when it lies there
+        (keeps the run's description line short)."""
+        folder = self.file.folder
+        where = f"RUN_DIR/{folder.relative_to(self.run_dir)}" if folder.is_relative_to(self.run_dir) else repr(str(folder))
+        return f"{self.file.meta['description']}; token file {where} ({'built' if self.file.built else 'reused'})"
 
 
 def cache_folder(data: DataConfig, run_dir: str | Path) -> Path:
@@ -53,7 +58,7 @@ def prepare_data(data: DataConfig, seq_len: int, run_dir: str | Path, verify: bo
     file = ensure_token_file(cache_folder(data, run_dir), source, tokenizer, data.val_fraction, verify=verify)
     train = TokenWindows(file.reader("train"), seq_len, name="train")
     val = TokenWindows(file.reader("val"), seq_len, name="validation")
-    return TokenData(train, val, file)
+    return TokenData(train, val, file, Path(run_dir))
 
 
 def check_data(cfg: TrainConfig, write: bool = True) -> None:

@@ -1,0 +1,90 @@
+"""What the trainer trains: a `Task` gives the data sets, the model and any evaluation beyond the loss.
+
+`build_task(cfg)` picks the task registered in `TASKS` under `model.preset`; every other preset
+is the byte-level language-model task (Llama on a text corpus). A task's data sets hold items
+(x, y) that the trainer stacks into (inputs, targets) batches; the model's `forward(x, y)`
+returns the mean loss; the engine counts `y.numel()` per batch as the step's tokens, so the
+unit of that count is the task's `unit` (tokens for the language model, images for digits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from torch import nn
+
+from ndtrain.config import TrainConfig
+from ndtrain.engine import Engine
+
+
+RETRIEVAL_METRICS = ("map", "cmc1", "cmc5")
+
+
+class ItemSet(Protocol):
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Task:
+    train_set: ItemSet
+    val_set: ItemSet
+    model_fn: Callable[[], nn.Module]       # the whole model, seeded: identical on every rank
+    data_description: str                   # where the data come from
+    items: str                              # what one item is, e.g. "windows of 128 tokens"
+    unit: str = "tokens"                    # what StepResult.tokens counts
+    loss_unit: str = "nats/byte"
+    evaluate: Callable[[Engine], dict[str, float]] | None = None  # extra metrics at each evaluation (collective)
+    metrics: tuple[str, ...] = ()           # the names `evaluate` returns, for the summary table
+
+
+def language_model_task(cfg: TrainConfig) -> Task:
+    """The built-in Llama on windows of seq_len+1 tokens of `data.path` (default: Python's own source), read
+    from the token file that `data/prepare.py` builds."""
+    from ndtrain.data.prepare import prepare_data
+    from ndtrain.models.llama import build_model
+
+    data = prepare_data(cfg.data, cfg.model.seq_len, Path(cfg.log.out))
+    return Task(
+        train_set=data.train,
+        val_set=data.val,
+        model_fn=lambda: build_model(cfg.model, cfg.seed),
+        data_description=data.description,
+        items=f"windows of {cfg.model.seq_len} tokens",
+    )
+
+
+def digits_task(cfg: TrainConfig) -> Task:
+    """The digits CNN (models/digits.py) on scikit-learn's digits; retrieval mAP/CMC at each evaluation."""
+    from ndtrain.data.digits import load_digits_split
+    from ndtrain.eval.retrieval import evaluate_retrieval
+    from ndtrain.models.digits import build_digits_model
+
+    split = load_digits_split()
+
+    def retrieval(engine: Engine) -> dict[str, float]:
+        engine.model.eval()
+        embed = lambda x: engine.wrapped(x.to(engine.ctx.device, engine.compute_dtype))
+        metrics = evaluate_retrieval(embed, split.query.labeled(), split.gallery.labeled(), engine.ctx, group="dp")
+        return {k: metrics[k] for k in RETRIEVAL_METRICS}
+
+    return Task(
+        train_set=split.train,
+        val_set=split.test,
+        model_fn=lambda: build_digits_model(cfg.model.dim, cfg.seed),
+        data_description=f"scikit-learn digits (query {len(split.query)} / gallery {len(split.gallery)})",
+        items="8×8 images",
+        unit="images",
+        loss_unit="nats",
+        evaluate=retrieval,
+        metrics=RETRIEVAL_METRICS,
+    )
+
+
+TASKS: dict[str, Callable[[TrainConfig], Task]] = {"digits": digits_task}
+
+
+def build_task(cfg: TrainConfig) -> Task:
+    return TASKS.get(cfg.model.preset, language_model_task)(cfg)
