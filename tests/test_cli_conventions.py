@@ -19,7 +19,7 @@ import torch
 import ndtrain
 from ndtrain import cli, cli_flags, version
 from ndtrain.bench import cli as bench_cli
-from ndtrain.config import MODEL_PRESETS, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
+from ndtrain.config import MODEL_PRESETS, PP_SCHEDULES, PRECISIONS, PRESET_NAMES, ZERO_STAGES
 from ndtrain.plan import cli as plan_cli
 
 if sys.version_info >= (3, 11):
@@ -138,7 +138,7 @@ def test_train_help_defaults_are_what_check_resolves(capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize("flag, allowed", [
     ("--precision", "{fp32,bf16,fp16}"), ("--recompute", "{none,selective,full}"), ("--sp", "{true,false}"),
     ("--schedule", "{naive,gpipe,1f1b,interleaved,zb}"), ("--dp-mode", "{ddp,single-process}"),
-    ("--ps.mode", "{sync,async,ssp}"), ("--zero", "{0,1,2,3}"), ("--model", "{tiny,small,bench}"),
+    ("--ps.mode", "{sync,async,ssp}"), ("--zero", "{0,1,2,3}"), ("--model", "{tiny,small,bench,digits}"),
 ])
 def test_train_help_lists_allowed_values(flag: str, allowed: str, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,7 +155,7 @@ def test_choices_are_the_config_tuples() -> None:
         assert choices(parsers[command], "--schedule") is PP_SCHEDULES
         assert choices(parsers[command], "--zero") is ZERO_STAGES
     assert choices(parsers["train"], "--precision") is PRECISIONS
-    assert tuple(choices(parsers["train"], "--model")) == tuple(MODEL_PRESETS)
+    assert tuple(choices(parsers["train"], "--model")) == PRESET_NAMES
     assert tuple(choices(parsers["bench"], "--model")) == tuple(MODEL_PRESETS)
     assert tuple(choices(parsers["plan"], "--model"))[:len(MODEL_PRESETS)] == tuple(MODEL_PRESETS)
 
