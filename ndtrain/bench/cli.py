@@ -19,8 +19,7 @@ from ndtrain.bench import cp
 from ndtrain.bench import pp
 from ndtrain.bench import layouts
 from ndtrain.bench.harness import BenchOptions, ContestResult
-from ndtrain.cli_flags import KEY_CHOICES
-from ndtrain.config import ParallelConfig
+from ndtrain.config import MODEL_PRESETS, ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.launch import in_worker, launch_local, set_worker_threads
 from ndtrain.mesh import ParallelContext, init
@@ -62,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch, metavar="N",
                         help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, metavar="N", help="tokens per sequence")
-    parser.add_argument("--model", dest="preset", choices=KEY_CHOICES["model.preset"], default=DEFAULTS.preset,
+    parser.add_argument("--model", dest="preset", choices=tuple(MODEL_PRESETS), default=DEFAULTS.preset,
                         help="model size preset (as `train --model`)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N", help="seed of init and data")
     parser.add_argument("--out", type=Path, default=None,
