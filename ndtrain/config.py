@@ -280,12 +280,13 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    """Run directory, evaluation cadence and progress display."""
+    """Run directory, evaluation cadence, progress display and experiment trackers (trackers.py)."""
 
     out: str = "runs/default"
     eval_every: int = 50
     log_every: int = 10
     progress: bool = True
+    report_to: list[str] = field(default_factory=list)  # any of "tensorboard", "wandb", "mlflow"
 
     def validate(self) -> None:
         if not self.out.strip():
@@ -293,6 +294,9 @@ class LogConfig:
         if self.eval_every < 0:
             raise UserError(f"log.eval_every must be >= 0 (0 = only at the end), got {self.eval_every}")
         _positive(self, "log_every")
+        from ndtrain.trackers import check_trackers
+
+        check_trackers(self.report_to)
 
 
 @dataclass
@@ -497,7 +501,9 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
             return float(value)
         if option is str and isinstance(value, str):
             return value
-    names = " or ".join("none" if o is type(None) else o.__name__ for o in options)
+        if typing.get_origin(option) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+    names = " or ".join("none" if o is type(None) else str(o) if typing.get_origin(o) else o.__name__ for o in options)
     raise UserError(f"config key {key!r} must be {names}, got {value!r} ({type(value).__name__})")
 
 
@@ -547,5 +553,7 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'

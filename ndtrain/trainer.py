@@ -32,6 +32,8 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.models.llama import build_model
 from ndtrain.preemption import Preempted, StopRequest
+from ndtrain.run_info import environment, utc_now
+from ndtrain.trackers import Trackers, flat_config
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -86,6 +88,7 @@ class Trainer:
                 f"one global batch of {cfg.schedule.global_batch}: use more data or a smaller schedule.global_batch"
             )
         self.engine = self.make_engine()
+        self.trackers = Trackers(cfg.log.report_to if ctx.is_main else [], self.run_dir)
 
     def data_ranks(self) -> tuple[int, int]:
         """How many ranks share the data and this rank's place among them: the dp axis."""
@@ -160,7 +163,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to `schedule.steps`; on SIGTERM/SIGINT stop after the current step with a checkpoint (Preempted)."""
-        with StopRequest() as stop_request:
+        with StopRequest() as stop_request, self.trackers:
             return self.train(stop_request)
 
     def train(self, stop_request: StopRequest) -> dict[str, Any]:
@@ -180,9 +183,11 @@ class Trainer:
                 f"the run in {str(self.run_dir)!r} is already complete at step {start}: "
                 f"use a new --out directory, or --steps N > {start} to continue it"
             )
-        metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=start) if main else None
+        metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=start,
+                             steps_per_epoch=self.steps_per_epoch, sinks=[self.trackers.log]) if main else None
         if main:
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
+            self.trackers.start(flat_config(cfg), start)
             print(self.describe(start, restarts), flush=True)
         bar = tqdm(total=cfg.schedule.steps, initial=start, disable=not (main and cfg.log.progress),
                    unit="step", dynamic_ncols=True)
@@ -231,7 +236,10 @@ class Trainer:
             "restarts": restarts,
         }
         if main:
+            summary.update(started=metrics.clock.started, finished=utc_now(), elapsed_s=metrics.clock.elapsed_s(),
+                           epoch=stop / self.steps_per_epoch, **environment())
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            self.trackers.finish(summary)
             plot_loss_curve(metrics.read(), self.run_dir / "loss.png", f"{cfg.model.preset} on {ctx.world_size} ranks")
             print(self.summary_table(summary), flush=True)
         return summary
