@@ -142,6 +142,13 @@ def test_trackers_continue_their_runs_on_resume(tmp_path: Path) -> None:
     run = client.get_run(ids["mlflow"])
     assert run.info.status == "FINISHED" and run.data.params["log.report_to"] == "tensorboard, wandb, mlflow"
 
+    for error, status in ((RuntimeError, "FAILED"), (KeyboardInterrupt, "KILLED")):  # a new run each (step 0)
+        with pytest.raises(error), Trackers(["mlflow"], tmp_path) as trackers:
+            trackers.start(config, resume_step=0)
+            raise error
+        new_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+        assert new_id != ids["mlflow"] and client.get_run(new_id).info.status == status
+
 
 @pytest.mark.slow
 def test_resume_continues_the_tracker_runs(tmp_path: Path) -> None:
