@@ -187,8 +187,8 @@ class Trainer:
                              steps_per_epoch=self.steps_per_epoch, sinks=[self.trackers.log]) if main else None
         if main:
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
-            self.trackers.start(flat_config(cfg), start)
             print(self.describe(start, restarts), flush=True)
+            self.trackers.start(flat_config(cfg), start)
         bar = tqdm(total=cfg.schedule.steps, initial=start, disable=not (main and cfg.log.progress),
                    unit="step", dynamic_ncols=True)
         started = time.perf_counter()
