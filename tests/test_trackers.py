@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,9 @@ def wandb_history(wandb_log: list[dict[str, Any]], key: str) -> dict[int, float]
 def mlflow_client(run: Path) -> Any:
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=f"sqlite:///{run.resolve() / 'mlflow.db'}")
+    with warnings.catch_warnings():  # SQLAlchemy deprecations inside MLflow's store
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return MlflowClient(tracking_uri=f"sqlite:///{run.resolve() / 'mlflow.db'}")
 
 
 def test_trackers_hold_the_metrics_and_config_of_a_two_process_run(tmp_path: Path) -> None:
