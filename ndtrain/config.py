@@ -319,13 +319,14 @@ class LogConfig:
 
     `every`: a metrics record and a progress line every N steps (`log_every` is its old name, still
     read). `progress`: auto (a bar on a terminal, lines otherwise), bar, lines or off; true/false
-    mean auto/off.
+    mean auto/off. `report_to`: experiment trackers (trackers.py).
     """
 
     out: str = "runs/default"
     eval_every: int = 50
     every: int = 10
     progress: bool | str = "auto"
+    report_to: list[str] = field(default_factory=list)  # any of "tensorboard", "wandb", "mlflow"
     timeline: bool | int = False  # pp > 1: record one step's pipeline timeline (true: step 2; N: step N)
 
     def __post_init__(self) -> None:
@@ -341,6 +342,9 @@ class LogConfig:
             raise UserError(f"log.eval_every must be >= 0 (0 = only at the end), got {self.eval_every}")
         _positive(self, "every")
         _choice(self, "progress", ("auto", "bar", "lines", "off"))
+        from ndtrain.trackers import check_trackers
+
+        check_trackers(self.report_to)
 
 
 @dataclass
@@ -570,7 +574,9 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
             return float(value)
         if option is str and isinstance(value, str):
             return value
-    names = " or ".join("none" if o is type(None) else o.__name__ for o in options)
+        if typing.get_origin(option) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+    names = " or ".join("none" if o is type(None) else str(o) if typing.get_origin(o) else o.__name__ for o in options)
     raise UserError(f"config key {key!r} must be {names}, got {value!r} ({type(value).__name__})")
 
 
@@ -620,5 +626,7 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'

@@ -1,8 +1,11 @@
 """What a run leaves in its directory besides checkpoints: metrics.jsonl, loss curve, summary.
 
 `metrics.jsonl` holds one JSON object per logged step (train loss, lr, grad norm, tokens/s, step
-time, comm bytes/step, peak memory) or evaluation (val loss). On resume, records after the
-resumed step are dropped so the file describes exactly one history.
+time, comm bytes/step, peak memory) or evaluation (val loss), each stamped with its wall-clock
+`time`, the run's `elapsed_s` (run_info.RunClock) and, when the trainer gives its epoch length,
+`epoch` (fractional: steps done / steps per epoch). On resume, records after the resumed step are
+dropped so the file describes exactly one history, and the clock continues from the last kept
+record. Each written record is also handed to the sinks (the experiment trackers, trackers.py).
 """
 
 from __future__ import annotations
@@ -10,16 +13,22 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
+
+from ndtrain.run_info import RunClock
 
 
 class MetricsLog:
     """Append-only JSON-lines log, truncated to `keep_until_step` when a run resumes."""
 
-    def __init__(self, path: Path, keep_until_step: int) -> None:
+    def __init__(self, path: Path, keep_until_step: int, steps_per_epoch: int = 0,
+                 sinks: Sequence[Callable[[dict[str, Any]], None]] = ()) -> None:
         self.path = path
+        self.steps_per_epoch = steps_per_epoch
+        self.sinks = sinks
         kept = [r for r in self.read() if r.get("step", 0) <= keep_until_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.clock = RunClock(max((r.get("elapsed_s", 0.0) for r in kept), default=0.0))
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -27,8 +36,13 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def write(self, record: dict[str, Any]) -> None:
+        record = {**record, **self.clock.stamp()}
+        if self.steps_per_epoch and "step" in record:
+            record["epoch"] = record["step"] / self.steps_per_epoch
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink(record)
 
 
 def plot_loss_curve(records: list[dict[str, Any]], png: Path, title: str) -> None:

@@ -32,6 +32,8 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model, count_parameters
 from ndtrain.parallel.parameter_server import ParameterServer, PSSetup, PSWorker, ServerReport
 from ndtrain.progress import Progress
+from ndtrain.run_info import environment, utc_now
+from ndtrain.trackers import flat_config
 from ndtrain.trainer import Trainer, lr_multiplier
 
 
@@ -86,7 +88,9 @@ class PSTrainer(Trainer):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
             log.info(self.describe(0))
-        metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=0) if main else None
+        metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=0, steps_per_epoch=self.steps_per_epoch,
+                             sinks=[self.trackers.log]) if main else None
+        self.trackers.start(flat_config(cfg), 0)  # no-op but on rank 0 with log.report_to
         ctx.comm.barrier(ctx.group("world"))
         started = time.perf_counter()
         report, loss = ServerReport(), float("nan")
@@ -110,7 +114,10 @@ class PSTrainer(Trainer):
         summary = self.summarise(report, loss, val_loss, wall)
         if main:
             metrics.write({"step": steps, "val_loss": val_loss})
+            summary.update(started=metrics.clock.started, finished=utc_now(), elapsed_s=metrics.clock.elapsed_s(),
+                           epoch=steps / self.steps_per_epoch, **environment())
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            self.trackers.finish(summary)
             plot_loss_curve(metrics.read(), self.run_dir / "loss.png",
                             f"{cfg.model.preset}, ps {cfg.ps.mode}, {self.workers} workers + {cfg.ps.servers} servers")
             log.info(self.ps_table(summary))

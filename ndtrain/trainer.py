@@ -27,7 +27,6 @@ from torch import nn
 from ndtrain.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint, select_checkpoint
 from ndtrain.config import TrainConfig, dump_toml
 from ndtrain.console import console_stream, ensure_console, log
-from ndtrain.data.prepare import prepare_data
 from ndtrain.data.sampler import DistributedSampler, eval_shard
 from ndtrain.engine import Batch, Engine, StepResult
 from ndtrain.errors import UserError
@@ -36,8 +35,10 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.preemption import Preempted, StopRequest
 from ndtrain.progress import Progress
+from ndtrain.run_info import environment, utc_now
 from ndtrain.run_timeline import TimelineRecorder
 from ndtrain.tasks import build_task
+from ndtrain.trackers import Trackers, flat_config
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -92,6 +93,7 @@ class Trainer:
             )
         self.timeline = TimelineRecorder(cfg, ctx, self.run_dir)
         self.engine = self.make_engine()
+        self.trackers = Trackers(cfg.log.report_to if ctx.is_main else [], self.run_dir)
 
     def data_ranks(self) -> tuple[int, int]:
         """How many ranks share the data and this rank's place among them: the dp axis."""
@@ -166,7 +168,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to `schedule.steps`; on SIGTERM/SIGINT stop after the current step with a checkpoint (Preempted)."""
-        with StopRequest() as stop_request:
+        with StopRequest() as stop_request, self.trackers:
             return self.train(stop_request)
 
     def train(self, stop_request: StopRequest) -> dict[str, Any]:
@@ -187,10 +189,12 @@ class Trainer:
                 f"the run in {str(self.run_dir)!r} is already complete at step {start}: "
                 f"use a new --out directory, or --steps N > {start} to continue it"
             )
-        metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=start) if main else None
+        metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_until_step=start,
+                             steps_per_epoch=self.steps_per_epoch, sinks=[self.trackers.log]) if main else None
         if main:
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
             log.info(self.describe(start, restarts))
+            self.trackers.start(flat_config(cfg), start)
         progress = Progress(cfg.log.progress, cfg.log.every, cfg.schedule.steps, start, main, console_stream())
         started = time.perf_counter()
         tokens_seen, last_val, step_peak, result, task_metrics = 0, float("nan"), 0, None, {}
@@ -240,7 +244,10 @@ class Trainer:
             "restarts": restarts, "unit": self.task.unit, **task_metrics,
         }
         if main:
+            summary.update(started=metrics.clock.started, finished=utc_now(), elapsed_s=metrics.clock.elapsed_s(),
+                           epoch=stop / self.steps_per_epoch, **environment())
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            self.trackers.finish(summary)
             plot_loss_curve(metrics.read(), self.run_dir / "loss.png", f"{cfg.model.preset} on {ctx.world_size} ranks")
             log.info(self.summary_table(summary))
         return summary
