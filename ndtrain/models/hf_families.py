@@ -3,7 +3,8 @@
 The parallel strategies need to know a model's structure, not guess it from names: ZeRO-3 wraps
 each decoder layer as a unit, recompute checkpoints each layer (or its attention), tensor
 parallel applies the family's plan, and a pipeline cut or context parallel (later) needs the
-embedding(s), the layer list, the final norm, the head and how a layer is called. A `Family`
+embedding(s), the layer list, the final norm, the head and how a layer is called (its inputs:
+RoPE tables from the rotary module, or learned positions added to the embeddings). A `Family`
 records those as module names relative to the transformers `*ForCausalLM` (the `CausalLM`
 adapter's `.hf`); `for_model` prefixes them with `hf.` for the adapter.
 
@@ -58,20 +59,24 @@ class Family:
     layer_input: str = "hidden_states"  # keyword name of a layer's / attention's input when not positional
     tp_plan: dict[str, str] | None = None  # module pattern → style (tp_plan.py); None: tp refused
     tp_refusal: str = ""            # why tp is refused, when it is
+    # how the model prepares a layer's inputs (pipeline stages repeat it per stage):
+    rotary: str | None = None       # the rotary module giving position_embeddings=(cos, sin) (Llama/Qwen2)
+    positions: str | None = None    # the learned position embedding added to the tokens' (GPT-2's wpe)
+    embed_dropout: str | None = None  # the dropout applied to the embeddings (GPT-2's drop)
 
 
 FAMILIES: dict[str, Family] = {
     name: Family(
         model_type=name, embeddings=("model.embed_tokens",), layers="model.layers", final_norm="model.norm",
         head="lm_head", attention="self_attn", kv_projections=("k_proj", "v_proj"),
-        tied={"lm_head.weight": "model.embed_tokens.weight"}, tp_plan=_LLAMA_LIKE_PLAN,
+        tied={"lm_head.weight": "model.embed_tokens.weight"}, tp_plan=_LLAMA_LIKE_PLAN, rotary="model.rotary_emb",
     )
     for name in ("llama", "qwen2")
 } | {
     "gpt2": Family(
         model_type="gpt2", embeddings=("transformer.wte", "transformer.wpe"), layers="transformer.h",
         final_norm="transformer.ln_f", head="lm_head", attention="attn",
-        tied={"lm_head.weight": "transformer.wte.weight"},
+        tied={"lm_head.weight": "transformer.wte.weight"}, positions="transformer.wpe", embed_dropout="transformer.drop",
         tp_refusal="tensor parallel is not supported for gpt2: its fused Conv1D c_attn (q, k, v in one "
                    "[d, 3d] matrix) needs a q/k/v-aware split ndtrain does not have; use dp/ZeRO for gpt2",
     ),
@@ -116,6 +121,9 @@ def family_of(model: nn.Module) -> Family | None:
         layer_input=known.layer_input,
         tp_plan=None if known.tp_plan is None else {prefix + k: v for k, v in known.tp_plan.items()},
         tp_refusal=known.tp_refusal,
+        rotary=None if known.rotary is None else prefix + known.rotary,
+        positions=None if known.positions is None else prefix + known.positions,
+        embed_dropout=None if known.embed_dropout is None else prefix + known.embed_dropout,
     )
 
 

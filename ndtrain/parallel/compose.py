@@ -58,7 +58,9 @@ def _sample(model: nn.Module, ctx: ParallelContext) -> torch.Tensor | None:
     """A batch of one sequence for `pp_balance=measured` (timing each piece), seeded like the model."""
     if ctx.config.pp_balance != "measured":
         return None
-    cfg = model.cfg  # type: ignore[attr-defined]
+    cfg = getattr(model, "cfg", None)  # the built-in Llama's; other models are refused by split_model
+    if cfg is None:
+        return None
     generator = torch.Generator().manual_seed(0)
     return torch.randint(cfg.vocab_size, (1, cfg.seq_len), generator=generator).to(ctx.device)
 
