@@ -42,6 +42,7 @@ from torch import nn
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
+from ndtrain.models.hf_families import hf_config
 from ndtrain.models.llama import count_parameters
 from ndtrain.parallel.compose import ModelParallelState, norm_weight, prepare_model
 from ndtrain.parallel.context import shard_sequence
@@ -124,6 +125,7 @@ class Engine:
         self.parameter_count = count_parameters(full)
         full_shapes = {name: p.shape for name, p in full.named_parameters(remove_duplicate=False)}
         self.loss_fn = loss_fn
+        self._hf = hf_config(full) is not None  # takes position_ids= (a context-parallel shard's positions)
         self.model = prepare_model(full, ctx, tp_plan=tp_plan, loss_fn=loss_fn)
         self.model_parallel = ctx.group("mp").size > 1
         self.mp_state = ModelParallelState(self.model, ctx, full_shapes) if self.model_parallel else None
@@ -233,7 +235,8 @@ class Engine:
         """The wrapped model's loss on (tokens, targets[, positions]): its own, or `loss_fn` on its output."""
         if self.loss_fn is None:
             return self.wrapped(*inputs)
-        return self.loss_fn(self.wrapped(inputs[0]), inputs[1])
+        positions = {"position_ids": inputs[2].unsqueeze(0)} if len(inputs) > 2 and self._hf else {}  # cp shard
+        return self.loss_fn(self.wrapped(inputs[0], **positions), inputs[1])
 
     def _model_inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(tokens, targets) on the device; under context parallelism this rank's sequence shard
