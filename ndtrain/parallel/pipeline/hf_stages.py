@@ -83,7 +83,7 @@ class HFStage(nn.Module):
         return types[index] if types else "full_attention"
 
     def _masks(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-        """The attention mask per layer type, as the whole model builds them."""
+        """The attention mask per layer type, as the whole model builds them (`hidden`: [B, T, any])."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
@@ -94,10 +94,12 @@ class HFStage(nn.Module):
         }
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens (first stage) or the activation [B, T, d] → activation, or on the last stage the loss
-        (the logits without targets)."""
+        """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation, or on the
+        last stage the loss (the logits without targets). The sequence length is the targets' when
+        given (under tensor parallel's sequence parallelism activations are sequence shards)."""
         family = self._family
-        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        seq = (x if targets is None else targets).shape[1]
+        position_ids = torch.arange(seq, device=x.device).unsqueeze(0)
         if self.first:
             x = self.get_submodule(family.embeddings[0])(x)
             if family.positions is not None:
@@ -107,7 +109,7 @@ class HFStage(nn.Module):
         extra: dict[str, Any] = {}
         if family.rotary is not None:
             extra["position_embeddings"] = self.get_submodule(family.rotary)(x, position_ids)
-        masks = self._masks(x, position_ids)
+        masks = self._masks(x.new_empty(x.shape[0], seq, 0), position_ids)  # the mask reads only shape, dtype, device
         for name, kind in zip(self._layer_names, self._layer_types):
             x = self.get_submodule(name)(x, attention_mask=masks[kind], position_ids=position_ids, **extra)
         return self._head(x, targets) if self.last else x
