@@ -163,3 +163,98 @@ def test_matches_single_process(family: str, strategy: str, slow: bool, one_thre
 def test_gpt2_tensor_parallel_is_refused_in_one_line() -> None:
     message = runs("tp", False)[0]["gpt2_tp_refusal"]
     assert "\n" not in message and "not supported for gpt2" in message and "Conv1D" in message
+
+
+# ------------------------------------------------------------------------------------ single process
+def test_layer_lists_are_found_from_the_model() -> None:
+    from ndtrain.models.hf_families import decoder_layers
+    from ndtrain.models.llama import build_model
+    from ndtrain.config import config_from_dict
+    from ndtrain.parallel.fsdp import wrap_patterns
+
+    llama, gpt2 = make_model("llama"), make_model("gpt2")
+    assert decoder_layers(llama)[0] == "hf.model.layers" and decoder_layers(gpt2)[0] == "hf.transformer.h"
+    assert decoder_layers(gpt2.hf)[0] == "transformer.h"
+    assert wrap_patterns(llama, "auto") == ["hf.model.layers.*"]
+    assert wrap_patterns(llama, "a.*, b") == ["a.*", "b"]
+    builtin = build_model(config_from_dict({"model": {"preset": "tiny"}}).model, seed=0)
+    assert wrap_patterns(builtin, "auto") == ["layers.*"]
+
+    class Custom(torch.nn.Module):  # the largest list of one block class wins; mixed lists never do
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+            self.mixed = torch.nn.ModuleList([torch.nn.Linear(64, 64), torch.nn.ReLU()])
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+
+    assert decoder_layers(Custom())[0] == "blocks"
+    assert wrap_patterns(torch.nn.Linear(2, 2), "auto") == []
+
+
+@pytest.mark.parametrize(("mode", "q_calls", "down_calls"), [("full", 2, 2), ("selective", 2, 1)])
+def test_recompute_reruns_hf_blocks_called_with_keywords(mode: str, q_calls: int, down_calls: int) -> None:
+    """full: each decoder layer runs again in backward; selective: its attention module only."""
+    from ndtrain.parallel.recompute import apply_recompute
+
+    model = apply_recompute(make_model("llama"), mode)
+    calls = {"q": 0, "down": 0}
+    for layer in model.hf.model.layers:
+        layer.self_attn.q_proj.register_forward_hook(lambda *_: calls.__setitem__("q", calls["q"] + 1))
+        layer.mlp.down_proj.register_forward_hook(lambda *_: calls.__setitem__("down", calls["down"] + 1))
+    x, y = batch(0)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # rerun whole modules, not up to the last saved tensor
+        loss = model(x, y)
+        assert calls == {"q": 2, "down": 2}
+        loss.backward()
+    assert calls == {"q": 2 * q_calls, "down": 2 * down_calls}
+
+
+def test_engine_loss_fn_applies_to_the_models_output() -> None:
+    """Engine(loss_fn=...) calls model(tokens) and applies it: the same training as the model's own loss."""
+    ctx = init(ParallelConfig())
+    own = Engine(lambda: make_model("gpt2"), adamw, ctx)
+    given = Engine(lambda: make_model("gpt2"), adamw, ctx, loss_fn=CausalLM.loss_fn)
+    for step in range(2):
+        a, b = own.train_step([batch(step)]), given.train_step([batch(step)])
+        assert a.loss == b.loss
+    assert_close_params(given.full_state_dict(), own.full_state_dict(), 0.0, "loss_fn")
+    assert given.evaluate([batch(9)]) == own.evaluate([batch(9)])
+
+
+def _fake_tp_ctx() -> ParallelContext:
+    from tests.test_tensor_parallel import _fake_ctx
+
+    return _fake_ctx(2)
+
+
+def test_tensor_parallel_refusals_are_one_line() -> None:
+    from ndtrain.parallel.tp_plan import parallelize
+
+    cases = [
+        (make_model("gpt2"), None, "tensor parallel is not supported for gpt2"),
+        (make_model("llama").hf, None, "needs the adapter"),
+        (make_model("llama"), {"hf.model.layers.*.mlp.up_proj": "colwise"}, "must make 'hf.lm_head' vocab-parallel"),
+    ]
+    mistral = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)
+    cases.append((CausalLM(transformers.MistralForCausalLM(mistral)), None,
+                  "no built-in tp plan for Hugging Face model_type 'mistral': pass a plan, Engine"))
+    for model, plan, message in cases:
+        with pytest.raises(UserError, match=message) as error:
+            parallelize(model, _fake_tp_ctx(), plan)
+        assert "\n" not in str(error.value)
+
+
+def test_a_plan_given_for_an_hf_model_splits_what_it_names() -> None:
+    """A user plan (here: the MLP only) on an HF model: those weights split, attention left whole."""
+    from ndtrain.parallel.tp_plan import parallelize
+
+    model = make_model("llama")
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = {"hf.model.layers.*.mlp.gate_proj": "colwise", "hf.model.layers.*.mlp.up_proj": "colwise",
+            "hf.model.layers.*.mlp.down_proj": "rowwise", "hf.lm_head": "vocab"}
+    parallelize(model, _fake_tp_ctx(), plan)
+    layer = model.hf.model.layers[0]
+    assert torch.equal(layer.mlp.up_proj.weight, full["hf.model.layers.0.mlp.up_proj.weight"][:64])
+    assert torch.equal(layer.mlp.down_proj.weight, full["hf.model.layers.0.mlp.down_proj.weight"][:, :64])
+    assert torch.equal(layer.self_attn.q_proj.weight, full["hf.model.layers.0.self_attn.q_proj.weight"])
