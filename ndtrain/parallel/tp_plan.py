@@ -42,7 +42,6 @@ import fnmatch
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
