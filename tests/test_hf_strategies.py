@@ -3,10 +3,11 @@
 Tiny HF Llama, Qwen2 (tied head) and GPT-2 (tied head), configs built here, seeded init, no
 downloads, behind the `CausalLM` adapter, train 5 steps on 2 processes under dp=2, ZeRO-1/2/3
 (units found from the model), recompute full/selective and tp=2 with and without sequence
-parallelism (Llama, Qwen2), and must end at the parameters of single-process AdamW on the whole
-global batch (relative error ≤ 1e-5). One spawn per (layout, fast or slow set) trains all of its
-cases; each (family, strategy) is then its own test case. Llama and GPT-2's main strategies are
-the fast set; Qwen2 and the combinations are marked slow.
+parallelism (Llama, Qwen2; also dp=2 × tp=2 with SP and ZeRO-1 on 4 processes), and must end at
+the parameters of single-process AdamW on the whole global batch (relative error ≤ 1e-5). One
+spawn per (layout, fast or slow set) trains all of its cases; each (family, strategy) is then its
+own test case. Llama's and GPT-2's main strategies are the fast set; Qwen2, the combinations and
+the 4-process layout are marked slow.
 
 The runs are float64, as tests/test_engine_zero.py's, so that the bound measures the strategies
 and not the CPU kernels' fp32 summation order amplified by AdamW. (HF's RMSNorm and RoPE still
@@ -48,13 +49,14 @@ STRATEGIES = {  # strategy → (layout, parallel config changes)
     "tp": ("tp", {}), "tp_sp": ("tp", {"sequence_parallel": True}),
     "tp_sp_recompute_full": ("tp", {"sequence_parallel": True, "recompute": "full"}),
     "tp_given_plan": ("tp", {}),  # Engine(tp_plan=MLP_PLAN): a user's plan instead of the family's
+    "dp2_tp_sp_zero1": ("dp_tp", {"sequence_parallel": True, "zero": 1}),
 }
 MLP_PLAN = {"hf.model.layers.*.mlp.gate_proj": "colwise", "hf.model.layers.*.mlp.up_proj": "colwise",
             "hf.model.layers.*.mlp.down_proj": "rowwise", "hf.model.embed_tokens": "vocab", "hf.lm_head": "vocab"}
-LAYOUTS = {"dp": {}, "tp": {"tp": 2}}  # both on 2 processes
+LAYOUTS = {"dp": ({}, 2), "tp": ({"tp": 2}, 2), "dp_tp": ({"tp": 2}, 4)}  # (axes, processes)
 FAST = {"llama": ("dp", "zero1", "zero2", "zero3", "recompute_full", "tp", "tp_sp", "tp_given_plan"),
         "gpt2": ("dp", "zero1", "zero2", "zero3", "recompute_full")}
-SLOW = {"llama": ("recompute_selective", "zero3_recompute_full", "tp_sp_recompute_full"),
+SLOW = {"llama": ("recompute_selective", "zero3_recompute_full", "tp_sp_recompute_full", "dp2_tp_sp_zero1"),
         "gpt2": ("recompute_selective", "zero3_recompute_full"),
         "qwen2": tuple(s for s in STRATEGIES if s != "tp_given_plan")}
 
@@ -122,10 +124,10 @@ def _train(ctx: ParallelContext, family: str, changes: dict[str, Any], plan: dic
 
 
 def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
-    ctx = init(ParallelConfig(**LAYOUTS[layout]), init_method=init_method())
+    ctx = init(ParallelConfig(**LAYOUTS[layout][0]), init_method=init_method())
     out: dict[Any, Any] = {
         (f, s): _train(ctx, f, STRATEGIES[s][1], MLP_PLAN if s == "tp_given_plan" else None) for f, s in cases}
-    if layout == "tp":
+    if layout == "tp":  # gpt2 under tp: refused
         try:
             _train(ctx, "gpt2", {})
         except UserError as e:
@@ -142,7 +144,8 @@ RUNS: dict[tuple[str, bool], list[dict]] = {}  # one spawn per (layout, slow), s
 
 def runs(layout: str, slow: bool) -> list[dict]:
     if (layout, slow) not in RUNS:
-        RUNS[layout, slow] = run_distributed(_suite, 2, layout, _cases(layout, SLOW if slow else FAST), timeout=300)
+        axes, world = LAYOUTS[layout]
+        RUNS[layout, slow] = run_distributed(_suite, world, layout, _cases(layout, SLOW if slow else FAST), timeout=300)
     return RUNS[layout, slow]
 
 
@@ -155,13 +158,13 @@ def _params() -> list[Any]:
 def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None) -> None:
     layout = STRATEGIES[strategy][0]
     run = runs(layout, slow)
-    ref = reference(family, pieces=2 if layout == "dp" else 1)
+    ref = reference(family, pieces=1 if layout == "tp" else 2)
     for rank, out in enumerate(run):
         got = params(out[family, strategy]["params"], make_model(family))
         assert {t.dtype for t in got.values()} == {DTYPE}
         assert_close_params(got, ref, TOL, f"{family} {strategy} rank {rank}")
         ops = out[family, strategy]["ops"]
-        if layout == "tp":  # sequence parallelism replaces the tp all-reduces by all-gather + reduce-scatter
+        if layout != "dp":  # sequence parallelism replaces the tp all-reduces by all-gather + reduce-scatter
             assert ("reduce_scatter/tp" in ops) == ("sp" in strategy), ops
             assert "all_reduce/tp" in ops or "sp" in strategy, ops
         if "zero3" in strategy:
