@@ -42,7 +42,6 @@ import fnmatch
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -124,6 +123,7 @@ class Heads:
     head_dim: int
     attention_type: type
     kv_names: tuple[str, ...]
+    keys: tuple[str, str] = ("model.n_heads", "model.n_kv_heads")  # the config keys a user changes
 
 
 def _heads(model: nn.Module, family: Family | None) -> Heads | None:
@@ -135,15 +135,17 @@ def _heads(model: nn.Module, family: Family | None) -> Heads | None:
     config = hf_config(model)
     attention = decoder_layers(model)[1][0].get_submodule(family.attention)  # type: ignore[index]
     n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return Heads(config.num_attention_heads, n_kv, attention.head_dim, type(attention), family.kv_projections)
+    return Heads(config.num_attention_heads, n_kv, attention.head_dim, type(attention), family.kv_projections,
+                 ("config.num_attention_heads", "config.num_key_value_heads"))
 
 
 def _check_heads(heads: Heads, tp: int) -> None:
+    q_key, kv_key = heads.keys
     if heads.n_heads % tp:
-        raise UserError(f"the model's {heads.n_heads} attention heads are not divisible by tp={tp}: attention is split by heads")
+        raise UserError(f"{q_key}={heads.n_heads} is not divisible by tp={tp}: attention is split by heads")
     if heads.n_kv_heads % tp and tp % heads.n_kv_heads:
         raise UserError(
-            f"the model's {heads.n_kv_heads} kv heads neither divide nor are divisible by tp={tp}: "
+            f"{kv_key}={heads.n_kv_heads} neither divides nor is divisible by tp={tp}: "
             "choose tp a multiple or a divisor of the kv heads")
 
 
@@ -168,7 +170,7 @@ def default_plan(model: nn.Module) -> dict[str, str]:
     config = hf_config(model)
     what = f"Hugging Face model_type {config.model_type!r}" if config is not None else type(model).__name__
     raise UserError(
-        f"no built-in tp plan for {what}: pass one, Engine(..., tp_plan={{module pattern: style}}) "
+        f"no built-in tp plan for {what}: pass a plan, Engine(..., tp_plan={{module pattern: style}}) "
         f"with styles {', '.join(STYLES)}")
 
 
