@@ -2,7 +2,7 @@
 
 The parallel strategies need to know a model's structure, not guess it from names: ZeRO-3 wraps
 each decoder layer as a unit, recompute checkpoints each layer (or its attention), tensor
-parallel applies the family's plan, and a pipeline cut or context parallel (later) needs the
+parallel applies the family's plan, and a pipeline cut or context parallel needs the
 embedding(s), the layer list, the final norm, the head and how a layer is called (its inputs:
 RoPE tables from the rotary module, or learned positions added to the embeddings). A `Family`
 records those as module names relative to the transformers `*ForCausalLM` (the `CausalLM`
