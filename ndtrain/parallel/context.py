@@ -49,6 +49,7 @@ from torch import nn
 from ndtrain.comm import Communicator, Group, Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
+from ndtrain.models.hf_families import hf_config
 from ndtrain.parallel.precision import at_least_fp32, master_dtype
 
 Chunks = tuple[int, ...]
@@ -211,11 +212,11 @@ class Ring:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
+        fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float | None
     ) -> torch.Tensor:
         batch, heads, seq, head_dim = q.shape
         q5 = q.reshape(batch, k.shape[1], heads // k.shape[1], seq, head_dim)
-        scale = 1.0 / math.sqrt(head_dim)
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         kv = torch.stack((k, v))
         size = ring.group.size
         acc = master_dtype(q.dtype)  # fp32, or float64 for a float64 model
@@ -231,19 +232,19 @@ class _RingAttention(torch.autograd.Function):
                 kv = next_kv
         result = out.to(q.dtype).view(batch, heads, seq, head_dim)
         fctx.save_for_backward(q, k, v, result, lse)
-        fctx.ring = ring
+        fctx.ring, fctx.scale = ring, scale
         return result
 
     @staticmethod
     def backward(  # type: ignore[override]
         fctx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, out, lse = fctx.saved_tensors
         ring: Ring = fctx.ring
         batch, heads, seq, head_dim = q.shape
         shape5 = (batch, k.shape[1], heads // k.shape[1], seq, head_dim)
         q5, dout, out5 = q.reshape(shape5), at_least_fp32(grad_out.reshape(shape5)), at_least_fp32(out.reshape(shape5))
-        scale = 1.0 / math.sqrt(head_dim)
+        scale = fctx.scale
         delta = (dout * out5).sum(dim=-1)
         dq = torch.zeros(shape5, dtype=master_dtype(q.dtype), device=q.device)
         kv = torch.stack((k, v))
@@ -266,7 +267,7 @@ class _RingAttention(torch.autograd.Function):
         if incoming is not None:
             incoming[1].wait()
             dkv = incoming[0]
-        return dq.to(q.dtype).view(q.shape), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype).view(q.shape), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 class RingAttend:
@@ -276,19 +277,27 @@ class RingAttend:
         self.ring = ring
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self.ring)
+        return _RingAttention.apply(q, k, v, self.ring, None)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
-    """Causal attention of the local q [B, H, s, h] over the whole sequence's k, v [B, K, s, h] per rank."""
-    return _RingAttention.apply(q, k, v, ring)
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of the local q [B, H, s, h] over the whole sequence's k, v [B, K, s, h] per rank;
+    scores scaled by `scale` (default 1/√h)."""
+    return _RingAttention.apply(q, k, v, ring, scale)
 
 
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext, *, tile: int = DEFAULT_TILE) -> nn.Module:
-    """Give every attention of `model` (modules with an `attend` seam) ring attention over ctx's cp group.
+    """Give every attention of `model` (modules with an `attend` seam; a Hugging Face model's decoder
+    layers' attention, hf_context.py) ring attention over ctx's cp group.
 
     A wrapper already on the seam (one exposing `.inner`, e.g. selective recompute) is kept and
     gets ring attention inside it, so the order of the two does not matter."""
+    if hf_config(model) is not None:  # a Hugging Face model: through transformers' attention registry
+        from ndtrain.parallel.hf_context import apply_hf_context_parallel
+
+        return apply_hf_context_parallel(model, Ring(ctx.comm, ctx.group("cp"), tile))
     core = RingAttend(Ring(ctx.comm, ctx.group("cp"), tile))
     attentions = [m for m in model.modules() if hasattr(m, "attend")]
     if not attentions:

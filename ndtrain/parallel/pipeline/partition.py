@@ -2,7 +2,8 @@
 
 What is split: the blocks, contiguously, into S stages (rank r holds stages r, r+p, …). The
 built-in Llama puts its embedding on stage 0 and final norm + head + loss on stage S−1; a
-`nn.Sequential` (or list of blocks) with a `loss_fn` puts the loss on the last stage. Stages are
+`nn.Sequential` (or list of blocks) with a `loss_fn` puts the loss on the last stage; a Hugging
+Face causal LM of a known family is cut along its decoder-layer list (hf_stages.py). Stages are
 cut from the full seeded model, so their weights are the unsharded model's and parameter names
 are kept (`tok_embeddings.weight`, `layers.5.attention.wq.weight`, `output.weight`).
 
@@ -28,7 +29,9 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
+from ndtrain.models.hf_families import FAMILIES, Family, family_of, hf_config
 from ndtrain.models.llama import Llama
+from ndtrain.parallel.pipeline.hf_stages import HFStage, end_costs
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _DUPLICATE = "_ndtrain_pipeline_duplicate"
@@ -147,9 +150,10 @@ def split_model(
     if balance not in ("params", "measured"):
         raise UserError(f"pipeline balance {balance!r} is unknown: use 'params' or 'measured'")
     llama = isinstance(model, Llama)
-    if not llama and loss_fn is None:
+    family = _hf_family(model, loss_fn, balance)
+    if not llama and family is None and loss_fn is None:
         raise UserError("splitting a sequential model needs loss_fn=(output, targets) -> loss")
-    blocks = list(model.layers) if llama else list(model)
+    blocks = list(model.layers) if llama else list(model.get_submodule(family.layers)) if family else list(model)
     if len(blocks) < stages:
         raise UserError(
             f"{len(blocks)} layers cannot fill {stages} pipeline stages (pp={p} × virtual={virtual}): "
@@ -159,6 +163,8 @@ def split_model(
         costs = [float(sum(t.numel() for t in b.parameters())) for b in blocks]
         first = float(model.tok_embeddings.weight.numel()) if llama else 0.0
         last = float(sum(t.numel() for m in (model.norm, model.output) for t in m.parameters())) if llama else 0.0
+        if family is not None:
+            first, last = end_costs(model, family)
     else:
         costs, first, last = _measured_costs(model, blocks, loss_fn, sample, ctx)
     sizes = balanced_split(costs, stages, first, last)
@@ -172,10 +178,36 @@ def split_model(
             stage.tied = stage.tied if p > 1 else None  # one rank holds both: autograd sums them
             if stage.tied == "output.weight":
                 setattr(stage.output.weight, _DUPLICATE, True)
+        elif family is not None:
+            stage = HFStage(model, family, ids, first=s == 0, last=s == stages - 1, loss_fn=loss_fn)
+            if p > 1 and family.tied and s in (0, stages - 1):  # one copy per end; the runner sums their gradients
+                head, embedding = next(iter(family.tied.items()))
+                stage.tied = embedding if s == 0 else head
+                if s == stages - 1:
+                    setattr(stage.get_parameter(head), _DUPLICATE, True)
         else:
             stage = SequentialStage(blocks, ids, loss_fn if s == stages - 1 else None)
         out.append(stage)
     return out
+
+
+def _hf_family(model: nn.Module | Sequence[nn.Module], loss_fn: LossFn | None, balance: str) -> Family | None:
+    """The family spec of a Hugging Face model (None for any other model); one line when one cannot be cut."""
+    config = hf_config(model) if isinstance(model, nn.Module) else None
+    if config is None:
+        return None
+    family = family_of(model)  # type: ignore[arg-type]
+    if family is None:
+        raise UserError(
+            f"pipeline parallel is not supported for Hugging Face model_type {config.model_type!r}: "
+            f"supported families are {', '.join(FAMILIES)} (or pass the blocks as an nn.Sequential with loss_fn)"
+        )
+    if getattr(model, "hf", None) is None and loss_fn is None:
+        raise UserError("splitting a bare Hugging Face model needs loss_fn=(output, targets) -> loss, "
+                        "or wrap it in ndtrain.models.causal_lm.CausalLM")
+    if balance == "measured":
+        raise UserError("pipeline balance 'measured' is not supported for Hugging Face models: use 'params'")
+    return family
 
 
 def _measured_costs(

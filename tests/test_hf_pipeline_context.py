@@ -1,0 +1,195 @@
+"""Hugging Face models under pipeline (pp=2) and context parallel (cp=2): parity with one process.
+
+Tiny HF Llama, GPT-2 and Qwen2 (the builders of tests/test_hf_strategies.py; seeded, float64,
+no downloads) behind the `CausalLM` adapter train 5 steps and must end at the parameters of
+single-process AdamW on the whole global batch (relative error ≤ 1e-5; see test_hf_strategies
+for why float64). Pipeline: stages cut from the model's decoder-layer list (hf_stages.py), two
+micro-batches, schedules 1f1b and zb (and gpipe, interleaved with 2 virtual stages on a 4-layer
+model, slow), Qwen2's tied embedding/head split across the two ranks. Context parallel: every
+attention through ring attention (hf_context.py) with the load-balanced chunks' global positions.
+One spawn per layout trains all of its cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ndtrain.config import ParallelConfig  # noqa: E402
+from ndtrain.engine import Engine  # noqa: E402
+from ndtrain.errors import UserError  # noqa: E402
+from ndtrain.mesh import ParallelContext, init  # noqa: E402
+from ndtrain.models.causal_lm import CausalLM  # noqa: E402
+from tests.distributed import init_method, run_distributed  # noqa: E402
+from tests.parity import assert_close_params  # noqa: E402
+from tests.test_hf_strategies import DTYPE, STEPS, TOL, adamw, batch, hf_config  # noqa: E402
+
+MICRO = 2  # pipeline micro-batches
+
+STRATEGIES = {  # strategy → (layout, parallel config changes, decoder layers)
+    "pp_1f1b": ("pp", {"pp_schedule": "1f1b"}, 2), "pp_zb": ("pp", {"pp_schedule": "zb"}, 2),
+    "pp_gpipe": ("pp", {"pp_schedule": "gpipe"}, 2),
+    "pp_interleaved": ("pp", {"pp_schedule": "interleaved", "pp_virtual": 2}, 4),
+    "pp_1f1b_recompute_full": ("pp", {"pp_schedule": "1f1b", "recompute": "full"}, 2),
+    "cp": ("cp", {}, 2), "cp_recompute_selective": ("cp", {"recompute": "selective"}, 2),
+    "cp_zero3": ("cp", {"zero": 3}, 2),
+    # the bare *ForCausalLM with Engine(loss_fn=...) on its output, instead of the adapter
+    "pp_1f1b_bare_loss_fn": ("pp", {"pp_schedule": "1f1b"}, 2), "cp_bare_loss_fn": ("cp", {}, 2),
+    # pipeline × tensor parallel (4 processes): stages of a model already split over tp
+    "tp_pp_1f1b": ("tp_pp", {"pp_schedule": "1f1b"}, 2), "tp_sp_pp_1f1b": ("tp_pp", {"sequence_parallel": True}, 2),
+}
+LAYOUTS = {"pp": {"pp": 2}, "cp": {"cp": 2}, "tp_pp": {"tp": 2, "pp": 2}}
+PROCESSES = {"pp": 2, "cp": 2, "tp_pp": 4}
+FAST = {"llama": ("pp_1f1b", "pp_zb", "cp", "pp_1f1b_bare_loss_fn", "cp_bare_loss_fn"), "gpt2": ("pp_1f1b", "cp")}
+SLOW = {"llama": ("pp_gpipe", "pp_interleaved", "pp_1f1b_recompute_full", "cp_recompute_selective", "cp_zero3",
+                  "tp_pp_1f1b", "tp_sp_pp_1f1b"),
+        "gpt2": ("pp_zb", "pp_interleaved", "cp_zero3"),
+        "qwen2": ("pp_1f1b", "pp_zb", "pp_interleaved", "cp")}
+
+
+def make_model(family: str, layers: int) -> CausalLM:
+    """The same weights in every process: seeded, the caller's RNG untouched."""
+    config = hf_config(family)
+    setattr(config, "n_layer" if family == "gpt2" else "num_hidden_layers", layers)
+    if family == "qwen2":
+        config.layer_types = ["full_attention"] * layers
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    return CausalLM(hf).to(DTYPE)
+
+
+def reference(family: str, layers: int, pieces: int) -> dict[str, torch.Tensor]:
+    """Single process, the whole global batch, loss the mean of `pieces` equal chunks."""
+    model = make_model(family, layers)
+    opt = adamw([{"params": [p for p in model.parameters() if p.ndim >= 2]},
+                 {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
+    for step in range(STEPS):
+        x, y = batch(step)
+        (sum(model(xs, ys) for xs, ys in zip(x.chunk(pieces), y.chunk(pieces))) / pieces).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+# ------------------------------------------------------------------------------------ workers
+def _train(ctx: ParallelContext, family: str, strategy: str) -> dict[str, Any]:
+    layout, changes, layers = STRATEGIES[strategy]
+    ctx = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, **changes))
+    if strategy.endswith("bare_loss_fn"):
+        engine = Engine(lambda: make_model(family, layers).hf, adamw, ctx, loss_fn=_bare_loss)
+    else:
+        engine = Engine(lambda: make_model(family, layers), adamw, ctx)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        pieces = MICRO if "pp" in layout else 1
+        losses.append(engine.train_step(list(zip(x.chunk(pieces), y.chunk(pieces)))).loss)
+    params = engine.full_state_dict()
+    if strategy.endswith("bare_loss_fn"):  # the adapter's names, to compare with the reference
+        params = {f"hf.{k}": v for k, v in params.items()}
+    return {"params": params, "losses": losses}
+
+
+def _bare_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """What a user writes for a bare HF model: cross-entropy of its output's logits (the adapter's loss)."""
+    return CausalLM.loss_fn(output.logits, targets)
+
+
+def _refusals(ctx: ParallelContext) -> dict[str, str]:
+    """The one-line errors of models a pipeline cannot cut."""
+    mistral = transformers.MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    attempts = {
+        "unknown_family": (lambda: CausalLM(transformers.AutoModelForCausalLM.from_config(mistral)), ctx),
+        "bare_without_loss_fn": (lambda: make_model("llama", 2).hf, ctx),
+        "measured": (lambda: make_model("llama", 2),
+                     dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, pp_balance="measured"))),
+    }
+    out = {}
+    for name, (model_fn, context) in attempts.items():
+        try:
+            Engine(model_fn, adamw, context)
+        except UserError as e:
+            out[name] = str(e)
+    return out
+
+
+def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
+    ctx = init(ParallelConfig(**LAYOUTS[layout]), init_method=init_method())
+    out: dict[Any, Any] = {(f, s): _train(ctx, f, s) for f, s in cases}
+    if layout == "pp":
+        out["refusals"] = _refusals(ctx)
+    if layout == "cp":
+        sliding = transformers.Qwen2Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=0,
+        )
+        try:
+            Engine(lambda: CausalLM(transformers.AutoModelForCausalLM.from_config(sliding)), adamw, ctx)
+        except UserError as e:
+            out["sliding_refusal"] = str(e)
+    return out
+
+
+def _cases(layout: str, table: dict[str, tuple[str, ...]]) -> list[tuple[str, str]]:
+    return [(f, s) for f, strategies in table.items() for s in strategies if STRATEGIES[s][0] == layout]
+
+
+RUNS: dict[tuple[str, bool], list[dict]] = {}  # one spawn per (layout, slow), shared by its cases
+
+
+def runs(layout: str, slow: bool) -> list[dict]:
+    if (layout, slow) not in RUNS:
+        RUNS[layout, slow] = run_distributed(_suite, PROCESSES[layout], layout, _cases(layout, SLOW if slow else FAST),
+                                             timeout=300)
+    return RUNS[layout, slow]
+
+
+def _params() -> list[Any]:
+    cases = [(f, s, False) for f, ss in FAST.items() for s in ss] + [(f, s, True) for f, ss in SLOW.items() for s in ss]
+    return [pytest.param(f, s, slow, id=f"{f}-{s}", marks=[pytest.mark.slow] if slow else []) for f, s, slow in cases]
+
+
+@pytest.mark.parametrize(("family", "strategy", "slow"), _params())
+def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None) -> None:
+    layout, _, layers = STRATEGIES[strategy]
+    run = runs(layout, slow)
+    ref = reference(family, layers, pieces=MICRO if "pp" in layout else 1)
+    got: dict[str, torch.Tensor] = {}
+    for out in run:  # pipeline: each rank holds its stages' parameters (tp gathered); cp: the whole model
+        got.update(out[family, strategy]["params"])
+    names = [name for name, _ in make_model(family, layers).named_parameters()]  # a tied head's copy dropped
+    if "pp" in layout:
+        owned = [set(out[family, strategy]["params"]) for out in run[:: len(run) // 2]]  # pp ranks 0, 1 (tp rank 0)
+        assert not (owned[0] & owned[1]), "a pipeline parameter is on both ranks"
+        assert set(names) <= owned[0] | owned[1]
+    tied = {"hf.lm_head.weight": "hf.model.embed_tokens.weight"} if family == "qwen2" else {}
+    copies = {head: got[head] for head in tied}  # pipeline: the last stage's copy of the tied embedding
+    got = {name: got[name] for name in names}
+    assert {t.dtype for t in got.values()} == {DTYPE}
+    assert_close_params(got, ref, TOL, f"{family} {strategy}")
+    assert_close_params(copies, {head: ref[emb] for head, emb in tied.items()}, TOL, f"{family} {strategy} tied head")
+    assert all(out[family, strategy]["losses"] == run[0][family, strategy]["losses"] for out in run)
+
+
+def test_context_parallel_refuses_sliding_window_in_one_line() -> None:
+    message = runs("cp", False)[0]["sliding_refusal"]
+    assert "\n" not in message and "sliding-window" in message
+
+
+@pytest.mark.parametrize(("case", "words"), [
+    ("unknown_family", "not supported for Hugging Face model_type 'mistral'"),
+    ("bare_without_loss_fn", "needs loss_fn"),
+    ("measured", "'measured' is not supported for Hugging Face models"),
+])
+def test_pipeline_refuses_in_one_line(case: str, words: str) -> None:
+    message = runs("pp", False)[0]["refusals"][case]
+    assert "\n" not in message and words in message, message
