@@ -16,9 +16,10 @@ import os
 import time
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from ndtrain.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint, select_checkpoint
@@ -28,9 +29,9 @@ from ndtrain.data.sampler import DistributedSampler, eval_shard
 from ndtrain.engine import Batch, Engine, StepResult
 from ndtrain.errors import UserError
 from ndtrain.memory import peak_bytes, reset_peak
-from ndtrain.mesh import ParallelContext
+from ndtrain.mesh import ParallelContext, init
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
-from ndtrain.models.llama import build_model
+from ndtrain.models.build import build_run_model, model_label
 from ndtrain.preemption import Preempted, StopRequest
 
 
@@ -47,11 +48,27 @@ def elastic_restarts() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def build_engine(cfg: TrainConfig, ctx: ParallelContext) -> Engine:
-    """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine."""
+ModelFn = Callable[[], nn.Module]
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def seeded(model_fn: ModelFn, seed: int) -> ModelFn:
+    """`model_fn` called under `torch.manual_seed(seed)` (caller's RNG untouched): the same weights on every rank."""
+    def build() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return model_fn()
+    return build
+
+
+def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | None = None,
+                 loss_fn: LossFn | None = None) -> Engine:
+    """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine.
+    The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
     o, s = cfg.optim, cfg.schedule
+    extra = {} if loss_fn is None else {"loss_fn": loss_fn}
     return Engine(
-        lambda: build_model(cfg.model, cfg.seed),
+        seeded(model_fn, cfg.seed) if model_fn is not None else lambda: build_run_model(cfg.model, cfg.seed),
         lambda groups: torch.optim.AdamW(
             groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         ),
@@ -61,13 +78,22 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext) -> Engine:
         ),
         grad_clip=o.grad_clip,
         skip_nonfinite=o.skip_nonfinite,
+        **extra,
     )
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: ParallelContext) -> None:
+    """`Trainer(cfg)` trains the config's model; `Trainer(cfg, model_fn=..., loss_fn=...)` a user's
+    `nn.Module` (`loss_fn(model(tokens), targets)`; without it `model(tokens, targets)` is the loss),
+    with the same data, eval, schedule, metrics, checkpoints and resume. `ctx`: `ndtrain.init(cfg.parallel)`
+    when not given."""
+
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext | None = None, *, model_fn: ModelFn | None = None,
+                 loss_fn: LossFn | None = None) -> None:
         self.cfg = cfg
-        self.ctx = ctx
+        self.ctx = ctx if ctx is not None else init(cfg.parallel)
+        self.model_fn, self.loss_fn = model_fn, loss_fn
+        self.tokens_total = 0  # tokens trained on since step 0 (kept in checkpoints)
         self.run_dir = Path(cfg.log.out)
         self.checkpoints = self.run_dir / "checkpoints"
         corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
@@ -92,7 +118,7 @@ class Trainer:
         return self.ctx.size("dp"), self.ctx.coord("dp")
 
     def make_engine(self) -> Engine:
-        return build_engine(self.cfg, self.ctx)
+        return build_engine(self.cfg, self.ctx, self.model_fn, self.loss_fn)
 
     # ---- data -------------------------------------------------------------------------------
     def _epoch_indices(self, epoch: int) -> list[int]:
@@ -147,11 +173,12 @@ class Trainer:
         )
         self.engine.scheduler.load_state_dict(progress["scheduler"])
         self.engine.load_extra_state(progress.get("engine", {}))
+        self.tokens_total = int(progress.get("tokens", 0))
         return int(progress["step"])
 
     def save(self, step: int) -> None:
         progress = {"step": step, "scheduler": self.engine.scheduler.state_dict(), "world_size": self.ctx.world_size,
-                    "engine": self.engine.extra_state()}
+                    "engine": self.engine.extra_state(), "tokens": self.tokens_total}
         save_checkpoint(
             self.checkpoints, step, self.engine.model, self.engine.optimizer, progress, self.ctx,
             keep=self.cfg.checkpoint.keep, sharded_optimizer=self.engine.sharded_optimizer,
@@ -199,6 +226,7 @@ class Trainer:
             rank_peak = peak_bytes(ctx.device)
             step_peak = max(step_peak, rank_peak)
             tokens_seen += result.tokens
+            self.tokens_total += result.tokens
             done = step + 1
             record: dict[str, Any] = {}
             if done % cfg.log.log_every == 0 or done == cfg.schedule.steps:
@@ -251,7 +279,7 @@ class Trainer:
         if restarts:
             action += f" after elastic restart {restarts}"
         return (
-            f"ndtrain: {action}: model {cfg.model.preset} ({self.engine.parameter_count / 1e6:.2f} M params), "
+            f"ndtrain: {action}: model {self.model_label} ({self.engine.parameter_count / 1e6:.2f} M params), "
             f"{layout} on {ctx.world_size} {ctx.device.type} process(es), backend {ctx.backend}, "
             f"{torch.get_num_threads()} thread(s)/process\n"
             f"ndtrain: data {self.corpus_description}: {len(self.train_set)} train / {len(self.val_set)} val windows "
@@ -259,9 +287,14 @@ class Trainer:
             f"micro {cfg.schedule.micro_batch} × accumulation {self.accumulation}; run dir {self.run_dir}"
         )
 
+    @property
+    def model_label(self) -> str:
+        return model_label(self.cfg.model) if self.model_fn is None else type(self.engine.model).__name__
+
     def summary_table(self, s: dict[str, Any]) -> str:
         rows = [
             ("steps", f"{s['steps']} (resumed from {s['resumed_from']})" if s["resumed_from"] else str(s["steps"])),
+            ("model", self.model_label),
             ("final train loss", f"{s['final_loss']:.4f} nats/byte"),
             ("validation loss", f"{s['val_loss']:.4f} nats/byte"),
             ("tokens", f"{s['tokens']:,}"),
