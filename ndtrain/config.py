@@ -127,7 +127,7 @@ class ParallelConfig:
     # activation recomputation per transformer block
     recompute: str = "none"           # none | selective | full
     # ZeRO-3 / FSDP
-    fsdp_wrap: str = "layers.*"       # comma-separated module-name patterns (fnmatch), one unit each
+    fsdp_wrap: str = "auto"           # auto (one unit per decoder layer) | comma-separated fnmatch patterns
     reshard_after_forward: bool = True
     # tensor parallel
     sequence_parallel: bool = False

@@ -34,6 +34,7 @@ import contextlib
 import json
 import math
 from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -102,13 +103,18 @@ class Engine:
         grad_clip: float = 0.0,
         loss_scaler: LossScaler | None = None,
         skip_nonfinite: bool = False,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+        tp_plan: Mapping[str, str] | None = None,
     ) -> None:
         """`optimizer_fn(groups)` builds the optimizer from parameter groups (`group_fn(name, param)`
         gives each parameter's group options); under ZeRO the groups hold this rank's shards.
         `model_fn()` builds the whole model; with tp/cp/pp/recompute it is transformed in place
         and cut to this rank's part (compose.py). `loss_scaler` overrides fp16's `LossScaler(ctx)`.
         Without a loss scaler a NaN/inf loss or gradient norm raises `NonFiniteError`, or skips the
-        step when `skip_nonfinite`."""
+        step when `skip_nonfinite`. `loss_fn(output, targets)` → scalar: when given the engine calls
+        `model(tokens)` and applies it (pipeline: the last stage does); when None, `model(tokens,
+        targets)` returns the loss (the built-in Llama, the `CausalLM` adapter). `tp_plan` (module
+        pattern → style, tp_plan.py) splits the model over tp; None: the plan shipped for the model."""
         cfg = ctx.config
         self.ctx = ctx
         self.stage = cfg.zero
@@ -121,7 +127,8 @@ class Engine:
         full = model_fn().to(ctx.device)
         self.parameter_count = count_parameters(full)
         full_shapes = {name: p.shape for name, p in full.named_parameters(remove_duplicate=False)}
-        self.model = prepare_model(full, ctx)
+        self.loss_fn = loss_fn
+        self.model = prepare_model(full, ctx, tp_plan=tp_plan, loss_fn=loss_fn)
         self.model_parallel = ctx.group("mp").size > 1
         self.mp_state = ModelParallelState(self.model, ctx, full_shapes) if self.model_parallel else None
         self.pipeline = cfg.pp > 1
@@ -220,11 +227,17 @@ class Engine:
         for i, (x, y) in enumerate(micro_batches):
             local = i < count - 1 and self.stage < 2  # stages 2/3 reduce-scatter every micro-batch
             with self.wrapped.no_sync() if local else contextlib.nullcontext():
-                loss = self.wrapped(*self._model_inputs(x, y))
+                loss = self._loss(self._model_inputs(x, y))
                 (loss * (scale / count)).backward()
             loss_sum += loss.detach().float()
             tokens += y.numel()
         return loss_sum, tokens
+
+    def _loss(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The wrapped model's loss on (tokens, targets[, positions]): its own, or `loss_fn` on its output."""
+        if self.loss_fn is None:
+            return self.wrapped(*inputs)
+        return self.loss_fn(self.wrapped(inputs[0]), inputs[1])
 
     def _model_inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(tokens, targets) on the device; under context parallelism this rank's sequence shard
@@ -366,7 +379,7 @@ class Engine:
                 loss, count = eval_pipeline(self._chunks, [(self._input(x), self._input(y))], self.ctx)
             else:
                 inputs = self._model_inputs(x, y)
-                loss, count = self.wrapped(*inputs), inputs[1].numel()
+                loss, count = self._loss(inputs), inputs[1].numel()
             totals[0] += loss.double() * count
             totals[1] += count
         self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))

@@ -9,6 +9,7 @@ ahead; this adapter never passes `labels=`. It asks the wrapped model (`self.hf`
 
 Seams (attributes a strategy may replace, as on the built-in model):
 - `loss_fn(logits, targets)`: tensor parallel swaps in the vocab-parallel cross-entropy;
+- `full_logits(logits)`: the logits returned without targets (tensor parallel gathers vocab shards);
 - `forward(..., position_ids)`: a sequence shard passes its global positions [T] or [B, T].
 
 State-dict keys start with `hf.` (the wrapped model's keys under that prefix); exports strip it.
@@ -37,7 +38,12 @@ class CausalLM(nn.Module):
         if position_ids is not None and position_ids.ndim == 1:
             position_ids = position_ids.unsqueeze(0).expand(tokens.shape[0], -1)
         logits = self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
-        return logits if targets is None else self.loss_fn(logits, targets)
+        return self.full_logits(logits) if targets is None else self.loss_fn(logits, targets)
+
+    @staticmethod
+    def full_logits(logits: torch.Tensor) -> torch.Tensor:
+        """The logits as the caller sees them (identity on one process)."""
+        return logits
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

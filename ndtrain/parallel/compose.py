@@ -19,6 +19,7 @@ refused earlier, by `ParallelConfig.validate`):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,23 +29,28 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.context import apply_context_parallel
 from ndtrain.parallel.pipeline import is_pipeline_duplicate, split_model
+from ndtrain.parallel.pipeline.partition import LossFn
 from ndtrain.parallel.recompute import apply_recompute
 from ndtrain.parallel.tensor import GatherLastDim
 from ndtrain.parallel.tp_plan import is_tensor_parallel, parallelize
 
 
-def prepare_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
-    """`model` split over tp, recomputed, with ring attention over cp, cut to this rank's pipeline
-    stage (one module, or a ModuleList of v chunks for interleaved schedules)."""
+def prepare_model(
+    model: nn.Module, ctx: ParallelContext, *, tp_plan: Mapping[str, str] | None = None, loss_fn: LossFn | None = None,
+) -> nn.Module:
+    """`model` split over tp (by `tp_plan`, or the plan shipped for the model), recomputed, with ring
+    attention over cp, cut to this rank's pipeline stage (one module, or a ModuleList of v chunks
+    for interleaved schedules; the last stage applies `loss_fn` when given)."""
     cfg = ctx.config
     if cfg.tp > 1:
-        parallelize(model, ctx, sequence_parallel=cfg.sequence_parallel)
+        parallelize(model, ctx, tp_plan, sequence_parallel=cfg.sequence_parallel)
     apply_recompute(model, cfg.recompute)
     if cfg.cp > 1:
         apply_context_parallel(model, ctx)
     if cfg.pp == 1:
         return model
-    stages = split_model(model, ctx, virtual=cfg.pp_virtual, balance=cfg.pp_balance, sample=_sample(model, ctx))
+    stages = split_model(model, ctx, virtual=cfg.pp_virtual, balance=cfg.pp_balance, sample=_sample(model, ctx),
+                         loss_fn=loss_fn)
     return stages[0] if len(stages) == 1 else nn.ModuleList(stages)
 
 

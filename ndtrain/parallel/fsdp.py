@@ -1,9 +1,11 @@
 """ZeRO stage 3 (FSDP): parameters, gradients and optimizer state sharded over the data-parallel ranks.
 
 What is split: everything. The module is cut into wrapping units: each outermost module whose
-name matches one of the `wrap` patterns (fnmatch over `named_modules()`; default `layers.*`, one
-unit per transformer block), plus the root unit of every parameter left over (embedding, final
-norm, head). Each unit is a `FlatUnit` (fsdp_unit.py): a flat fp32 buffer padded to a multiple of
+name matches one of the `wrap` patterns (fnmatch over `named_modules()`), or with `wrap="auto"`
+(the default) one unit per decoder layer of the model's layer list (`hf_families.decoder_layers`:
+`layers.*` on the built-in Llama, `hf.model.layers.*` on an HF Llama, `hf.transformer.h.*` on
+GPT-2, else the largest nn.ModuleList of identical blocks; no such list: the root unit alone),
+plus the root unit of every parameter left over (embedding, final norm, head). Each unit is a `FlatUnit` (fsdp_unit.py): a flat fp32 buffer padded to a multiple of
 N (the size of `ctx.group("dp_cp")`) of which each rank keeps 1/N, with its gradient; the
 optimizer sees only those shards (`parameter_groups`), so its state is sharded too.
 
@@ -52,8 +54,19 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
+from ndtrain.models.hf_families import decoder_layers
 from ndtrain.parallel.fsdp_unit import FlatUnit
 from ndtrain.parallel.zero import GroupFn, _group_keys, _one_group
+
+
+def wrap_patterns(module: nn.Module, wrap: Sequence[str] | str) -> list[str]:
+    """The unit patterns of `wrap` ("auto": each block of the decoder-layer list; [] when there is none)."""
+    if isinstance(wrap, str):
+        if wrap.strip() == "auto":
+            found = decoder_layers(module)
+            return [] if found is None else [f"{found[0]}.*"]
+        return [p.strip() for p in wrap.split(",") if p.strip()]
+    return list(wrap)
 
 
 def select_units(module: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module]]:
@@ -83,7 +96,7 @@ class FullyShardedDataParallel(nn.Module):
     """Shard `module` over `ctx.group("dp_cp")` (ZeRO-3); see the module docstring."""
 
     def __init__(
-        self, module: nn.Module, ctx: ParallelContext, *, wrap: Sequence[str] | str = ("layers.*",),
+        self, module: nn.Module, ctx: ParallelContext, *, wrap: Sequence[str] | str = "auto",
         reshard_after_forward: bool = True, param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -92,13 +105,13 @@ class FullyShardedDataParallel(nn.Module):
         self.group = ctx.group("dp_cp")
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
-        patterns = [p.strip() for p in wrap.split(",")] if isinstance(wrap, str) else list(wrap)
+        patterns = wrap_patterns(module, wrap)
         frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
         if frozen:
             raise UserError(f"FSDP shards trainable parameters only, but {frozen[:3]} do not require grad: unfreeze them")
         owner: dict[int, str] = {}
         blocks: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
-        for name, sub in select_units(module, patterns):
+        for name, sub in select_units(module, patterns) if patterns else []:
             params = [(f"{name}.{n}", p) for n, p in sub.named_parameters() if id(p) not in owner]
             owner.update((id(p), name) for _, p in params)
             if params:

@@ -1,7 +1,9 @@
 """Activation recomputation: keep fewer activations for backward, recompute the rest in backward.
 
-Modes, per transformer block of the built-in Llama (`model.layers`), with torch.utils.checkpoint
-in its non-reentrant form:
+Modes, per block of the model's decoder-layer list (`hf_families.decoder_layers`: the built-in
+Llama's `layers`, a Hugging Face family's layer list, or else the largest nn.ModuleList of
+identical blocks), with torch.utils.checkpoint in its non-reentrant form, positional and keyword
+arguments passed through (HF layers take `attention_mask=`, `position_embeddings=`, ... by keyword):
 - `full`: each block's forward runs under checkpoint; only its inputs (the residual stream x and
   the shared RoPE tables) are kept, and the whole block runs again in backward (one extra
   forward of every block: ≈ +33% compute).
@@ -11,6 +13,11 @@ in its non-reentrant form:
   whose `.inner` is the previous core, so `apply_context_parallel` before or after puts ring
   attention inside it. Recomputing ring attention runs its forward ring again in backward: c−1
   more K/V exchanges per layer (2·B·K·s·h elements each).
+  A Hugging Face model has no `attend` seam (its core is chosen through transformers' attention
+  registry): there `selective` checkpoints each layer's whole attention module (the family's
+  `attention`: q/k/v projections, RoPE, core, output projection), keeping its input and
+  recomputing the rest; the MLP's activations are kept. That saves more than Megatron's
+  selective recompute and costs the attention projections' compute once more.
 
 Bytes saved for backward per block (what `SavedActivations` measures; fp32, e = 4 bytes per
 element; s = B·T tokens on this rank, d model dim, H/K query/kv heads, h head size, f FFN dim;
@@ -42,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ndtrain.config import ModelConfig
 from ndtrain.errors import UserError
+from ndtrain.models.hf_families import decoder_layers, family_of
 
 MODES = ("none", "selective", "full")
 
@@ -56,29 +64,38 @@ class SelectiveRecompute:
         return checkpoint(self.inner, q, k, v, use_reentrant=False)
 
 
-def _checkpointed(forward: Callable[..., Any], *args: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False)
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _recompute_forward(module: nn.Module) -> None:
+    module.forward = functools.partial(_checkpointed, module.forward)
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Recompute `model`'s blocks (`model.layers`) in backward per `mode`: "none" | "selective" | "full"."""
+    """Recompute `model`'s blocks (its decoder-layer list) in backward per `mode`: "none" | "selective" | "full"."""
     if mode not in MODES:
         raise UserError(f"recompute mode {mode!r} is unknown: choose one of {', '.join(MODES)}")
     if mode == "none":
         return model
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+    found = decoder_layers(model)
+    if found is None:
         raise UserError(
-            f"recompute={mode!r} needs a model with its blocks in `.layers`: {type(model).__name__} has none"
+            f"recompute={mode!r} needs a list of blocks (an nn.ModuleList of one block class): "
+            f"{type(model).__name__} has none"
         )
-    for block in layers:
+    family = family_of(model)
+    for block in found[1]:
         if mode == "full":
-            block.forward = functools.partial(_checkpointed, block.forward)
+            _recompute_forward(block)
+        elif family is not None:
+            _recompute_forward(block.get_submodule(family.attention))
         else:
             attentions = [m for m in block.modules() if hasattr(m, "attend")]
             if not attentions:
                 raise UserError(
-                    f"recompute='selective' needs an attention with an `attend` seam in {type(block).__name__}"
+                    f"recompute='selective' needs an attention with an `attend` seam in {type(block).__name__}: "
+                    "use recompute='full'"
                 )
             for attention in attentions:
                 attention.attend = SelectiveRecompute(attention.attend)

@@ -14,6 +14,7 @@ The conjugate communication operators, as autograd functions (named after Megatr
     g  = `ReduceFromParallel`    forward all-reduce,               backward identity
     ḡ  = `GatherSequence`        forward all-gather of dim 1 (T),  backward reduce-scatter
     ḡ* = `ScatterSequence`       forward reduce-scatter of dim 1,  backward all-gather
+         `SplitSequence`       forward this rank's slice of dim 1, backward all-gather
          `GatherLastDim`         forward all-gather of dim −1,     backward slice
 A column-parallel projection is preceded by f (or ḡ with sequence parallelism, which makes the
 residual stream between blocks [B, T/n, d] per rank); a row-parallel one is followed by g (or
@@ -169,14 +170,49 @@ def from_parallel(x: torch.Tensor, comm: Communicator, group: Group, sequence_pa
     return op.apply(x, comm, group)
 
 
+class SplitSequence(torch.autograd.Function):
+    """Keep this rank's sequence shard of a tensor every tp rank holds whole; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+        if x.shape[SEQ_DIM] % group.size:
+            raise UserError(
+                f"sequence length {x.shape[SEQ_DIM]} is not divisible by tp={group.size}: "
+                "sequence parallelism needs a multiple of tp (change seq_len or turn sequence_parallel off)"
+            )
+        ctx.comm, ctx.group = comm, group
+        length = x.shape[SEQ_DIM] // group.size
+        return x.narrow(SEQ_DIM, group.rank * length, length).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather_seq(grad, ctx.comm, ctx.group), None, None
+
+
 class InputOp:
-    """Forward pre-hook for a block whose column-parallel children share its first input."""
+    """Forward pre-hook (registered `with_kwargs=True`) rewriting a module's input: its first
+    positional argument, or the keyword `keyword` when it has none (Hugging Face calls attention
+    with `hidden_states=`). `op(x, comm, group)` is applied to it: by default the input operator
+    of column-parallel children sharing it (f, or ḡ with sequence parallelism)."""
 
-    def __init__(self, comm: Communicator, group: Group, sequence_parallel: bool) -> None:
-        self.comm, self.group, self.sequence_parallel = comm, group, sequence_parallel
+    def __init__(
+        self, comm: Communicator, group: Group, sequence_parallel: bool, keyword: str = "hidden_states",
+        op: Any = None,
+    ) -> None:
+        self.comm, self.group, self.keyword = comm, group, keyword
+        self.op = op or (GatherSequence if sequence_parallel else CopyToParallel)
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (to_parallel(args[0], self.comm, self.group, self.sequence_parallel), *args[1:])
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (self.op.apply(args[0], self.comm, self.group), *args[1:]), kwargs
+        if self.keyword not in kwargs:
+            raise UserError(
+                f"tensor parallel: {type(module).__name__} got neither a positional input nor {self.keyword}=: "
+                "its column-parallel children cannot share an input"
+            )
+        return args, {**kwargs, self.keyword: self.op.apply(kwargs[self.keyword], self.comm, self.group)}
 
 
 def sum_gradient_over(param: nn.Parameter, comm: Communicator, group: Group) -> None:

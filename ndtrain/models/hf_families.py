@@ -1,0 +1,138 @@
+"""Where the parts of a Hugging Face causal LM are, per family (keyed by `config.model_type`).
+
+The parallel strategies need to know a model's structure, not guess it from names: ZeRO-3 wraps
+each decoder layer as a unit, recompute checkpoints each layer (or its attention), tensor
+parallel applies the family's plan, and a pipeline cut or context parallel (later) needs the
+embedding(s), the layer list, the final norm, the head and how a layer is called. A `Family`
+records those as module names relative to the transformers `*ForCausalLM` (the `CausalLM`
+adapter's `.hf`); `for_model` prefixes them with `hf.` for the adapter.
+
+How HF calls a decoder layer (transformers 5.x): the hidden states [B, T, d] first and
+positionally, everything else by keyword (Llama/Qwen2: attention_mask=, position_embeddings=
+(cos, sin) computed once by the model's rotary module, position_ids=, past_key_values=,
+use_cache=; GPT-2: past_key_values, attention_mask and encoder states positionally, then
+keywords). A layer returns the new hidden states (one tensor). Inside a layer the attention
+module is called with `hidden_states=` as a keyword, which is why hooks that rewrite a module's
+input must look at keyword arguments too (`Family.layer_input`).
+
+Any other model: `decoder_layers` falls back to the largest `nn.ModuleList` of identical block
+classes (by parameter count), which is also what it finds on the built-in `Llama` (`layers`);
+tensor parallel then needs a plan given by the user (`Engine(..., tp_plan=...)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+_LLAMA_LIKE_PLAN: dict[str, str] = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.layers.*.input_layernorm": "replicate",
+    "model.layers.*.post_attention_layernorm": "replicate",
+    "model.norm": "replicate",
+    "lm_head": "vocab",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Module names (relative to the `*ForCausalLM`) of one family's parts, and its tp support."""
+
+    model_type: str
+    embeddings: tuple[str, ...]     # token embedding first, then any others (GPT-2's positions)
+    layers: str                     # the decoder-layer nn.ModuleList
+    final_norm: str
+    head: str
+    attention: str                  # the attention module inside one layer
+    kv_projections: tuple[str, ...] = ()  # children of `attention` projecting keys and values
+    tied: dict[str, str] = field(default_factory=dict)  # head weight → embedding weight when tie_word_embeddings
+    layer_input: str = "hidden_states"  # keyword name of a layer's / attention's input when not positional
+    tp_plan: dict[str, str] | None = None  # module pattern → style (tp_plan.py); None: tp refused
+    tp_refusal: str = ""            # why tp is refused, when it is
+
+
+FAMILIES: dict[str, Family] = {
+    name: Family(
+        model_type=name, embeddings=("model.embed_tokens",), layers="model.layers", final_norm="model.norm",
+        head="lm_head", attention="self_attn", kv_projections=("k_proj", "v_proj"),
+        tied={"lm_head.weight": "model.embed_tokens.weight"}, tp_plan=_LLAMA_LIKE_PLAN,
+    )
+    for name in ("llama", "qwen2")
+} | {
+    "gpt2": Family(
+        model_type="gpt2", embeddings=("transformer.wte", "transformer.wpe"), layers="transformer.h",
+        final_norm="transformer.ln_f", head="lm_head", attention="attn",
+        tied={"lm_head.weight": "transformer.wte.weight"},
+        tp_refusal="tensor parallel is not supported for gpt2: its fused Conv1D c_attn (q, k, v in one "
+                   "[d, 3d] matrix) needs a q/k/v-aware split ndtrain does not have; use dp/ZeRO for gpt2",
+    ),
+}
+
+
+def hf_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside `model` (the `CausalLM` adapter's `.hf`, or `model` itself), or None."""
+    inner = getattr(model, "hf", model)
+    return inner if hasattr(getattr(inner, "config", None), "model_type") else None
+
+
+def hf_config(model: nn.Module) -> Any:
+    inner = hf_model(model)
+    return None if inner is None else inner.config
+
+
+def _prefix(model: nn.Module) -> str:
+    """"hf." when `model` is the adapter around the HF model, "" when it is the HF model."""
+    return "hf." if getattr(model, "hf", None) is not None and hf_model(model) is model.hf else ""
+
+
+def family_of(model: nn.Module) -> Family | None:
+    """The family of an HF model (or its adapter) with names relative to `model`; None for any other
+    model, HF families not listed here included (their layers are then found generically)."""
+    config = hf_config(model)
+    if config is None:
+        return None
+    prefix = _prefix(model)
+    known = FAMILIES.get(config.model_type)
+    if known is None:
+        return None
+    return Family(
+        model_type=known.model_type,
+        embeddings=tuple(prefix + e for e in known.embeddings),
+        layers=prefix + known.layers,
+        final_norm=prefix + known.final_norm,
+        head=prefix + known.head,
+        attention=known.attention,
+        kv_projections=known.kv_projections,
+        tied={prefix + k: prefix + v for k, v in known.tied.items()} if getattr(config, "tie_word_embeddings", False) else {},
+        layer_input=known.layer_input,
+        tp_plan=None if known.tp_plan is None else {prefix + k: v for k, v in known.tp_plan.items()},
+        tp_refusal=known.tp_refusal,
+    )
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(name, list) of `model`'s decoder layers: the family's list for a known HF family, else the
+    nn.ModuleList of identical block classes holding the most parameters (None if there is none)."""
+    family = family_of(model)
+    modules = dict(model.named_modules())
+    if family is not None:
+        return family.layers, modules[family.layers]  # type: ignore[return-value]
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, module in modules.items():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, name, module)
+    return None if best is None else (best[1], best[2])
