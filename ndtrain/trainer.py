@@ -66,7 +66,6 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | Non
     """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine.
     The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
     o, s = cfg.optim, cfg.schedule
-    extra = {} if loss_fn is None else {"loss_fn": loss_fn}
     return Engine(
         seeded(model_fn, cfg.seed) if model_fn is not None else lambda: build_run_model(cfg.model, cfg.seed),
         lambda groups: torch.optim.AdamW(
@@ -78,7 +77,7 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | Non
         ),
         grad_clip=o.grad_clip,
         skip_nonfinite=o.skip_nonfinite,
-        **extra,
+        loss_fn=loss_fn,
     )
 
 
