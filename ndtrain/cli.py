@@ -150,10 +150,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
         check_hf_model(hf_path(cfg.model.preset), cfg.model.seq_len)
     check_host_memory(cfg)
     check_run_dir(cfg.log.out)
-    if cfg.data.path is not None:
-        from ndtrain.data.corpus import check_data
+    from ndtrain.data.prepare import check_data
 
-        check_data(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.schedule.global_batch)
+    check_data(cfg, write=not args.check)  # builds the token file once, before any worker starts
     if args.check:
         print(dump_toml(cfg), end="")
         return 0

@@ -88,11 +88,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where the text comes from. `path=None` is the Python standard library's own source."""
+    """Where the text comes from (`path=None` is the Python standard library's own source), how it
+    is read and tokenized, and where its token file is cached (None: RUN_DIR/data). See ndtrain/data."""
 
     path: str | None = None
     val_fraction: float = 0.02
     eval_samples: int = 256
+    tokenizer: str = "bytes"          # bytes | hf:PATH (a tokenizer.json or a tokenizer directory)
+    format: str = "auto"              # auto | text | jsonl | parquet | disk | csv | json | arrow
+    text_field: str = "text"          # the text field/column of JSONL, Parquet and datasets records
+    cache: str | None = None          # token-file folder (default RUN_DIR/data)
 
     def validate(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
@@ -103,6 +108,10 @@ class DataConfig:
             raise UserError("data.path is empty: leave it out for the standard library's source, or give a file or folder")
         if self.path is not None and not _exists(self.path):
             raise UserError(f"data.path {self.path!r} does not exist: give a text file, a folder or a .jsonl file")
+        if not self.text_field:
+            raise UserError('data.text_field is empty: name the field that holds the text (default "text")')
+        if self.cache is not None and not self.cache.strip():
+            raise UserError("data.cache is empty: leave it out for RUN_DIR/data, or give a folder")
 
 
 @dataclass
@@ -393,10 +402,15 @@ class TrainConfig:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.validate()
-        if self.model.vocab_size < BYTE_VOCAB:  # the run's data are bytes; a model alone may have any vocabulary
+        from ndtrain.data.tokenizer import tokenizer_vocab_size
+
+        tokens = tokenizer_vocab_size(self.data.tokenizer)  # BYTE_VOCAB for bytes; a model alone may have any vocabulary
+        if self.model.vocab_size < tokens:
+            whose = (f"the byte tokenizer's {tokens} tokens" if self.data.tokenizer == "bytes"
+                     else f"the {tokens} tokens of data.tokenizer={self.data.tokenizer!r}")
             raise UserError(
-                f"model.vocab_size={self.model.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens: "
-                f"use model.vocab_size >= {BYTE_VOCAB}"
+                f"model.vocab_size={self.model.vocab_size} is smaller than {whose}: "
+                f"use model.vocab_size >= {tokens}, or leave it out to take the tokenizer's"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -449,6 +463,12 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
         raise UserError(f"model.preset={preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)} or hf:PATH")
     else:
         raw["model"], hf_path = {**MODEL_PRESETS[preset], **model_raw, "preset": preset}, None
+        data_raw = raw.get("data")
+        tokenizer = data_raw.get("tokenizer") if isinstance(data_raw, dict) else None
+        if "vocab_size" not in model_raw and isinstance(tokenizer, str) and tokenizer != "bytes":
+            from ndtrain.data.tokenizer import tokenizer_vocab_size
+
+            raw["model"]["vocab_size"] = tokenizer_vocab_size(tokenizer)  # not given: the tokenizer's
     cfg = _build(TrainConfig, raw, prefix="")
     if hf_path is not None:
         from ndtrain.models.hf import check_seq_len

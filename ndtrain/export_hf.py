@@ -123,7 +123,7 @@ def export_hf(run_dir: Path, out: Path) -> tuple[Path, list[str]]:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf_model.save_pretrained(str(tmp))
-        write_tokenizer(getattr(cfg.data, "tokenizer", None) or "bytes", tmp)
+        write_tokenizer(cfg.data.tokenizer, tmp)
         tmp.rename(out)
     except OSError as e:
         with contextlib.suppress(OSError):

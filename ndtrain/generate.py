@@ -15,7 +15,7 @@ from torch import nn
 
 from ndtrain.checkpoint import load_model_weights, newest_verified
 from ndtrain.config import TrainConfig, load_config
-from ndtrain.data.tokenizer import ByteTokenizer
+from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import UserError
 from ndtrain.models.build import build_run_model
 
@@ -68,8 +68,11 @@ def generate_text(
     if not 0 <= seed < 2**63:
         raise UserError(f"--seed must be in [0, 2**63), got {seed}")
     cfg, model, _ = load_run(run_dir)
-    tokenizer = ByteTokenizer()
-    prompt_ids = tokenizer.encode(prompt) if prompt else torch.tensor([ord("\n")], dtype=torch.uint8)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)  # the run's, as its config.toml names it
+    prompt_ids = tokenizer.encode(prompt or "\n")
+    if len(prompt_ids) == 0:
+        raise UserError(f"the prompt {prompt!r} encodes to no tokens with data.tokenizer={cfg.data.tokenizer!r}: give "
+                        "a --prompt of words the tokenizer knows")
     generator = torch.Generator().manual_seed(seed)
     out = sample(model, prompt_ids, max_new_tokens, cfg.model.seq_len, temperature, top_k, generator)
     return tokenizer.decode(out)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ndtrain.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint, select_checkpoint
 from ndtrain.config import TrainConfig, dump_toml
-from ndtrain.data.corpus import TokenWindows, load_corpus
+from ndtrain.data.prepare import prepare_data
 from ndtrain.data.sampler import DistributedSampler, eval_shard
 from ndtrain.engine import Batch, Engine, StepResult
 from ndtrain.errors import UserError
@@ -95,10 +95,9 @@ class Trainer:
         self.tokens_total = 0  # tokens trained on since step 0 (kept in checkpoints)
         self.run_dir = Path(cfg.log.out)
         self.checkpoints = self.run_dir / "checkpoints"
-        corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
-        self.corpus_description = corpus.description
-        self.train_set = TokenWindows(corpus.train, cfg.model.seq_len, name="train")
-        self.val_set = TokenWindows(corpus.val, cfg.model.seq_len, name="validation")
+        data = prepare_data(cfg.data, cfg.model.seq_len, self.run_dir)
+        self.corpus_description = data.description
+        self.train_set, self.val_set = data.train, data.val
         dp, dp_rank = self.data_ranks()
         self.accumulation = cfg.schedule.accumulation_steps(dp)
         self.rank_batch = cfg.schedule.global_batch // dp

@@ -28,8 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ndtrain import cli
-from ndtrain.config import TrainConfig, load_config, read_toml
-from ndtrain.data.corpus import check_data, load_corpus
+from ndtrain.config import DataConfig, TrainConfig, load_config, read_toml
+from ndtrain.data.corpus import load_corpus
+from ndtrain.data.prepare import prepare_data
 from ndtrain.errors import UserError
 
 HANG_S = 20  # generous: the inputs here are answered in milliseconds; a blocked open never returns
@@ -346,7 +347,7 @@ def test_random_data_files_load_or_give_a_user_error(workdir: Path, data: bytes,
     target = path.parent if name.startswith("folder") else path
     with no_hang():
         try:
-            check_data(str(target), 0.5, 4, 1)
+            prepare_data(DataConfig(path=str(target), val_fraction=0.5), 4, workdir / "run")
         except UserError as e:
             assert "\n" not in str(e)
     path.unlink()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ndtrain.data import ByteTokenizer, DistributedSampler, TokenWindows, eval_shard, load_corpus
-from ndtrain.data import corpus as corpus_module
+from ndtrain.data import sources as sources_module
 from ndtrain.errors import UserError
 
 
@@ -102,7 +102,7 @@ def test_split_is_independent_of_listing_order(tmp_path: Path, monkeypatch: pyte
             dirs.reverse()  # in place, so the loader's pruning still applies
             yield folder, dirs, files[::-1]
 
-    monkeypatch.setattr(corpus_module.os, "walk", reversed_walk)
+    monkeypatch.setattr(sources_module.os, "walk", reversed_walk)
     second = load_corpus(str(tmp_path), 0.2)
     assert torch.equal(first.train, second.train) and torch.equal(first.val, second.val)
 

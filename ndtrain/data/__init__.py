@@ -1,7 +1,9 @@
-"""Data: byte tokenizer, corpora with a deterministic train/val split, token windows and samplers."""
+"""Data: tokenizers, document sources, token files with a deterministic train/val split, windows and samplers."""
 
 from ndtrain.data.corpus import Corpus, TokenWindows, load_corpus
+from ndtrain.data.prepare import TokenData, check_data, prepare_data
 from ndtrain.data.sampler import DistributedSampler, eval_shard
-from ndtrain.data.tokenizer import ByteTokenizer
+from ndtrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
-__all__ = ["ByteTokenizer", "Corpus", "DistributedSampler", "TokenWindows", "eval_shard", "load_corpus"]
+__all__ = ["ByteTokenizer", "Corpus", "DistributedSampler", "HFTokenizer", "TokenData", "TokenWindows", "check_data",
+           "eval_shard", "load_corpus", "load_tokenizer", "prepare_data"]
