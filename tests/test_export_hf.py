@@ -126,3 +126,34 @@ def test_export_writes_the_runs_hf_tokenizer(tmp_path: Path) -> None:
     assert write_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}", tmp_path / "out")
     loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"), local_files_only=True)
     assert loaded("the lazy fox")["input_ids"] == tokenizer.encode("the lazy fox").ids
+
+
+def test_hf_model_with_hf_tokenizer_trains_through_the_cli_and_exports_both(tmp_path: Path) -> None:
+    from tests.test_data_sources import texts, train_tokenizer, write_jsonl
+
+    docs = texts(300)
+    tokenizer_file = train_tokenizer(tmp_path / "tok.json", docs)  # byte-level BPE, 300 tokens
+    write_jsonl(tmp_path / "d.jsonl", docs)
+    model_dir = tmp_path / "llama320"
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=320, max_position_embeddings=64).save_pretrained(model_dir)
+    with pytest.raises(UserError, match=r"model.vocab_size=256 is smaller than the 300 tokens of data.tokenizer"):
+        load_config(None, {"model.preset": f"hf:{hf_dir(tmp_path, 'llama')}", "data.tokenizer": f"hf:{tokenizer_file}"})
+    run = tmp_path / "run"
+    proc = ndtrain("train", "--model", f"hf:{model_dir}", "--set", f"data.tokenizer=hf:{tokenizer_file}",
+                   "--data", str(tmp_path / "d.jsonl"), "--nproc", "1", "--steps", "2", "--out", str(run),
+                   "--set", "model.seq_len=32", "--set", "schedule.global_batch=4", "--set", "schedule.micro_batch=2",
+                   "--set", "data.eval_samples=4", "--set", "log.progress=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(llama)" in proc.stdout and "vocab_size = 320" in (run / "config.toml").read_text()
+    out = tmp_path / "exported"
+    _, files = export_hf(run, out)
+    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= set(files)
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    sentence = docs[0]
+    from tokenizers import Tokenizer
+
+    assert loaded(sentence)["input_ids"] == Tokenizer.from_file(str(tokenizer_file)).encode(sentence).ids
+    _, ours, _ = load_run(run)
+    assert_same_logits(logits(transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)),
+                       logits(ours))
