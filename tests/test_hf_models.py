@@ -7,6 +7,7 @@ relative error ≤ 1e-5 per tensor) through the Trainer and through `ndtrain tra
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from ndtrain.config import load_config
 from ndtrain.errors import UserError
 from ndtrain.generate import load_run
 from ndtrain.mesh import init
-from ndtrain.models.hf import build_hf_model
+from ndtrain.models.hf import build_hf_model, check_hf_model
 from ndtrain.trainer import Trainer
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
@@ -152,16 +153,20 @@ def test_cli_check_and_refusals_are_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f'preset = "hf:{path.resolve()}"' in proc.stdout and "dim = 32" in proc.stdout
     assert "seq_len = 64" in proc.stdout  # min(128, max_position_embeddings)
-    cases = {
-        f"hf:{tmp_path / 'absent'}": "is not a directory",
-        f"hf:{tmp_path}": "no config.json",
-    }
-    for model, expected in cases.items():
-        assert expected in one_error_line(ndtrain("train", "--check", "--model", model, "--out", str(tmp_path / "r")))
-    too_long = ndtrain("train", "--check", "--model", f"hf:{path}", "--set", "model.seq_len=100")
-    assert "exceeds the 64 positions" in one_error_line(too_long)
+    assert "no config.json" in one_error_line(ndtrain("train", "--check", "--model", f"hf:{tmp_path}"))
+    with pytest.raises(UserError, match=r"is not a directory: give a folder"):
+        load_config(None, {"model.preset": f"hf:{tmp_path / 'absent'}"})
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text('{"model_type": "no-such-family", "hidden_size": 8, '
                                                   '"num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 256}')
-    assert "transformers cannot read its config.json" in one_error_line(
-        ndtrain("train", "--check", "--model", f"hf:{tmp_path / 'bad'}"))
+    with pytest.raises(UserError, match="transformers cannot read its config.json"):
+        check_hf_model(tmp_path / "bad", 32)
+
+
+def test_missing_transformers_is_one_line_naming_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = hf_dir(tmp_path, "llama")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(UserError, match=r"needs the transformers package: pip install 'ndtrain\[hf\]'"):
+        check_hf_model(path, 32)
+    with pytest.raises(UserError, match="pip install"):
+        build_hf_model(path, 0)
