@@ -110,9 +110,9 @@ def _dp_worker(data: str, out: str, dirs: dict[str, str]) -> dict[str, dict[str,
 @pytest.mark.parametrize("families", [("llama",), pytest.param(("qwen2", "gpt2"), marks=pytest.mark.slow)],
                          ids=["llama", "qwen2+gpt2"])
 def test_dp2_training_equals_single_process(tmp_path: Path, families: tuple[str, ...], one_thread: None) -> None:
-    """Through `Trainer(cfg, model_fn=...)` in float64, as the other parity tests: in fp32 the layouts sum
-    micro-batch gradients in different orders and AdamW's division by sqrt(v) lifted that to 1.07e-5
-    on one tensor here (warmup 2); the CLI test below checks fp32 at 1e-5 with the default schedule."""
+    """Through `Trainer(cfg, model_fn=...)` in float64, as the other parity tests (README, Tests): in fp32
+    the layouts sum micro-batch gradients in different orders and AdamW's division by sqrt(v) lifted
+    that to 1.07e-5 on one tensor here; the CLI test below checks fp32."""
     data = corpus_file(tmp_path)
     dirs = {family: str(hf_dir(tmp_path, family)) for family in families}
     ranks = run_distributed(_dp_worker, 2, data, str(tmp_path / "dp2"), dirs)
@@ -127,7 +127,11 @@ def test_dp2_training_equals_single_process(tmp_path: Path, families: tuple[str,
 
 
 CLI_TINY = ["--set", "schedule.global_batch=8", "--set", "schedule.micro_batch=2", "--set", "log.progress=false",
-            "--set", "data.eval_samples=8", "--set", "log.eval_every=0", "--set", "model.seq_len=32"]
+            "--set", "data.eval_samples=8", "--set", "log.eval_every=0", "--set", "model.seq_len=32",
+            # fp32 (the CLI has no float64): AdamW's m/(sqrt(v)+eps) turns summation-order rounding of a
+            # near-zero gradient element into a full-size update difference; eps 1e-4 keeps that
+            # proportional, so the 1e-5 bound does not depend on the CPU's kernels
+            "--set", "optim.eps=1e-4"]
 
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
@@ -144,7 +148,7 @@ def test_cli_trains_hf_model_on_two_processes_like_one(tmp_path: Path, family: s
                                                          "log.out": str(tmp_path / "ref")}))
     _, model, checkpoint = load_run(run)
     assert checkpoint.name == "step_00000005"
-    assert_close_params(model.state_dict(), reference, TOL, f"ndtrain train --model hf: ({family}) dp=2")  # 7.4e-7 seen
+    assert_close_params(model.state_dict(), reference, TOL, f"ndtrain train --model hf: ({family}) dp=2")
 
 
 def test_cli_check_and_refusals_are_one_line(tmp_path: Path) -> None:
