@@ -14,11 +14,11 @@ from ndtrain.export import export_safetensors
 from ndtrain.export_hf import builtin_to_hf, export_hf, write_tokenizer
 from ndtrain.generate import load_run
 from ndtrain.init_from import load_init_weights
+from ndtrain.inspect_run import inspect_run
 from ndtrain.mesh import init
 from ndtrain.models.build import build_run_model
 from ndtrain.models.llama import build_model
 from ndtrain.trainer import Trainer
-from tests.test_checkpoint_safety import one_error_line
 from tests.test_checkpoint_verify import ndtrain
 from tests.test_hf_models import hf_dir, hf_run_config
 from tests.test_trainer import corpus_file, tiny_config
@@ -59,9 +59,8 @@ def test_builtin_run_exports_to_hf_and_init_from_reproduces_it(tmp_path: Path, o
     run = trained_run(tmp_path, tiny_config(corpus_file(tmp_path), str(tmp_path / "run"),
                                             **{"parallel.dp": 1, "schedule.steps": 3}))
     out = tmp_path / "exported"
-    proc = ndtrain("export", str(run), str(out), "--format", "hf")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step_00000003" in proc.stdout
+    checkpoint, _ = export_hf(run, out)
+    assert checkpoint.name == "step_00000003"
     assert {"config.json", "model.safetensors", "generation_config.json"} <= {p.name for p in out.iterdir()}
     cfg, ours, _ = load_run(run)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
@@ -87,6 +86,7 @@ def test_hf_run_exports_to_hf_and_init_from_reproduces_it(tmp_path: Path, family
     cfg, ours, _ = load_run(run)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
     assert_same_logits(logits(theirs), logits(ours))
+    assert f"model       hf:{model_dir.resolve()} ({family})" in inspect_run(run)
     fresh = build_run_model(cfg.model, cfg.seed)
     assert not torch.allclose(logits(fresh), logits(ours))  # training moved the weights
     export_safetensors(run, tmp_path / "model.safetensors")
@@ -96,7 +96,7 @@ def test_hf_run_exports_to_hf_and_init_from_reproduces_it(tmp_path: Path, family
         assert_same_logits(logits(start), logits(ours))
 
 
-def test_init_from_refuses_other_models_in_one_line(tmp_path: Path) -> None:
+def test_init_from_refuses_other_models(tmp_path: Path) -> None:
     tiny = load_config(None, {"model.preset": "tiny"}).model
     model = build_model(tiny, 0)
     qwen = hf_dir(tmp_path, "qwen2", weights=build_run_model(
@@ -112,7 +112,8 @@ def test_init_from_refuses_other_models_in_one_line(tmp_path: Path) -> None:
         load_init_weights(model, export)
     with pytest.raises(UserError, match="holds no model.safetensors"):
         load_init_weights(model, tmp_path)
-    assert "model.init_from" in one_error_line(ndtrain("train", "--check", "--init-from", str(tmp_path / "absent")))
+    with pytest.raises(UserError, match="model.init_from .* does not exist"):
+        load_config(None, {"model.preset": "tiny", "model.init_from": str(tmp_path / "absent")})
 
 
 def test_export_writes_the_runs_hf_tokenizer(tmp_path: Path) -> None:
@@ -147,8 +148,11 @@ def test_hf_model_with_hf_tokenizer_trains_through_the_cli_and_exports_both(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(llama)" in proc.stdout and "vocab_size = 320" in (run / "config.toml").read_text()
     out = tmp_path / "exported"
-    _, files = export_hf(run, out)
-    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= set(files)
+    proc = ndtrain("export", str(run), str(out), "--format", "hf")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step_00000002" in proc.stdout and "Writing" not in proc.stderr  # no progress bar
+    files = {p.name for p in out.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors", "config.json"} <= files
     loaded = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     sentence = docs[0]
     from tokenizers import Tokenizer

@@ -6,19 +6,22 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from ndtrain.config import load_config
+from ndtrain.errors import UserError
 from ndtrain.inspect_run import inspect_run, model_tensors
+from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
-from tests.distributed import run_distributed
-from tests.test_checkpoint_safety import one_error_line
+from ndtrain.trainer import Trainer
 from tests.test_checkpoint_verify import ndtrain
-from tests.test_export import _train_worker
-from tests.test_trainer import corpus_file
+from tests.test_trainer import corpus_file, tiny_config
 
 
 def test_inspect_names_layout_step_tokens_and_tensors(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    run_distributed(_train_worker, 2, corpus_file(tmp_path), str(run), {"parallel.zero": 1})
+    cfg = tiny_config(corpus_file(tmp_path), str(run), **{"schedule.steps": 3, "parallel.dp": 1})
+    Trainer(cfg, init(cfg.parallel)).run()
     proc = ndtrain("inspect", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -26,7 +29,7 @@ def test_inspect_names_layout_step_tokens_and_tensors(tmp_path: Path) -> None:
     assert fields["model"].strip() == "tiny"
     assert fields["checkpoint"].strip() == "step_00000003 (verified)"
     assert fields["step"].strip() == "3 of 3"
-    assert fields["layout"].strip() == "dp=2 × cp=1 × pp=1 × tp=1, zero=1"
+    assert fields["layout"].strip() == "dp=1 × cp=1 × pp=1 × tp=1, zero=0"
     assert fields["tokens"].strip() == f"{3 * 8 * 32:,}"  # steps × global batch × seq_len
     expected = build_model(load_config(run / "config.toml").model, 0).state_dict()
     tensors = model_tensors(run / "checkpoints" / "step_00000003")
@@ -41,4 +44,5 @@ def test_inspect_without_checkpoint_and_not_a_run(tmp_path: Path) -> None:
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "config.toml").write_text('[model]\npreset = "tiny"\n')
     assert inspect_run(tmp_path / "fresh").endswith("checkpoint  none yet")
-    assert "is not an ndtrain run directory" in one_error_line(ndtrain("inspect", str(tmp_path)))
+    with pytest.raises(UserError, match="is not an ndtrain run directory"):
+        inspect_run(tmp_path)
