@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ndtrain.checkpoint import PROGRESS, load_checkpoint, load_model_weights, save_checkpoint, select_checkpoint
-from ndtrain.checkpoint_manifest import MANIFEST
+from ndtrain.checkpoint_manifest import MANIFEST, verify
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
@@ -412,6 +412,8 @@ class Engine:
         checkpoint = path if (path / MANIFEST).is_file() else select_checkpoint(path, self.ctx, start_over=False)
         if checkpoint is None:
             raise UserError(f"no checkpoint in {str(path)!r}: give a folder Engine.save wrote")
+        if checkpoint == path and (problem := verify(path)) is not None:
+            raise UserError(f"checkpoint {str(path)!r} does not verify ({problem}): load another one")
         saved = json.loads((checkpoint / MANIFEST).read_text()).get("layout")
         here = {axis: self.ctx.size(axis) for axis in ("dp", "cp", "pp", "tp")} | {"zero": self.ctx.config.zero}
         portable = not self.sharded_optimizer and not (checkpoint / "optim").exists() and self.sharded_model is None

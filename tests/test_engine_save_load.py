@@ -74,3 +74,17 @@ def test_save_and_load_across_zero1_two_ranks_and_one_process(tmp_path: Path, on
         assert torch.equal(single.model.state_dict()[name], tensor), name
     with pytest.raises(UserError, match="no checkpoint in"):
         single.load(tmp_path / "absent")
+
+
+def test_load_of_one_checkpoint_verifies_it(tmp_path: Path) -> None:
+    engine = make_engine(init(ParallelConfig(dp=1)))
+    engine.train_step(batches(0, 0))
+    checkpoint = engine.save(tmp_path)
+    fresh = make_engine(init(ParallelConfig(dp=1)))
+    assert fresh.load(checkpoint)["step"] == 1 and fresh._steps == 1
+    for name, tensor in params(engine).items():
+        assert torch.equal(fresh.model.state_dict()[name], tensor), name
+    progress = checkpoint / "progress.json"
+    progress.write_text(progress.read_text().replace('"step": 1', '"step": 7'))
+    with pytest.raises(UserError, match=r"does not verify \(file progress.json does not match its SHA-256"):
+        fresh.load(checkpoint)
