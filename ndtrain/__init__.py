@@ -4,14 +4,18 @@ Public surface:
     ctx = ndtrain.init(ndtrain.ParallelConfig(dp=2))     # joins torchrun's world, builds groups
     engine = ndtrain.Engine(model_fn, optimizer_fn, ctx)
     result = engine.train_step(micro_batches)
+    engine.save(path); engine.load(path)
+    ndtrain.Trainer(cfg, model_fn=..., loss_fn=...).run()   # data, eval, schedule, metrics, checkpoints
 """
 
 from ndtrain.config import ParallelConfig, TrainConfig, load_config
 from ndtrain.engine import Engine, StepResult
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
+from ndtrain.trainer import Trainer
 from ndtrain.version import package_version
 
 __version__ = package_version()
 
-__all__ = ["Engine", "ParallelConfig", "ParallelContext", "StepResult", "TrainConfig", "UserError", "init", "load_config"]
+__all__ = ["Engine", "ParallelConfig", "ParallelContext", "StepResult", "TrainConfig", "Trainer", "UserError", "init",
+           "load_config"]

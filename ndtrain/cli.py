@@ -1,4 +1,4 @@
-"""The `ndtrain` command: train, generate, export, bench, plan.
+"""The `ndtrain` command: train, generate, export, inspect, bench, plan.
 
 `ndtrain train` validates the whole configuration in the launching process (so mistakes end in
 one line and exit status 2 before any worker starts), then either runs as a worker (when
@@ -42,7 +42,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--ps.mode": ("ps.mode", str, "parameter-server consistency"),
     "--ps.staleness": ("ps.staleness", int, "ssp staleness bound (steps)"),
     "--ps.slow-worker": ("ps.slow_worker", str, "RANK:FACTOR, one worker FACTOR× slower"),
-    "--model": ("model.preset", str, "model preset"),
+    "--model": ("model.preset", str, "model: a built-in preset or hf:PATH (a folder with a transformers config.json)"),
+    "--init-from": ("model.init_from", str, "start from these weights: an HF save_pretrained folder or a .safetensors file"),
     "--seq-len": ("model.seq_len", int, "tokens per sequence"),
     "--steps": ("schedule.steps", int, "optimizer steps"),
     "--global-batch": ("schedule.global_batch", int, "sequences per optimizer step, over all dp ranks"),
@@ -99,9 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K most likely bytes")
     gen.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed")
 
-    export = commands.add_parser("export", help="write a run's model as one safetensors file (config in its metadata)")
+    export = commands.add_parser("export", help="write a run's model as one safetensors file (config in its metadata) "
+                                                "or, with --format hf, as a Hugging Face save_pretrained folder")
     export.add_argument("run_dir", type=Path, help="a run directory with a checkpoint")
-    export.add_argument("out", type=Path, metavar="OUT.safetensors", help="the file to write")
+    export.add_argument("out", type=Path, metavar="OUT", help="OUT.safetensors, or a new folder with --format hf")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors (default): one file; hf: config.json + model.safetensors (+ tokenizer)")
+
+    inspect = commands.add_parser("inspect", help="a run's model, layout, step, tokens and newest checkpoint's tensors")
+    inspect.add_argument("run_dir", type=Path, help="a run directory")
 
     from ndtrain.bench import cli as bench_cli
     from ndtrain.plan import cli as plan_cli
@@ -161,6 +168,10 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     from ndtrain.mesh import resolve_backend, resolve_device
 
     resolve_backend(cfg.parallel.backend, resolve_device(cfg.parallel.device, 0))
+    from ndtrain.models.hf import check_hf_model, hf_path, is_hf_model
+
+    if is_hf_model(cfg.model.preset):
+        check_hf_model(hf_path(cfg.model.preset), cfg.model.seq_len)
     check_host_memory(cfg)
     check_run_dir(cfg.log.out)
     from ndtrain.data.prepare import check_data
@@ -292,11 +303,22 @@ def main(argv: list[str] | None = None) -> int:
 
             print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
             return 0
+        if args.command == "export" and args.format == "hf":
+            from ndtrain.export_hf import export_hf
+
+            checkpoint, files = export_hf(args.run_dir, args.out)
+            print(f"ndtrain: exported {checkpoint} to {args.out} ({', '.join(files)})")
+            return 0
         if args.command == "export":
             from ndtrain.export import export_safetensors
 
             checkpoint, count = export_safetensors(args.run_dir, args.out)
             print(f"ndtrain: exported {count} tensors of {checkpoint} to {args.out}")
+            return 0
+        if args.command == "inspect":
+            from ndtrain.inspect_run import inspect_run
+
+            print(inspect_run(args.run_dir))
             return 0
         if args.command == "plan":
             from ndtrain.plan import cli as plan_cli

@@ -25,7 +25,6 @@ NUMBER_METAVARS: dict[Callable[[str], Any], str] = {int: "N", float: "X"}
 
 # The allowed values of each closed-set config key a flag sets.
 KEY_CHOICES: dict[str, tuple[Any, ...]] = {
-    "model.preset": PRESET_NAMES,
     "parallel.precision": PRECISIONS,
     "parallel.recompute": RECOMPUTE_MODES,
     "parallel.pp_schedule": PP_SCHEDULES,
@@ -44,8 +43,21 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+HF_MODEL_PREFIX = "hf:"
+MODEL_METAVAR = "{" + ",".join(PRESET_NAMES) + ",hf:PATH}"
+
+
+def parse_model(text: str) -> str:
+    """A built-in preset name or `hf:PATH` (a folder with a transformers config.json, checked by the config)."""
+    if text in PRESET_NAMES or (text.startswith(HF_MODEL_PREFIX) and len(text) > len(HF_MODEL_PREFIX)):
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(PRESET_NAMES)} or hf:PATH)")
+
+
 def value_options(key: str, kind: Callable[[str], Any]) -> dict[str, Any]:
     """argparse keywords giving a flag for config `key` its type, allowed values and metavar."""
+    if key == "model.preset":
+        return {"type": parse_model, "metavar": MODEL_METAVAR}
     if kind is parse_bool:
         return {"type": parse_bool, "metavar": BOOL_METAVAR}
     choices = KEY_CHOICES.get(key)

@@ -82,12 +82,17 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    init_from: str | None = None  # weights to start from: an HF save_pretrained folder or a .safetensors file
 
     def validate(self) -> None:
         _positive(self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")
         _positive(self, "norm_eps", "rope_theta", "init_std")
+        if self.init_from is not None and not _exists(self.init_from):
+            raise UserError(f"model.init_from {self.init_from!r} does not exist: give an HF model folder or a .safetensors file")
         if self.dim % self.n_heads:
             raise UserError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.preset.startswith("hf:"):  # the HF config decides the rest (models/hf.py)
+            return
         if (self.dim // self.n_heads) % 2:
             raise UserError(f"model head size dim/n_heads={self.dim // self.n_heads} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
@@ -96,7 +101,12 @@ class ModelConfig:
             )
 
     def parameter_count(self) -> int:
-        """Ψ of the built-in Llama with these sizes (the formula in models/llama.py), by arithmetic."""
+        """Ψ of the built-in Llama with these sizes (the formula in models/llama.py), by arithmetic;
+        of an `hf:PATH` model, counted on a meta-device construction."""
+        if self.preset.startswith("hf:"):
+            from ndtrain.models import hf
+
+            return hf.parameter_count(hf.hf_path(self.preset))
         d, head = self.dim, self.dim // self.n_heads
         layer = 2 * d * d + 2 * d * self.n_kv_heads * head + 3 * d * self.ffn_dim + 2 * d
         return self.vocab_size * d * (1 if self.tie_embeddings else 2) + self.n_layers * layer + d
@@ -496,24 +506,50 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
     if not isinstance(model_raw, dict):
         raise UserError("config key 'model' must be a table")
     preset = model_raw.get("preset", ModelConfig.preset)
-    if not isinstance(preset, str) or preset not in PRESET_NAMES:
-        raise UserError(f"model.preset={preset!r} is unknown: choose one of {', '.join(PRESET_NAMES)}")
-    raw["model"] = {**MODEL_PRESETS.get(preset, {}), **model_raw, "preset": preset}
-    for section, defaults in TASK_PRESETS.get(preset, {}).items():
-        given = raw.get(section, {})
-        raw[section] = {**defaults, **given} if isinstance(given, dict) else given
+    hf_path = None
+    if isinstance(preset, str) and preset.startswith("hf:"):
+        raw["model"], hf_path = _hf_model_raw(preset, model_raw)
+    elif not isinstance(preset, str) or preset not in PRESET_NAMES:
+        raise UserError(f"model.preset={preset!r} is unknown: choose one of {', '.join(PRESET_NAMES)} or hf:PATH")
+    else:
+        raw["model"] = {**MODEL_PRESETS.get(preset, {}), **model_raw, "preset": preset}
+        for section, defaults in TASK_PRESETS.get(preset, {}).items():
+            given = raw.get(section, {})
+            raw[section] = {**defaults, **given} if isinstance(given, dict) else given
+        data_raw = raw.get("data")
+        tokenizer = data_raw.get("tokenizer") if isinstance(data_raw, dict) else None
+        if "vocab_size" not in model_raw and isinstance(tokenizer, str) and tokenizer != "bytes":
+            from ndtrain.data.tokenizer import tokenizer_vocab_size
+
+            raw["model"]["vocab_size"] = tokenizer_vocab_size(tokenizer)  # not given: the tokenizer's
     log_raw = raw.get("log")
     if isinstance(log_raw, dict) and "log_every" in log_raw:  # the old name of log.every
         if "every" in log_raw:
             raise UserError("log.log_every is the old name of log.every: give only log.every")
         log_raw["every"] = log_raw.pop("log_every")
-    data_raw = raw.get("data")
-    tokenizer = data_raw.get("tokenizer") if isinstance(data_raw, dict) else None
-    if "vocab_size" not in model_raw and isinstance(tokenizer, str) and tokenizer != "bytes":
-        from ndtrain.data.tokenizer import tokenizer_vocab_size
+    cfg = _build(TrainConfig, raw, prefix="")
+    if hf_path is not None:
+        from ndtrain.models.hf import check_seq_len
 
-        raw["model"]["vocab_size"] = tokenizer_vocab_size(tokenizer)  # not given: the tokenizer's
-    return _build(TrainConfig, raw, prefix="")
+        check_seq_len(hf_path, cfg.model.seq_len)
+    return cfg
+
+
+def _hf_model_raw(preset: str, model_raw: dict[str, Any]) -> tuple[dict[str, Any], Path]:
+    """The model table of an `hf:PATH` preset: sizes from PATH/config.json (the path made absolute,
+    so the run directory's config.toml stays valid from anywhere); explicit keys may only repeat them."""
+    from ndtrain.models.hf import config_sizes, hf_path
+
+    path = hf_path(preset).expanduser().resolve()
+    sizes = config_sizes(path)
+    for key, value in model_raw.items():
+        if key in sizes and key != "seq_len" and value != sizes[key]:
+            raise UserError(
+                f"model.{key}={value!r} differs from {sizes[key]!r} in {str(path / 'config.json')!r}: "
+                f"the HF config decides the model's sizes; drop model.{key}"
+            )
+    return {**model_raw, **{k: v for k, v in sizes.items() if k not in model_raw or k != "seq_len"},
+            "preset": f"hf:{path}"}, path
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -33,7 +33,8 @@ def export_safetensors(run_dir: Path, out: Path) -> tuple[Path, int]:
     if not out.parent.is_dir():
         raise UserError(f"cannot write {str(out)!r}: {str(out.parent)!r} is not a directory; create it first")
     cfg, model, checkpoint = load_run(run_dir)
-    tensors = {name: value.detach().cpu().contiguous().clone() for name, value in model.state_dict().items()}
+    tensors = {name.removeprefix("hf."): value.detach().cpu().contiguous().clone()
+               for name, value in model.state_dict().items()}
     metadata = {"format": "pt", "model_config": json.dumps(dataclasses.asdict(cfg.model), sort_keys=True),
                 "step": str(step_of(checkpoint))}
     tmp = out.with_name(out.name + PARTIAL)

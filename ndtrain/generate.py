@@ -6,6 +6,7 @@ which is fine for the small models trained here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ndtrain.checkpoint import load_model_weights, newest_verified
 from ndtrain.config import TrainConfig, load_config
 from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import UserError
-from ndtrain.models.llama import build_model
+from ndtrain.models.build import build_run_model
 
 
 @torch.no_grad()
@@ -50,7 +51,7 @@ def load_run(run_dir: Path) -> tuple[TrainConfig, nn.Module, Path]:
     checkpoint = newest_verified(run_dir / "checkpoints")
     if checkpoint is None:
         raise UserError(f"run directory {str(run_dir)!r} has no checkpoint yet: train it first")
-    model = build_model(cfg.model, cfg.seed)
+    model = build_run_model(dataclasses.replace(cfg.model, init_from=None), cfg.seed)  # the checkpoint overwrites it
     load_model_weights(checkpoint, model)
     return cfg, model.eval(), checkpoint
 

@@ -29,7 +29,8 @@ from ndtrain.console import console_stream, ensure_console, log
 from ndtrain.errors import UserError
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.mesh import ParallelContext
-from ndtrain.models.llama import build_model, count_parameters
+from ndtrain.models.build import build_run_model
+from ndtrain.models.llama import count_parameters
 from ndtrain.parallel.parameter_server import ParameterServer, PSSetup, PSWorker, ServerReport
 from ndtrain.progress import Progress
 from ndtrain.run_info import environment, utc_now
@@ -57,7 +58,7 @@ class PSTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext) -> None:
         self.workers = check_ps_config(cfg, ctx.world_size)
         super().__init__(cfg, ctx)
-        self.model = build_model(cfg.model, cfg.seed, ctx.device)
+        self.model = build_run_model(cfg.model, cfg.seed).to(ctx.device)
         self.setup = PSSetup.build(self.model, ctx, cfg.ps, cfg.schedule.steps)
         self.is_server = self.setup.roles.is_server(ctx.rank)
         o, s = cfg.optim, cfg.schedule

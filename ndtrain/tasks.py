@@ -41,16 +41,16 @@ class Task:
 
 
 def language_model_task(cfg: TrainConfig) -> Task:
-    """The built-in Llama on windows of seq_len+1 tokens of `data.path` (default: Python's own source), read
+    """The config's model (built-in Llama preset or hf:PATH, with model.init_from) on windows of seq_len+1 tokens of `data.path` (default: Python's own source), read
     from the token file that `data/prepare.py` builds."""
     from ndtrain.data.prepare import prepare_data
-    from ndtrain.models.llama import build_model
+    from ndtrain.models.build import build_run_model
 
     data = prepare_data(cfg.data, cfg.model.seq_len, Path(cfg.log.out))
     return Task(
         train_set=data.train,
         val_set=data.val,
-        model_fn=lambda: build_model(cfg.model, cfg.seed),
+        model_fn=lambda: build_run_model(cfg.model, cfg.seed),
         data_description=data.description,
         items=f"windows of {cfg.model.seq_len} tokens",
     )

@@ -31,8 +31,9 @@ from ndtrain.data.sampler import DistributedSampler, eval_shard
 from ndtrain.engine import Batch, Engine, StepResult
 from ndtrain.errors import UserError
 from ndtrain.memory import peak_bytes, reset_peak
-from ndtrain.mesh import ParallelContext
+from ndtrain.mesh import ParallelContext, init
 from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
+from ndtrain.models.build import build_run_model, model_label
 from ndtrain.preemption import Preempted, StopRequest
 from ndtrain.progress import Progress
 from ndtrain.run_info import environment, utc_now
@@ -54,11 +55,26 @@ def elastic_restarts() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: Callable[[], nn.Module]) -> Engine:
-    """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine."""
+ModelFn = Callable[[], nn.Module]
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def seeded(model_fn: ModelFn, seed: int) -> ModelFn:
+    """`model_fn` called under `torch.manual_seed(seed)` (caller's RNG untouched): the same weights on every rank."""
+    def build() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return model_fn()
+    return build
+
+
+def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | None = None,
+                 loss_fn: LossFn | None = None) -> Engine:
+    """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine.
+    The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
     o, s = cfg.optim, cfg.schedule
     return Engine(
-        model_fn,
+        seeded(model_fn, cfg.seed) if model_fn is not None else lambda: build_run_model(cfg.model, cfg.seed),
         lambda groups: torch.optim.AdamW(
             groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         ),
@@ -68,13 +84,22 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: Callable[[], 
         ),
         grad_clip=o.grad_clip,
         skip_nonfinite=o.skip_nonfinite,
+        loss_fn=loss_fn,
     )
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: ParallelContext) -> None:
+    """`Trainer(cfg)` trains the config's model; `Trainer(cfg, model_fn=..., loss_fn=...)` a user's
+    `nn.Module` (`loss_fn(model(tokens), targets)`; without it `model(tokens, targets)` is the loss),
+    with the same data, eval, schedule, metrics, checkpoints and resume. `ctx`: `ndtrain.init(cfg.parallel)`
+    when not given."""
+
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext | None = None, *, model_fn: ModelFn | None = None,
+                 loss_fn: LossFn | None = None) -> None:
         self.cfg = cfg
-        self.ctx = ctx
+        self.ctx = ctx if ctx is not None else init(cfg.parallel)
+        self.model_fn, self.loss_fn = model_fn, loss_fn
+        self.tokens_total = 0  # tokens trained on since step 0 (kept in checkpoints)
         self.run_dir = Path(cfg.log.out)
         self.checkpoints = self.run_dir / "checkpoints"
         self.task = build_task(cfg)
@@ -100,7 +125,8 @@ class Trainer:
         return self.ctx.size("dp"), self.ctx.coord("dp")
 
     def make_engine(self) -> Engine:
-        return build_engine(self.cfg, self.ctx, self.task.model_fn)
+        return build_engine(self.cfg, self.ctx, self.model_fn if self.model_fn is not None else self.task.model_fn,
+                            self.loss_fn)
 
     # ---- data -------------------------------------------------------------------------------
     def _epoch_indices(self, epoch: int) -> list[int]:
@@ -155,11 +181,12 @@ class Trainer:
         )
         self.engine.scheduler.load_state_dict(progress["scheduler"])
         self.engine.load_extra_state(progress.get("engine", {}))
+        self.tokens_total = int(progress.get("tokens", 0))
         return int(progress["step"])
 
     def save(self, step: int) -> None:
         progress = {"step": step, "scheduler": self.engine.scheduler.state_dict(), "world_size": self.ctx.world_size,
-                    "engine": self.engine.extra_state()}
+                    "engine": self.engine.extra_state(), "tokens": self.tokens_total}
         save_checkpoint(
             self.checkpoints, step, self.engine.model, self.engine.optimizer, progress, self.ctx,
             keep=self.cfg.checkpoint.keep, sharded_optimizer=self.engine.sharded_optimizer,
@@ -211,6 +238,7 @@ class Trainer:
             rank_peak = peak_bytes(ctx.device)
             step_peak = max(step_peak, rank_peak)
             tokens_seen += result.tokens
+            self.tokens_total += result.tokens
             done = step + 1
             record: dict[str, Any] = {}
             if done % cfg.log.every == 0 or done == cfg.schedule.steps:
@@ -267,7 +295,7 @@ class Trainer:
         if restarts:
             action += f" after elastic restart {restarts}"
         return (
-            f"ndtrain: {action}: model {cfg.model.preset} ({self.engine.parameter_count / 1e6:.2f} M params), "
+            f"ndtrain: {action}: model {self.model_label} ({self.engine.parameter_count / 1e6:.2f} M params), "
             f"{layout} on {ctx.world_size} {ctx.device.type} process(es), backend {ctx.backend}, "
             f"{torch.get_num_threads()} thread(s)/process\n"
             f"ndtrain: data {self.corpus_description}: {len(self.train_set)} train / {len(self.val_set)} val "
@@ -276,9 +304,14 @@ class Trainer:
             f"micro {cfg.schedule.micro_batch} × accumulation {self.accumulation}; run dir {self.run_dir}"
         )
 
+    @property
+    def model_label(self) -> str:
+        return model_label(self.cfg.model) if self.model_fn is None else type(self.engine.model).__name__
+
     def summary_table(self, s: dict[str, Any]) -> str:
         rows = [
             ("steps", f"{s['steps']} (resumed from {s['resumed_from']})" if s["resumed_from"] else str(s["steps"])),
+            ("model", self.model_label),
             ("final train loss", f"{s['final_loss']:.4f} {self.task.loss_unit}"),
             ("validation loss", f"{s['val_loss']:.4f} {self.task.loss_unit}"),
             *((name, f"{s[name]:.4f}") for name in self.task.metrics if name in s),

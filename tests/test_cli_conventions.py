@@ -138,7 +138,7 @@ def test_train_help_defaults_are_what_check_resolves(capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize("flag, allowed", [
     ("--precision", "{fp32,bf16,fp16}"), ("--recompute", "{none,selective,full}"), ("--sp", "{true,false}"),
     ("--schedule", "{naive,gpipe,1f1b,interleaved,zb}"), ("--dp-mode", "{ddp,single-process}"),
-    ("--ps.mode", "{sync,async,ssp}"), ("--zero", "{0,1,2,3}"), ("--model", "{tiny,small,bench,digits}"),
+    ("--ps.mode", "{sync,async,ssp}"), ("--zero", "{0,1,2,3}"), ("--model", "{tiny,small,bench,digits,hf:PATH}"),
 ])
 def test_train_help_lists_allowed_values(flag: str, allowed: str, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,7 +155,10 @@ def test_choices_are_the_config_tuples() -> None:
         assert choices(parsers[command], "--schedule") is PP_SCHEDULES
         assert choices(parsers[command], "--zero") is ZERO_STAGES
     assert choices(parsers["train"], "--precision") is PRECISIONS
-    assert tuple(choices(parsers["train"], "--model")) == PRESET_NAMES
+    (model,) = [a for a in parsers["train"]._actions if "--model" in a.option_strings]
+    assert all(model.type(name) == name for name in PRESET_NAMES) and model.type("hf:some/dir") == "hf:some/dir"
+    with pytest.raises(argparse.ArgumentTypeError):
+        model.type("gpt9")
     assert tuple(choices(parsers["bench"], "--model")) == tuple(MODEL_PRESETS)
     assert tuple(choices(parsers["plan"], "--model"))[:len(MODEL_PRESETS)] == tuple(MODEL_PRESETS)
 

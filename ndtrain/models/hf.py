@@ -1,0 +1,156 @@
+"""Hugging Face causal LMs as ndtrain models: `model.preset = "hf:PATH"`.
+
+PATH is a local directory holding a transformers `config.json` (what `save_pretrained` writes).
+The model is built with `AutoModelForCausalLM` from that config, in fp32, with SDPA attention:
+- weights in PATH (`model.safetensors` or a sharded `model.safetensors.index.json`) are loaded
+  with `from_pretrained(local_files_only=True)`;
+- without weights, a seeded init: `torch.manual_seed(seed)` right before construction, in a forked
+  RNG, so every rank of every layout builds bit-identical weights.
+Nothing is downloaded. It comes back wrapped in `CausalLM` (tokens → logits → the shifted
+cross-entropy, once), so its state-dict keys start with `hf.`.
+
+`config_sizes` reads config.json as plain JSON (no transformers import) for the typed config:
+sizes, vocabulary and the longest sequence the model takes (`max_position_embeddings`, GPT-2's
+`n_positions`). `check_hf_model` is what the launcher runs before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ndtrain.errors import UserError
+
+PREFIX = "hf:"
+INSTALL = "pip install 'ndtrain[hf]'"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+# ModelConfig field ← config.json keys, first present wins (Llama/Qwen2 names, then GPT-2's).
+_SIZE_KEYS: dict[str, tuple[str, ...]] = {
+    "dim": ("hidden_size", "n_embd", "d_model"),
+    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "n_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "vocab_size": ("vocab_size",),
+}
+_MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+def is_hf_model(preset: str) -> bool:
+    """Whether a `model.preset` names a Hugging Face model directory (`hf:PATH`)."""
+    return preset.startswith(PREFIX)
+
+
+def hf_path(preset: str) -> Path:
+    """The directory of an `hf:PATH` preset."""
+    return Path(preset[len(PREFIX):])
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """PATH/config.json as a dict; a missing or unreadable one is a UserError naming the fix."""
+    file = path / "config.json"
+    if not path.is_dir():
+        raise UserError(f"--model hf:{path}: {str(path)!r} is not a directory: give a folder holding a transformers config.json")
+    try:
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise UserError(f"--model hf:{path}: no config.json in {str(path)!r}: give the folder save_pretrained wrote") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"--model hf:{path}: cannot read {str(file)!r} ({' '.join(str(e).split())[:120]})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise UserError(f"--model hf:{path}: {str(file)!r} has no model_type: it is not a transformers config")
+    return config
+
+
+def max_positions(config: dict[str, Any]) -> int | None:
+    return next((int(config[k]) for k in _MAX_POSITION_KEYS if isinstance(config.get(k), int)), None)
+
+
+def config_sizes(path: Path) -> dict[str, Any]:
+    """ModelConfig values an HF config decides (sizes, vocabulary, tying), read from config.json."""
+    config = read_hf_config(path)
+    sizes: dict[str, Any] = {}
+    for field, keys in _SIZE_KEYS.items():
+        value = next((config[k] for k in keys if isinstance(config.get(k), int)), None)
+        if value is None:
+            raise UserError(f"--model hf:{path}: config.json has none of {', '.join(keys)}: it is not a causal LM config")
+        sizes[field] = value
+    sizes["n_kv_heads"] = config.get("num_key_value_heads") or sizes["n_heads"]
+    sizes["ffn_dim"] = config.get("intermediate_size") or config.get("n_inner") or 4 * sizes["dim"]
+    sizes["tie_embeddings"] = bool(config.get("tie_word_embeddings", config.get("model_type") == "gpt2"))
+    longest = max_positions(config)
+    sizes["seq_len"] = min(128, longest) if longest else 128
+    return sizes
+
+
+def check_seq_len(path: Path, seq_len: int) -> None:
+    longest = max_positions(read_hf_config(path))
+    if longest is not None and seq_len > longest:
+        raise UserError(
+            f"model.seq_len={seq_len} exceeds the {longest} positions of the HF model in {str(path)!r}: "
+            f"use model.seq_len <= {longest}"
+        )
+
+
+def require_transformers() -> Any:
+    """The transformers module, or a UserError naming the extra to install."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"--model hf:... needs the transformers package: {INSTALL}") from None
+    return transformers
+
+
+def _auto_config(path: Path) -> Any:
+    transformers = require_transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise UserError(f"--model hf:{path}: transformers cannot read its config.json ({' '.join(str(e).split())[:160]})") from None
+
+
+def has_weights(path: Path) -> bool:
+    return any((path / name).is_file() for name in WEIGHT_FILES)
+
+
+def check_hf_model(path: Path, seq_len: int) -> str:
+    """The launcher's checks before workers start; returns the model class name."""
+    check_seq_len(path, seq_len)
+    transformers = require_transformers()
+    config = _auto_config(path)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"--model hf:{path}: not a causal LM transformers can build ({' '.join(str(e).split())[:160]})") from None
+    return type(model).__name__
+
+
+def hf_model_type(path: Path) -> str:
+    """config.json's model_type (llama, qwen2, gpt2, ...)."""
+    return str(read_hf_config(path)["model_type"])
+
+
+def parameter_count(path: Path) -> int:
+    """Ψ of the HF model, from a construction on the meta device (no memory, no init)."""
+    transformers = require_transformers()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_auto_config(path))
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_hf_model(path: Path, seed: int) -> torch.nn.Module:
+    """The `CausalLM` of PATH: its weights when present, else seeded init (identical on every rank)."""
+    from ndtrain.models.causal_lm import CausalLM
+
+    transformers = require_transformers()
+    options = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if has_weights(path):
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **options)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(_auto_config(path), **options)
+    return CausalLM(model)
