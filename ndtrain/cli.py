@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", type=Path, help="a run directory with a checkpoint")
     export.add_argument("out", type=Path, metavar="OUT", help="OUT.safetensors, or a new folder with --format hf")
     export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="safetensors (default): one file; hf: config.json + model.safetensors (+ tokenizer)")
+                        help="safetensors: one file; hf: config.json + model.safetensors (+ tokenizer)")
 
     inspect = commands.add_parser("inspect", help="a run's model, layout, step, tokens and newest checkpoint's tensors")
     inspect.add_argument("run_dir", type=Path, help="a run directory")

@@ -113,12 +113,12 @@ class Trainer:
         self._epoch_cache: tuple[int, list[int]] = (-1, [])
         if self.steps_per_epoch == 0:
             raise UserError(
-                f"the training data has {len(self.train_set)} windows of {cfg.model.seq_len + 1} bytes, fewer than "
+                f"the training data has {len(self.train_set)} items ({self.task.items}), fewer than "
                 f"one global batch of {cfg.schedule.global_batch}: use more data or a smaller schedule.global_batch"
             )
-        self.timeline = TimelineRecorder(cfg, ctx, self.run_dir)
+        self.timeline = TimelineRecorder(cfg, self.ctx, self.run_dir)
         self.engine = self.make_engine()
-        self.trackers = Trackers(cfg.log.report_to if ctx.is_main else [], self.run_dir)
+        self.trackers = Trackers(cfg.log.report_to if self.ctx.is_main else [], self.run_dir)
 
     def data_ranks(self) -> tuple[int, int]:
         """How many ranks share the data and this rank's place among them: the dp axis."""
