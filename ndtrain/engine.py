@@ -374,20 +374,37 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
-        """Mean loss and token count over every rank's batches, each token counted exactly once."""
+        """Mean loss and token count over every rank's batches, each token counted exactly once.
+
+        Ranks may hold different numbers of batches (uneven evaluation shards). Under ZeRO-3 every
+        forward all-gathers parameters over dp×cp, so ranks with fewer batches run padding forwards
+        (the lacking count, on a one-row batch, counted zero times) to issue the same collectives;
+        that costs one 16-byte all-reduce (batch count, sequence length) per evaluation."""
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for x, y in batches:
+        batches = list(batches)
+        padding = self._fsdp_eval_padding(batches)
+        for (x, y), weight in [*((batch, 1) for batch in batches), *((batch, 0) for batch in padding)]:
             if self.pipeline:
                 loss, count = eval_pipeline(self._chunks, [(self._input(x), self._input(y))], self.ctx)
             else:
                 inputs = self._model_inputs(x, y)
                 loss, count = self._loss(inputs), inputs[1].numel()
-            totals[0] += loss.double() * count
-            totals[1] += count
+            totals[0] += loss.double() * count * weight
+            totals[1] += count * weight
         self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))
         tokens = int(totals[1].item())
         return (totals[0].item() / tokens if tokens else float("nan")), tokens
+
+    def _fsdp_eval_padding(self, batches: list[Batch]) -> list[Batch]:
+        """The batches this rank forwards only to match the others' all-gathers (ZeRO-3; none otherwise)."""
+        if self.fsdp is None or self.ctx.group("dp_cp").size == 1:
+            return []
+        shape = torch.tensor([len(batches), batches[0][0].shape[-1] if batches else 0], device=self.ctx.device)
+        self.ctx.comm.all_reduce(shape, self.ctx.group("dp_cp"), op=torch.distributed.ReduceOp.MAX)
+        most, seq_len = (int(v) for v in shape.tolist())
+        row = torch.zeros((1, seq_len), dtype=torch.long)
+        return [(row, row)] * (most - len(batches))
 
     # ----------------------------------------------------------------------------- checkpoints
     def save(self, path: str | Path, *, keep: int = 2, progress: dict[str, Any] | None = None) -> Path:
