@@ -246,7 +246,13 @@ class Watchdog:
                 f"rank {r} waits in #{waits[r]['seq']} {waits[r]['op']} on axis {waits[r]['axis']!r}" for r in behind
             )
             parts.append(f"ranks {behind} are alive but behind ({detail})")
-        if not missing and not behind:
+        other_op = [r for r in peers if r in waits and r not in behind and (waits[r]["axis"], waits[r]["seq"]) ==
+                    (wait.axis, wait.seq) and waits[r]["op"] != wait.op]
+        if other_op:
+            detail = "; ".join(f"rank {r} waits in #{wait.seq} {waits[r]['op']}" for r in other_op)
+            parts.append(f"ranks {other_op} issued another collective as #{wait.seq} on this axis ({detail}): the ranks "
+                         "issued different collectives, a program error (e.g. a rank running fewer forwards), not a stall")
+        elif not missing and not behind:
             parts.append("every peer arrived: the communication library itself is stuck")
         return "; ".join(parts), [beats[r] for r in missing if beats[r] is not None]
 

@@ -79,6 +79,30 @@ def test_ranks_waiting_elsewhere_are_behind_not_missing(capfd: pytest.CaptureFix
     ]
 
 
+def _different_collectives(watchdog_s: float) -> None:
+    """Rank 0 all-reduces while rank 1 all-gathers, both as collective #1 on 'dp': a program error that gloo
+    leaves hanging (seen when ZeRO-3 ranks ran different numbers of evaluation forwards)."""
+    ctx = init(ParallelConfig(watchdog_s=watchdog_s, timeout_s=120), init_method=init_method())
+    if ctx.rank == 0:
+        ctx.comm.all_reduce(torch.ones(2, dtype=torch.float64), ctx.group("dp"))
+    else:
+        ctx.comm.all_gather(torch.empty(8), torch.ones(4), ctx.group("dp"))
+
+
+def test_ranks_in_different_collectives_are_named_as_a_program_error(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError, match="exited with status 1"):
+        run_distributed(_different_collectives, 2, 2.0, timeout=60)
+    errors = sorted(line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:"))
+    assert [re.sub(r"waited \d+ s", "waited N s", line) for line in errors] == [
+        "ndtrain: error: rank 0 waited N s in collective #1 all_reduce on axis 'dp' (ranks [0, 1]); ranks [1] issued "
+        "another collective as #1 on this axis (rank 1 waits in #1 all_gather): the ranks issued different "
+        "collectives, a program error (e.g. a rank running fewer forwards), not a stall",
+        "ndtrain: error: rank 1 waited N s in collective #1 all_gather on axis 'dp' (ranks [0, 1]); ranks [0] issued "
+        "another collective as #1 on this axis (rank 0 waits in #1 all_reduce): the ranks issued different "
+        "collectives, a program error (e.g. a rank running fewer forwards), not a stall",
+    ]
+
+
 def _reduce_scatter_stall(watchdog_s: float) -> None:
     """gloo's reduce-scatter ignores `work.wait(timeout)`: the watchdog must not rely on it."""
     ctx = init(ParallelConfig(watchdog_s=watchdog_s, timeout_s=120), init_method=init_method())
