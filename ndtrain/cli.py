@@ -171,7 +171,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     from ndtrain.models.hf import check_hf_model, hf_path, is_hf_model
 
     if is_hf_model(cfg.model.preset):
-        check_hf_model(hf_path(cfg.model.preset), cfg.model.seq_len)
+        check_hf_model(hf_path(cfg.model.preset), cfg.model.seq_len, cfg.parallel)
     check_host_memory(cfg)
     check_run_dir(cfg.log.out)
     from ndtrain.data.prepare import check_data

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain.config import load_config
+from ndtrain.config import ParallelConfig, load_config
 from ndtrain.errors import UserError
 from ndtrain.generate import load_run
 from ndtrain.mesh import init
-from ndtrain.models.hf import build_hf_model, check_hf_model
+from ndtrain.models.hf import build_hf_model, check_family_supports, check_hf_model
 from ndtrain.trainer import Trainer
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
@@ -165,6 +165,15 @@ def test_cli_check_and_refusals(tmp_path: Path) -> None:
                                                   '"num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 256}')
     with pytest.raises(UserError, match="transformers cannot read its config.json"):
         check_hf_model(tmp_path / "bad", 32)
+    # The layout is checked against the family before any worker starts.
+    gpt2 = hf_dir(tmp_path, "gpt2")
+    proc = ndtrain("train", "--check", "--model", f"hf:{gpt2}", "--nproc", "2", "--tp", "2", "--out", str(tmp_path / "r2"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "tensor parallel is not supported for gpt2" in proc.stderr
+    for axis in ("tp", "pp", "cp"):
+        with pytest.raises(UserError, match=rf"--{axis} 2: model type 'mistral' has no ndtrain family spec"):
+            check_family_supports("mistral", ParallelConfig(**{axis: 2}))
+    check_family_supports("llama", ParallelConfig(tp=2, pp=2, cp=2))
 
 
 def test_missing_transformers_is_one_line_naming_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 
 PREFIX = "hf:"
@@ -115,9 +116,12 @@ def has_weights(path: Path) -> bool:
     return any((path / name).is_file() for name in WEIGHT_FILES)
 
 
-def check_hf_model(path: Path, seq_len: int) -> str:
-    """The launcher's checks before workers start; returns the model class name."""
+def check_hf_model(path: Path, seq_len: int, parallel: ParallelConfig | None = None) -> str:
+    """The launcher's checks before workers start (sizes; the layout's strategies against what the model's
+    family supports, so a refusal comes before any worker starts); returns the model class name."""
     check_seq_len(path, seq_len)
+    if parallel is not None:
+        check_family_supports(hf_model_type(path), parallel)
     transformers = require_transformers()
     config = _auto_config(path)
     try:
@@ -126,6 +130,20 @@ def check_hf_model(path: Path, seq_len: int) -> str:
     except (ValueError, KeyError) as e:
         raise UserError(f"--model hf:{path}: not a causal LM transformers can build ({' '.join(str(e).split())[:160]})") from None
     return type(model).__name__
+
+
+def check_family_supports(model_type: str, parallel: ParallelConfig) -> None:
+    """tp needs the family's shipped plan, pp and cp its layer/embedding/head spec (hf_families.py)."""
+    from ndtrain.models.hf_families import FAMILIES
+
+    family = FAMILIES.get(model_type)
+    supported = ", ".join(FAMILIES)
+    for axis, degree in (("tp", parallel.tp), ("pp", parallel.pp), ("cp", parallel.cp)):
+        if degree > 1 and family is None:
+            raise UserError(f"--{axis} {degree}: model type {model_type!r} has no ndtrain family spec (supported: "
+                            f"{supported}); use dp/ZeRO, or ndtrain.Engine with your own tp plan")
+    if parallel.tp > 1 and family is not None and family.tp_plan is None:
+        raise UserError(family.tp_refusal)
 
 
 def hf_model_type(path: Path) -> str:
