@@ -144,10 +144,14 @@ class WorkerConsole:
         self._handlers: list[logging.Handler] = []
         self._level = log.level
         self._propagate = log.propagate
+        self._outer: list[logging.Handler] = []  # handlers set before (e.g. by ensure_console), set aside
 
     def __enter__(self) -> WorkerConsole:
         sys.stdout.flush()
         sys.stderr.flush()
+        self._outer = list(log.handlers)
+        for handler in self._outer:
+            log.removeHandler(handler)
         main = self.rank == 0
         out, err = self._console_streams()
         console = ConsoleHandler(logging.INFO if main else logging.WARNING, "" if main else f"[rank{self.rank}] ",
@@ -219,6 +223,9 @@ class WorkerConsole:
         logging.captureWarnings(False)
         log.setLevel(self._level)
         log.propagate = self._propagate
+        for handler in self._outer:
+            log.addHandler(handler)
+        self._outer = []
         for target, fd in zip((1, 2), self._saved_fds):
             os.dup2(fd, target)
             os.close(fd)
