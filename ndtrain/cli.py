@@ -175,6 +175,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     check_host_memory(cfg)
     check_run_dir(cfg.log.out)
     from ndtrain.data.prepare import check_data
+    from ndtrain.run_lock import refuse_if_locked
+
+    refuse_if_locked(Path(cfg.log.out))  # before the token file is written into the run directory
 
     check_data(cfg, write=not args.check)  # builds the token file once, before any worker starts
     if args.check:

@@ -43,6 +43,31 @@ def _try_lock(path: Path) -> tuple[int | None, int]:
     return fd, 0
 
 
+def _in_use(run_dir: Path, holder: int) -> UserError:
+    who = f"process {holder}" if holder != UNKNOWN_HOLDER else "another process"
+    return UserError(
+        f"run directory {str(run_dir)!r} is in use by {who} (lock {str(Path(run_dir) / LOCK_NAME)!r}): "
+        f"wait for that run to end, or use another --out"
+    )
+
+
+def refuse_if_locked(run_dir: Path) -> None:
+    """The launcher's early check (before it writes the token file): a live run's lock refuses this run
+    with the workers' message. Reads only; a missing lock file passes (the workers take the lock)."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.read(fd, 32).decode(errors="replace").strip()
+        raise _in_use(run_dir, int(text) if text.isdigit() else UNKNOWN_HOLDER) from None
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def run_lock(run_dir: Path, ctx: ParallelContext) -> Iterator[None]:
     """Hold RUN_DIR/.lock for the duration (collective: every rank enters it)."""
@@ -54,11 +79,7 @@ def run_lock(run_dir: Path, ctx: ParallelContext) -> Iterator[None]:
     if holder == UNWRITABLE:
         raise UserError(f"cannot create the run lock {str(path)!r}: use a writable --out directory")
     if holder:
-        who = f"process {holder}" if holder != UNKNOWN_HOLDER else "another process"
-        raise UserError(
-            f"run directory {str(run_dir)!r} is in use by {who} (lock {str(path)!r}): "
-            f"wait for that run to end, or use another --out"
-        )
+        raise _in_use(run_dir, holder)
     try:
         yield
     finally:

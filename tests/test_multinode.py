@@ -241,7 +241,8 @@ def test_cut_link_ends_every_rank_with_the_watchdog_message(hosts: Hosts, tmp_pa
         # SIGTERM): torchrun's behaviour, not the ranks'; it is killed here.
         output = finish(nodes, timeout=10)
     assert not running, f"ranks {running} still running watchdog + 15 s after the cut"
-    lines = [line for line in output.splitlines() if line.startswith("ndtrain: error: rank ")]
+    lines = [re.sub(r"^\[rank\d+\] ", "", line) for line in output.splitlines()]  # other ranks' lines are prefixed
+    lines = [line for line in lines if line.startswith("ndtrain: error: rank ")]
     assert sorted(int(line.split()[3]) for line in lines) == [0, 1, 2, 3], output[-4000:]
     for line in lines:
         rank = int(line.split()[3])
