@@ -50,6 +50,19 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def wrap_parts(head: str, parts: list[str], width: int = 160) -> list[str]:
+    """`parts` joined by "; " into lines of at most `width` characters where they fit (a part longer than
+    that, e.g. a long path, gets a line of its own), the first line starting with `head`, the others
+    indented under it: the console's lines stay short whatever the data's description holds."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += f"; {part}"
+        else:
+            lines.append((head if not lines else "ndtrain:".ljust(len(head))) + part)
+    return lines
+
+
 def elastic_restarts() -> int:
     """How often torchrun's agent has restarted this worker group (0 outside torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -294,15 +307,16 @@ class Trainer:
         action = f"resuming at step {start}" if start else "starting"
         if restarts:
             action += f" after elastic restart {restarts}"
-        return (
+        return "\n".join([
             f"ndtrain: {action}: model {self.model_label} ({self.engine.parameter_count / 1e6:.2f} M params), "
             f"{layout} on {ctx.world_size} {ctx.device.type} process(es), backend {ctx.backend}, "
-            f"{torch.get_num_threads()} thread(s)/process\n"
-            f"ndtrain: data {self.corpus_description}: {len(self.train_set)} train / {len(self.val_set)} val "
-            f"{self.task.items}\n"
-            f"ndtrain: global batch {cfg.schedule.global_batch} = dp {ctx.size('dp')} × "
-            f"micro {cfg.schedule.micro_batch} × accumulation {self.accumulation}; run dir {self.run_dir}"
-        )
+            f"{torch.get_num_threads()} thread(s)/process",
+            *wrap_parts("ndtrain: data ", self.corpus_description.split("; ")),
+            f"ndtrain: {len(self.train_set)} train / {len(self.val_set)} val {self.task.items}; global batch "
+            f"{cfg.schedule.global_batch} = dp {ctx.size('dp')} × micro {cfg.schedule.micro_batch} × accumulation "
+            f"{self.accumulation}",
+            f"ndtrain: run dir {self.run_dir}",
+        ])
 
     @property
     def model_label(self) -> str:

@@ -20,6 +20,7 @@ from ndtrain.config import load_config
 from ndtrain.console import WorkerConsole, log, record_user_error, report_user_error, unprinted_user_error
 from ndtrain.errors import UserError
 from ndtrain.progress import Progress, format_eta, format_line, format_memory, resolve_mode
+from ndtrain.trainer import wrap_parts
 from tests.test_trainer import corpus_file
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+) \| loss \d+\.\d{3} \| ")
@@ -192,3 +193,15 @@ def test_two_processes_through_a_pipe(tmp_path: Path) -> None:
         text = (out / "logs" / f"rank_{rank}.log").read_text()
         assert text.startswith(logs[rank]) and text.count(f"rank {rank} (pid ") == 2  # appended, not replaced
         assert "is already complete at step 6" in text[len(logs[rank]):]
+
+
+def test_run_description_lines_stay_short() -> None:
+    """The data description (source path, tokenizer, counts, token file) is wrapped at its "; " parts."""
+    parts = ["Python standard library source in '/a/very/long/path/" + "x" * 50 + "' (734 files, 0 skipped as not UTF-8)",
+             "tokenizer bytes", "train 721 documents, 11,969,650 tokens", "val 13 documents, 149,723 tokens",
+             "token file RUN_DIR/data (reused)"]
+    lines = wrap_parts("ndtrain: data ", parts)
+    assert all(len(line) <= 160 for line in lines) and len(lines) == 2, lines
+    assert lines[0].startswith("ndtrain: data Python") and lines[1].startswith("ndtrain:      tokenizer bytes; train")
+    assert "; ".join(line[len("ndtrain: data "):] for line in lines) == "; ".join(parts)
+    assert wrap_parts("ndtrain: data ", ["y" * 200, "z"]) == ["ndtrain: data " + "y" * 200, "ndtrain:      z"]
