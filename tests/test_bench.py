@@ -130,12 +130,18 @@ def test_limit_trains_each_rank_locally_without_communication() -> None:
     (params0, tokens0, counted0), (params1, _, counted1) = run_distributed(_limit_worker, 2)
     assert counted0 == counted1 == 0
     # Rank 0's model is exactly a single-process run on rank 0's batches: the same compute, nothing received.
+    # One thread, as the workers (tests/distributed.py): the same kernels reduce in the same order.
     model_config = config_from_dict({"model": {"preset": OPTIONS.preset, "seq_len": OPTIONS.seq_len}}).model
     model = build_model(model_config, OPTIONS.seed, "cpu")
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     step = training_step(model, torch.optim.AdamW(model.parameters(), lr=zero.LR), tokens0)
-    for i in range(2):
-        step(i)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(2):
+            step(i)
+    finally:
+        torch.set_num_threads(threads)
     assert_close_params(params0, model.state_dict(), 1e-6, "limit rank 0 vs local run")
     # It trained, and the ranks were never synchronised: their different data left different weights.
     changed = [k for k in initial if not torch.equal(initial[k], params0[k])]
