@@ -1,10 +1,12 @@
 """The bench page of `ndtrain report bench-results/`: every `ndtrain bench` JSON result of a folder.
 
-Per benchmark (one JSON file, `ContestResult.to_json`): each contestant's median step time, its
-ratio to the reference (PyTorch's native equivalent, or the baseline the scenario names), counted
+Per benchmark (one JSON file, `ContestResult.to_json`): each contestant's median step time, the
+spread of its run medians, its ratio to the reference (PyTorch's native equivalent, or the
+baseline the scenario names) and to the no-communication `limit` where the bench has one, counted
 and loopback bytes per step and rank, and the peak memory of the largest rank, as a table; bar
 plots of the ratios, the peaks and the loopback bytes of all benchmarks, and of each benchmark's
-median step times. Files that are not bench results are listed, not read.
+median step times, with the result's noise warnings. Files that are not bench results are listed,
+not read (results written before the spread and limit fields render with "—" there).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def bench_page(directory: Path, files: list[tuple[Path, dict[str, Any] | str]]) 
             over = max(s.get("peak_over_baseline_bytes") or [0])
             rows.append([
                 path.stem, data.get("world_size", "?"), name + (" (reference)" if name == reference else ""),
-                f"{s['median_step_s'] * 1e3:.2f}", f"{s['ratio']:.3f}", _bytes(s.get("comm_bytes_per_step")),
+                f"{s['median_step_s'] * 1e3:.2f}", _spread(s.get("spread_step_s")), f"{s['ratio']:.3f}",
+                _ratio(s.get("ratio_to_limit")), _bytes(s.get("comm_bytes_per_step")),
                 _bytes(s.get("loopback_bytes_per_step")), _bytes(peak), _bytes(over),
             ])
             labels.append(f"{path.stem}: {name}")
@@ -69,8 +72,10 @@ def bench_page(directory: Path, files: list[tuple[Path, dict[str, Any] | str]]) 
             f"{path.stem} — {data['scenario']} on {data.get('world_size', '?')} ranks",
             h.plots(h.image(f"bench-{path.stem}", plot, f"{path.stem}: median step time per contestant")),
             h.table([[k, h.fmt(k, v)] for k, v in facts.items()], ["fact", "value"]),
+            *[h.note(f"warning: {w}") for w in data.get("warnings") or [] if isinstance(w, str)],
         ))
-    header = ["benchmark", "ranks", "contestant", "median step (ms)", "ratio", "counted comm/step",
+    header = ["benchmark", "ranks", "contestant", "median step (ms)", "spread of run medians (ms)", "ratio",
+              "÷ limit", "counted comm/step",
               "loopback/step", "peak (largest rank)", "peak over baseline"]
     overview = [
         h.image("bench-ratio", bars(labels, {"ratio": ratios}, "Median step time ÷ the reference's", "ratio",
@@ -83,7 +88,9 @@ def bench_page(directory: Path, files: list[tuple[Path, dict[str, Any] | str]]) 
                                                        "MiB"), "bytes the process group sent over loopback per step"))
     sections = [
         h.section("Results", h.table(rows, header), h.note(
-            "ratio = median step / the reference's median step; bytes per rank and step; counted = through "
+            "ratio = median step / the reference's median step; ÷ limit = median step / the median step of `limit` "
+            "(the same step with no communication); spread = lowest–highest per-run median; "
+            "bytes per rank and step; counted = through "
             "ndtrain's comm layer (none for PyTorch's own), loopback = measured on the lo interface")),
         h.section("Comparison", h.plots(*overview)),
         *per_bench,
@@ -93,6 +100,15 @@ def bench_page(directory: Path, files: list[tuple[Path, dict[str, Any] | str]]) 
         sections.append(h.section("Other files (not read)", h.note("; ".join(skipped))))
     subtitle = f"{len(results)} benchmark result(s) from {directory.resolve()}"
     return h.page("ndtrain bench report", subtitle, sections)
+
+
+def _spread(value: Any) -> str:
+    ok = isinstance(value, list) and len(value) == 2 and all(_num(v) for v in value)
+    return f"{value[0] * 1e3:.2f}–{value[1] * 1e3:.2f}" if ok else "—"
+
+
+def _ratio(value: Any) -> str:
+    return f"{value:.3f}" if _num(value) else "—"
 
 
 def _bytes(value: Any) -> str:

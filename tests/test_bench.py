@@ -1,22 +1,28 @@
-"""Bench harness and the `ddp` scenario on 2 ranks with the tiny model: result structure and exact bytes.
+"""Bench harness and the data-parallel scenarios on 2 ranks with the tiny model: result structure, exact bytes,
+the no-communication `limit` contestant and the noise warning.
 
 No timing assertions: timings on a shared CI machine mean nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from ndtrain.bench import ddp, zero
-from ndtrain.bench.harness import BenchOptions
-from ndtrain.config import ParallelConfig
+from ndtrain.bench import ddp, fsdp, zero
+from ndtrain.bench.harness import BenchOptions, ContestResult, RunRecord, llama_workload, spreads_overlap, training_step
+from ndtrain.bench.limit import local_model
+from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
+from ndtrain.models.llama import build_model
 from tests.distributed import init_method, run_distributed
+from tests.parity import assert_close_params
 
 OPTIONS = BenchOptions(steps=2, warmup=1, repeats=2, bucket_mb=0.01, micro_batch=2, seq_len=16, preset="tiny")
 
@@ -42,7 +48,8 @@ def test_ddp_scenario_result_and_exact_bytes(tmp_path: Path) -> None:
     grad_bytes = facts["gradient_bytes"]
     assert grad_bytes == 4 * facts["parameters"]
     assert facts["ring_bytes"] == 2 * (2 - 1) * grad_bytes // 2
-    for name in ("ours", "torch"):
+    assert list(data["runs"]) == ["ours", "torch", "limit"] and isinstance(data["warnings"], list)
+    for name in ("ours", "torch", "limit"):
         runs = data["runs"][name]
         assert len(runs) == OPTIONS.repeats
         for run in runs:
@@ -51,9 +58,14 @@ def test_ddp_scenario_result_and_exact_bytes(tmp_path: Path) -> None:
             assert run["loopback_bytes_per_step"] is None or run["loopback_bytes_per_step"] > 0
         summary = data["summary"][name]
         assert set(summary) == {
-            "median_step_s", "ratio", "run_median_step_s", "comm_bytes_per_step", "loopback_bytes_per_step",
-            "peak_bytes", "peak_over_baseline_bytes",
+            "median_step_s", "ratio", "ratio_to_limit", "run_median_step_s", "spread_step_s", "comm_bytes_per_step",
+            "loopback_bytes_per_step", "peak_bytes", "peak_over_baseline_bytes",
         }
+        medians = summary["run_median_step_s"]
+        assert summary["spread_step_s"] == [min(medians), max(medians)]
+        assert summary["ratio_to_limit"] == summary["median_step_s"] / data["summary"]["limit"]["median_step_s"]
+    assert data["summary"]["limit"]["ratio_to_limit"] == 1.0
+    assert [r["comm_bytes_per_step"] for r in data["runs"]["limit"]] == [0.0] * OPTIONS.repeats
     assert data["summary"]["torch"]["ratio"] == 1.0
     assert data["summary"]["torch"]["comm_bytes_per_step"] is None
     # Ours: exactly the ring volume of the gradient per step, in every run.
@@ -83,7 +95,8 @@ def test_zero1_scenario_result_and_exact_bytes() -> None:
     assert ours_state >= 8 * (padded // 2 - (padded - facts["parameters"])) and ours_state % 4 == 0
     assert ours_state <= facts["expected_state_bytes"] + 8 * (padded - facts["parameters"]) + 4 * 1000
     assert 0 < facts["torch_rank0_state_bytes"] < 8 * facts["parameters"]
-    for name in ("ours", "torch"):
+    assert [r["comm_bytes_per_step"] for r in data["runs"]["limit"]] == [0.0] * OPTIONS.repeats
+    for name in ("ours", "torch", "limit"):
         runs = data["runs"][name]
         assert len(runs) == OPTIONS.repeats
         assert all(len(r["step_s"]) == OPTIONS.steps and len(r["peak_bytes"]) == 2 for r in runs)
@@ -98,3 +111,80 @@ def test_options_are_validated() -> None:
         BenchOptions(steps=0).validate()
     with pytest.raises(UserError, match="--model 'huge' is unknown"):
         BenchOptions(preset="huge").validate()
+
+
+def _limit_worker() -> tuple[dict[str, torch.Tensor], torch.Tensor, float]:
+    """Trains the limit contestant's model 2 steps; returns its parameters, this rank's tokens and the counted bytes."""
+    ctx = init(ParallelConfig(), init_method=init_method())
+    work = llama_workload(ctx, OPTIONS)
+    before = ctx.comm.stats.total_wire_bytes()
+    model, optimizer = local_model(work, OPTIONS, ctx, zero.LR)
+    step = training_step(model, optimizer, work.tokens)
+    for i in range(2):
+        step(i)
+    counted = ctx.comm.stats.total_wire_bytes() - before
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, work.tokens, counted
+
+
+def test_limit_trains_each_rank_locally_without_communication() -> None:
+    (params0, tokens0, counted0), (params1, _, counted1) = run_distributed(_limit_worker, 2)
+    assert counted0 == counted1 == 0
+    # Rank 0's model is exactly a single-process run on rank 0's batches: the same compute, nothing received.
+    # One thread, as the workers (tests/distributed.py): the same kernels reduce in the same order.
+    model_config = config_from_dict({"model": {"preset": OPTIONS.preset, "seq_len": OPTIONS.seq_len}}).model
+    model = build_model(model_config, OPTIONS.seed, "cpu")
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    step = training_step(model, torch.optim.AdamW(model.parameters(), lr=zero.LR), tokens0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(2):
+            step(i)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close_params(params0, model.state_dict(), 1e-6, "limit rank 0 vs local run")
+    # It trained, and the ranks were never synchronised: their different data left different weights.
+    changed = [k for k in initial if not torch.equal(initial[k], params0[k])]
+    differ = [k for k in params0 if not torch.equal(params0[k], params1[k])]
+    assert changed and differ and set(differ) == set(changed)
+
+
+def _zero23_worker() -> list[dict[str, Any]]:
+    ctx = init(ParallelConfig(), init_method=init_method())
+    once = dataclasses.replace(OPTIONS, repeats=1)
+    return [zero.run_zero2(ctx, once).to_json(), fsdp.run(ctx, once).to_json()]
+
+
+def test_limit_is_in_zero2_and_zero3_with_zero_bytes() -> None:
+    for data in run_distributed(_zero23_worker, 2)[0]:
+        assert list(data["runs"]) == ["ours", "torch", "limit"], data["scenario"]
+        assert data["summary"]["limit"]["comm_bytes_per_step"] == 0.0
+        assert data["summary"]["ours"]["comm_bytes_per_step"] == data["facts"]["comm_bytes"]
+        assert data["summary"]["ours"]["ratio_to_limit"] > 0
+
+
+def _result(medians: dict[str, list[float]]) -> ContestResult:
+    """A result whose contestants' runs have the given per-run medians (3 steps per run around each)."""
+    result = ContestResult("ddp", 2, "torch", {}, {})
+    result.runs = {name: [RunRecord([m * 0.9, m, m * 1.2], 0.0, None, [1, 1], [1, 1]) for m in runs]
+                   for name, runs in medians.items()}
+    return result
+
+
+def test_noise_warning_rule() -> None:
+    assert spreads_overlap([1.0, 2.0], [2.0, 3.0]) and spreads_overlap([1.0, 4.0], [2.0, 3.0])
+    assert not spreads_overlap([1.0, 1.9], [2.0, 3.0]) and not spreads_overlap([2.1, 3.0], [1.0, 2.0])
+    separated = _result({"ours": [0.100, 0.104, 0.102], "torch": [0.110, 0.115, 0.112], "limit": [0.090, 0.095]})
+    assert separated.summary()["ours"]["spread_step_s"] == [0.100, 0.104]
+    assert separated.noise_warnings() == [] and "warning" not in separated.table()
+    noisy = _result({"ours": [0.100, 0.111, 0.102], "torch": [0.110, 0.115, 0.112], "limit": [0.090, 0.101]})
+    warnings = noisy.noise_warnings()
+    assert warnings == [
+        "too noisy to separate ours from torch: run medians 100.0–111.0 ms vs 110.0–115.0 ms overlap",
+        "too noisy to separate ours from limit: run medians 100.0–111.0 ms vs 90.0–101.0 ms overlap",
+    ]
+    assert noisy.to_json()["warnings"] == warnings
+    assert all(f"warning: {w}" in noisy.table() for w in warnings)
+    # Without a limit contestant (tp, pp, ...): no /limit ratio, only the reference is compared.
+    plain = _result({"ours": [0.100, 0.111], "torch": [0.110, 0.115]})
+    assert plain.summary()["ours"]["ratio_to_limit"] is None and len(plain.noise_warnings()) == 1

@@ -189,7 +189,7 @@ def bench_result(scenario: str, names: list[str], reference: str) -> ContestResu
 
 def test_bench_folder_report_renders(tmp_path: Path) -> None:
     folder = tmp_path / "bench-results"
-    ddp = bench_result("ddp", ["ours", "torch"], "torch")
+    ddp = bench_result("ddp", ["ours", "torch", "limit"], "torch")
     ddp.write_json(folder / "ddp-n2.json")
     bench_result("pp", ["ours_1f1b", "torch_1f1b", "ours_gpipe"], "torch_1f1b").write_json(folder / "pp-n2.json")
     (folder / "plan-profile.json").write_text("{}")
@@ -198,6 +198,7 @@ def test_bench_folder_report_renders(tmp_path: Path) -> None:
     expected = {"bench-ratio", "bench-peak", "bench-loopback", "bench-ddp-n2", "bench-pp-n2"}
     assert sorted(static_plots(html)) == sorted(expected)
     assert f"<td>{ddp.summary()['ours']['ratio']:.3f}</td>" == "<td>0.524</td>" and "<td>0.524</td>" in html
+    assert "<td>0.355</td>" in html and "<td>11.00–11.00</td>" in html  # ours ÷ limit, ours' spread
     assert "ours_gpipe" in html and "torch_1f1b (reference)" in html
     assert "plan-profile.json: not an `ndtrain bench` result" in html
     total, names = rendered(folder / "report.html", tmp_path)

@@ -8,7 +8,8 @@ gradients as bucket views, no per-forward buffer broadcast (ours broadcasts buff
 construction).
 
 Expected communication per step and rank, G = gradient bytes: 2(N−1)/N · G (ring all-reduce),
-for both; ours is counted by `ctx.comm`, both are measured on the loopback interface.
+for both; ours is counted by `ctx.comm`, both are measured on the loopback interface. Third
+contestant `limit` (`ndtrain.bench.limit`): the same step with no communication (0 bytes).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, llama_workload, run_contest, training_step
+from ndtrain.bench.limit import limit_contestant
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
@@ -48,5 +50,6 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         "ring_bytes": 2 * (n - 1) * work.gradient_bytes // n,
         "tokens_per_rank_step": options.micro_batch * options.seq_len,
     }
-    contestants = [Contestant("ours", ours, counted=True), Contestant("torch", torch_ddp, counted=False)]
+    contestants = [Contestant("ours", ours, counted=True), Contestant("torch", torch_ddp, counted=False),
+                   limit_contestant(work, options, ctx, LR)]
     return run_contest(ctx, "ddp", contestants, options, reference="torch", facts=facts)

@@ -14,7 +14,9 @@ Expected per rank, Ψ fp32 elements, Ψ' ≥ Ψ padded (ours), N ranks, U blocks
 1 + 2U and 1 + U calls (ours counted by `ctx.comm`, both measured on the loopback interface).
 After the contest each contestant is built once more and run for one step, and rank 0's
 model-state bytes (local shards of parameters and gradients, and the optimizer's state) are
-recorded: `ours_rank0_state_bytes`, `torch_rank0_state_bytes`.
+recorded: `ours_rank0_state_bytes`, `torch_rank0_state_bytes`. Third contestant `limit`
+(`ndtrain.bench.limit`): the unsharded model's step with no gather/reduce-scatter (0 bytes) and a
+full AdamW step, all parameters resident.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 from ndtrain.bench.harness import (
     BenchOptions, Contestant, ContestResult, Step, Workload, from_rank0, llama_workload, run_contest, training_step,
 )
+from ndtrain.bench.limit import limit_contestant
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
@@ -64,7 +67,8 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         "tokens_per_rank_step": options.micro_batch * options.seq_len,
     }
     contestants = [Contestant("ours", stepper(ours), counted=True),
-                   Contestant("torch", stepper(torch_fsdp), counted=False)]
+                   Contestant("torch", stepper(torch_fsdp), counted=False),
+                   limit_contestant(work, options, ctx, LR)]
     result = run_contest(ctx, "zero3", contestants, options, reference="torch", facts=facts)
 
     # Separate measurement: model-state bytes held by rank 0 after one step (before zero_grad).

@@ -15,6 +15,10 @@ first), each run W warmup steps then S timed steps:
   during the timed steps (all local ranks plus any other loopback traffic on the machine, such
   as the launcher's store heartbeats), divided by the world size: a real measurement of what the
   process group sent, to set against the counted and textbook volumes;
+- spread: the lowest and highest of the per-run median step times; when the spreads of a
+  contestant and the reference (or the `limit` contestant of the data-parallel benches, see
+  `ndtrain.bench.limit`) overlap, the result carries a warning that the machine was too noisy
+  to separate them (`noise_warnings`), and the ratio should not be read as a difference;
 - peak memory per rank (`ndtrain.memory`): the peak since the start of the run (model build
   included), and that peak minus the resident memory before the build (interpreter, libraries;
   freed memory is returned to the system first); medians over runs.
@@ -44,6 +48,7 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
 
 MB = 1024 * 1024
+LIMIT = "limit"  # the no-communication contestant's name (ndtrain.bench.limit)
 _NET_DEV = Path("/proc/net/dev")
 
 Step = Callable[[int], None]
@@ -131,15 +136,19 @@ class ContestResult:
 
     def summary(self) -> dict[str, dict[str, Any]]:
         ref_median = statistics.median(s for r in self.runs[self.reference] for s in r.step_s)
+        limit_median = statistics.median(s for r in self.runs[LIMIT] for s in r.step_s) if LIMIT in self.runs else None
         out = {}
         for name, runs in self.runs.items():
             median = statistics.median(s for r in runs for s in r.step_s)
+            run_medians = [statistics.median(r.step_s) for r in runs]
             comm = [r.comm_bytes_per_step for r in runs if r.comm_bytes_per_step is not None]
             loop = [r.loopback_bytes_per_step for r in runs if r.loopback_bytes_per_step is not None]
             out[name] = {
                 "median_step_s": median,
                 "ratio": median / ref_median,
-                "run_median_step_s": [statistics.median(r.step_s) for r in runs],
+                "ratio_to_limit": None if limit_median is None else median / limit_median,
+                "run_median_step_s": run_medians,
+                "spread_step_s": [min(run_medians), max(run_medians)],
                 "comm_bytes_per_step": statistics.median(comm) if comm else None,
                 "loopback_bytes_per_step": statistics.median(loop) if loop else None,
                 "peak_bytes": [_median_int(r.peak_bytes[k] for r in runs) for k in range(self.world_size)],
@@ -149,10 +158,21 @@ class ContestResult:
             }
         return out
 
+    def noise_warnings(self) -> list[str]:
+        """One line per contestant whose spread overlaps the reference's or the limit's."""
+        spreads = {name: s["spread_step_s"] for name, s in self.summary().items()}
+        return [
+            f"too noisy to separate {name} from {other}: run medians {_ms_range(spreads[name])} vs "
+            f"{_ms_range(spreads[other])} overlap"
+            for name in spreads if name not in (self.reference, LIMIT)
+            for other in (self.reference, LIMIT) if other in spreads and spreads_overlap(spreads[name], spreads[other])
+        ]
+
     def to_json(self) -> dict[str, Any]:
         return {
             "scenario": self.scenario, "world_size": self.world_size, "reference": self.reference,
             "options": self.options, "facts": self.facts, "summary": self.summary(),
+            "warnings": self.noise_warnings(),
             "runs": {name: [asdict(r) for r in runs] for name, runs in self.runs.items()},
         }
 
@@ -164,20 +184,29 @@ class ContestResult:
         facts = ", ".join(f"{k}={_fmt_fact(k, v)}" for k, v in self.facts.items())
         lines = [
             f"{self.scenario} on {self.world_size} ranks — {facts}",
-            f"{'contestant':<12}{'median step':>13}{'ratio':>8}{'counted/step':>14}{'loopback/step':>15}"
+            f"{'contestant':<12}{'median step':>13}{'spread (run medians)':>22}{'ratio':>8}{'/limit':>8}"
+            f"{'counted/step':>14}{'loopback/step':>15}"
             f"{'peak/rank':>11}{'over base':>11}",
         ]
         for name, s in self.summary().items():
             lines.append(
-                f"{name:<12}{s['median_step_s'] * 1e3:>10.1f} ms{s['ratio']:>8.3f}"
+                f"{name:<12}{s['median_step_s'] * 1e3:>10.1f} ms{_ms_range(s['spread_step_s']):>22}{s['ratio']:>8.3f}"
+                f"{'-' if s['ratio_to_limit'] is None else format(s['ratio_to_limit'], '.3f'):>8}"
                 f"{_mb(s['comm_bytes_per_step']):>14}{_mb(s['loopback_bytes_per_step']):>15}"
                 f"{max(s['peak_bytes']) / MB:>8.0f} MB{max(s['peak_over_baseline_bytes']) / MB:>8.0f} MB"
             )
         lines.append(
-            f"ratio = median step / median step of {self.reference}; bytes per rank; peaks: median over runs "
-            "of the largest rank; MB = 2^20 bytes"
+            f"ratio = median step / median step of {self.reference}; /limit = median step / median step of "
+            f"{LIMIT} (no communication); spread = min–max of the per-run medians; bytes per rank; peaks: "
+            "median over runs of the largest rank; MB = 2^20 bytes"
         )
+        lines.extend(f"warning: {w}" for w in self.noise_warnings())
         return "\n".join(lines)
+
+
+def spreads_overlap(a: list[float], b: list[float]) -> bool:
+    """Whether two [lowest, highest] ranges of run medians share a point: the runs cannot tell them apart."""
+    return a[0] <= b[1] and b[0] <= a[1]
 
 
 def run_contest(
@@ -268,6 +297,10 @@ def _synchronize(device: torch.device) -> None:
 
 def _median_int(values: Iterable[int]) -> int:
     return int(statistics.median(values))
+
+
+def _ms_range(spread: list[float]) -> str:
+    return f"{spread[0] * 1e3:.1f}–{spread[1] * 1e3:.1f} ms"
 
 
 def _mb(value: float | None) -> str:

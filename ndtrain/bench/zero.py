@@ -15,6 +15,8 @@ step 2(N−1)/N · 4Ψ (gradient all-reduce) + (N−1)/N · 4Ψ' (parameter all-
 by `ctx.comm`, both are measured on the loopback interface. After the contest, each contestant is
 built once more and run for one step (AdamW's state is complete after its first step) to record
 the optimizer-state bytes rank 0 actually holds: `ours_rank0_state_bytes`, `torch_rank0_state_bytes`.
+Both scenarios have a third contestant, `limit` (`ndtrain.bench.limit`): the same step with no
+communication and a full, unsharded AdamW step (more optimizer work than ZeRO's 1/N).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ndtrain.bench.fsdp import fsdp2_model
 from ndtrain.bench.harness import (
     BenchOptions, Contestant, ContestResult, Step, from_rank0, llama_workload, run_contest, training_step,
 )
+from ndtrain.bench.limit import limit_contestant
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
@@ -74,7 +77,8 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         "tokens_per_rank_step": options.micro_batch * options.seq_len,
     }
     contestants = [Contestant("ours", lambda: ours()[0], counted=True),
-                   Contestant("torch", lambda: torch_zero()[0], counted=False)]
+                   Contestant("torch", lambda: torch_zero()[0], counted=False),
+                   limit_contestant(work, options, ctx, LR)]
     result = run_contest(ctx, "zero1", contestants, options, reference="torch", facts=facts)
 
     # Separate measurement: optimizer state held by rank 0 after a step, and our padded size Ψ'.
@@ -138,7 +142,8 @@ def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         "tokens_per_rank_step": options.micro_batch * options.seq_len,
     }
     contestants = [Contestant("ours", lambda: ours()[0], counted=True),
-                   Contestant("torch", lambda: torch_fsdp2()[0], counted=False)]
+                   Contestant("torch", lambda: torch_fsdp2()[0], counted=False),
+                   limit_contestant(work, options, ctx, LR)]
     result = run_contest(ctx, "zero2", contestants, options, reference="torch", facts=facts)
 
     measured: dict[str, int] = {}

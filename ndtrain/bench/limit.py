@@ -1,0 +1,44 @@
+"""Contestant `limit` of the data-parallel benches (ddp, zero1, zero2, zero3): the step with no communication.
+
+Every rank trains the plain, unwrapped Llama (the scenario's preset, seed and initial weights)
+with a full, local `torch.optim.AdamW` (the scenario's LR) on its own token batches (the same
+stream the other contestants get), with the same loop: forward, backward, step,
+`zero_grad(set_to_none=True)`. Nothing is communicated: 0 bytes per step (counted, so the table
+shows it). A synchronous data-parallel step cannot beat the same compute without its
+communication, so ours/limit is how far a strategy is from the best it could do.
+
+What is identical to the other contestants: model, parameter layout, data, forward and backward
+arithmetic, optimizer class and LR, the loop. What is not, per scenario:
+- ddp: nothing else (DDP's optimizer step is the same full AdamW on every rank); the limit lacks
+  only the bucket copies and the all-reduce.
+- zero1 / zero2: the limit steps AdamW over all Ψ parameters where ZeRO steps 1/N of them, and it
+  holds the full 8Ψ optimizer state; the ZeRO step is cheaper, so the limit is not a floor for its
+  optimizer phase (ours can in principle come within less than its communication of it, or beat it
+  on the optimizer).
+- zero3: as zero1/2 for the optimizer, and the limit keeps all parameters resident (no gather
+  into, or freeing of, unit buffers), so its memory is not comparable.
+The ranks' models diverge (each sees only its own data): their losses are not the synchronized ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ndtrain.bench.harness import LIMIT, BenchOptions, Contestant, Step, Workload, training_step
+from ndtrain.mesh import ParallelContext
+from ndtrain.models.llama import build_model
+
+
+def local_model(
+    work: Workload, options: BenchOptions, ctx: ParallelContext, lr: float,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The plain model on this rank's device and a local AdamW over all its parameters."""
+    model = build_model(work.model, options.seed, ctx.device)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def limit_contestant(work: Workload, options: BenchOptions, ctx: ParallelContext, lr: float) -> Contestant:
+    def build() -> Step:
+        return training_step(*local_model(work, options, ctx, lr), work.tokens)
+
+    return Contestant(LIMIT, build, counted=True)  # counted: its 0 bytes are shown, not "-"
