@@ -27,7 +27,7 @@ from ndtrain.mesh import ParallelContext, init  # noqa: E402
 from ndtrain.models.causal_lm import CausalLM  # noqa: E402
 from tests.distributed import init_method, run_distributed  # noqa: E402
 from tests.parity import assert_close_params  # noqa: E402
-from tests.test_hf_strategies import DTYPE, STEPS, TOL, adamw, batch, hf_config  # noqa: E402
+from tests.test_hf_strategies import DTYPE, STEPS, TOL, adamw, batch, cases_on, make_model, reference  # noqa: E402
 
 MICRO = 2  # pipeline micro-batches
 
@@ -50,31 +50,6 @@ SLOW = {"llama": ("pp_gpipe", "pp_interleaved", "pp_1f1b_recompute_full", "cp_re
                   "tp_pp_1f1b", "tp_sp_pp_1f1b"),
         "gpt2": ("pp_zb", "pp_interleaved", "cp_zero3"),
         "qwen2": ("pp_1f1b", "pp_zb", "pp_interleaved", "cp")}
-
-
-def make_model(family: str, layers: int) -> CausalLM:
-    """The same weights in every process: seeded, the caller's RNG untouched."""
-    config = hf_config(family)
-    setattr(config, "n_layer" if family == "gpt2" else "num_hidden_layers", layers)
-    if family == "qwen2":
-        config.layer_types = ["full_attention"] * layers
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        hf = transformers.AutoModelForCausalLM.from_config(config)
-    return CausalLM(hf).to(DTYPE)
-
-
-def reference(family: str, layers: int, pieces: int) -> dict[str, torch.Tensor]:
-    """Single process, the whole global batch, loss the mean of `pieces` equal chunks."""
-    model = make_model(family, layers)
-    opt = adamw([{"params": [p for p in model.parameters() if p.ndim >= 2]},
-                 {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
-    for step in range(STEPS):
-        x, y = batch(step)
-        (sum(model(xs, ys) for xs, ys in zip(x.chunk(pieces), y.chunk(pieces))) / pieces).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 # ------------------------------------------------------------------------------------ workers
@@ -139,16 +114,13 @@ def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
     return out
 
 
-def _cases(layout: str, table: dict[str, tuple[str, ...]]) -> list[tuple[str, str]]:
-    return [(f, s) for f, strategies in table.items() for s in strategies if STRATEGIES[s][0] == layout]
-
-
 RUNS: dict[tuple[str, bool], list[dict]] = {}  # one spawn per (layout, slow), shared by its cases
 
 
 def runs(layout: str, slow: bool) -> list[dict]:
     if (layout, slow) not in RUNS:
-        RUNS[layout, slow] = run_distributed(_suite, PROCESSES[layout], layout, _cases(layout, SLOW if slow else FAST),
+        cases = cases_on(layout, SLOW if slow else FAST, STRATEGIES)
+        RUNS[layout, slow] = run_distributed(_suite, PROCESSES[layout], layout, cases,
                                              timeout=300)
     return RUNS[layout, slow]
 
@@ -162,7 +134,7 @@ def _params() -> list[Any]:
 def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None) -> None:
     layout, _, layers = STRATEGIES[strategy]
     run = runs(layout, slow)
-    ref = reference(family, layers, pieces=MICRO if "pp" in layout else 1)
+    ref = reference(family, pieces=MICRO if "pp" in layout else 1, layers=layers)
     got: dict[str, torch.Tensor] = {}
     for out in run:  # pipeline: each rank holds its stages' parameters (tp gathered); cp: the whole model
         got.update(out[family, strategy]["params"])

@@ -74,9 +74,12 @@ def hf_config(family: str) -> Any:
     )
 
 
-def make_model(family: str) -> CausalLM:
-    """The same weights in every process: seeded, the caller's RNG untouched."""
+def make_model(family: str, layers: int = 2) -> CausalLM:
+    """The same weights in every process: seeded, the caller's RNG untouched; `layers` decoder layers."""
     config = hf_config(family)
+    setattr(config, "n_layer" if family == "gpt2" else "num_hidden_layers", layers)
+    if family == "qwen2":
+        config.layer_types = ["full_attention"] * layers
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         hf = transformers.AutoModelForCausalLM.from_config(config)
@@ -97,9 +100,9 @@ def params(named: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, 
     return {name: named[name] for name, _ in model.named_parameters()}
 
 
-def reference(family: str, pieces: int) -> dict[str, torch.Tensor]:
+def reference(family: str, pieces: int, layers: int = 2) -> dict[str, torch.Tensor]:
     """Single process, the whole global batch, loss the mean of `pieces` equal chunks."""
-    model = make_model(family)
+    model = make_model(family, layers)
     opt = adamw([{"params": [p for p in model.parameters() if p.ndim >= 2]},
                  {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
     for step in range(STEPS):
@@ -135,8 +138,10 @@ def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
     return out
 
 
-def _cases(layout: str, table: dict[str, tuple[str, ...]]) -> list[tuple[str, str]]:
-    return [(f, s) for f, strategies in table.items() for s in strategies if STRATEGIES[s][0] == layout]
+def cases_on(layout: str, table: dict[str, tuple[str, ...]],
+             strategies: dict[str, tuple] = STRATEGIES) -> list[tuple[str, str]]:
+    """The (family, strategy) pairs of `table` whose strategy runs on `layout` (a strategy's first field)."""
+    return [(f, s) for f, names in table.items() for s in names if strategies[s][0] == layout]
 
 
 RUNS: dict[tuple[str, bool], list[dict]] = {}  # one spawn per (layout, slow), shared by its cases
@@ -145,7 +150,7 @@ RUNS: dict[tuple[str, bool], list[dict]] = {}  # one spawn per (layout, slow), s
 def runs(layout: str, slow: bool) -> list[dict]:
     if (layout, slow) not in RUNS:
         axes, world = LAYOUTS[layout]
-        RUNS[layout, slow] = run_distributed(_suite, world, layout, _cases(layout, SLOW if slow else FAST), timeout=300)
+        RUNS[layout, slow] = run_distributed(_suite, world, layout, cases_on(layout, SLOW if slow else FAST), timeout=300)
     return RUNS[layout, slow]
 
 

@@ -9,13 +9,11 @@ rendering tests fail, except for a non-root user, who cannot install it: they sk
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
 import shutil
 import subprocess
-import textwrap
 from dataclasses import asdict
 from html.parser import HTMLParser
 from pathlib import Path
@@ -30,6 +28,7 @@ from ndtrain.mesh import init
 from ndtrain.run_timeline import read_timeline, timeline_step
 from ndtrain.trainer import Trainer
 from tests.distributed import init_method, run_distributed
+from tests.test_trainer import corpus_file, tiny_config
 
 CURVES = {"loss", "throughput", "step_time", "memory", "comm", "lr", "grad_norm"}
 
@@ -114,24 +113,11 @@ def static_plots(html: str) -> list[str]:
     return parser.names
 
 
-def corpus_file(tmp_path: Path) -> str:
-    path = tmp_path / "corpus.txt"
-    path.write_text(inspect.getsource(textwrap) * 3)
-    return str(path)
-
-
-def tiny_config(data: str, out: str, **overrides: object) -> TrainConfig:
-    base = {
-        "model.preset": "tiny", "data.path": data, "log.out": out, "log.progress": False,
-        "schedule.steps": 3, "schedule.global_batch": 8, "schedule.micro_batch": 2,
-        "schedule.warmup_steps": 2, "data.eval_samples": 16, "log.eval_every": 0, "log.log_every": 1,
-    }
-    base.update(overrides)
-    return load_config(None, base)
+SMALL_RUN = {"schedule.steps": 3, "schedule.micro_batch": 2}  # four micro-batches of 2 per step
 
 
 def _pp_worker(data: str, out: str) -> None:
-    cfg = tiny_config(data, out, **{"parallel.pp": 2, "log.timeline": True})
+    cfg = tiny_config(data, out, **{**SMALL_RUN, "parallel.pp": 2, "log.timeline": True})
     Trainer(cfg, init(cfg.parallel, init_method=init_method())).run()
 
 
@@ -163,7 +149,7 @@ def test_pipeline_run_report_renders_every_plot(tmp_path: Path, capsys: pytest.C
 
 
 def test_run_without_validation_records_renders(tmp_path: Path) -> None:
-    cfg = tiny_config(corpus_file(tmp_path), str(tmp_path / "run"), **{"schedule.steps": 10, "checkpoint.exit_after": 2})
+    cfg = tiny_config(corpus_file(tmp_path), str(tmp_path / "run"), **{**SMALL_RUN, "schedule.steps": 10, "checkpoint.exit_after": 2})
     Trainer(cfg, init(cfg.parallel)).run()  # stops after step 2: no evaluation yet
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and not any("val_loss" in r for r in records)
