@@ -407,16 +407,19 @@ class Engine:
         return [(row, row)] * (most - len(batches))
 
     # ----------------------------------------------------------------------------- checkpoints
-    def save(self, path: str | Path, *, keep: int = 2, progress: dict[str, Any] | None = None) -> Path:
+    def save(self, path: str | Path, *, keep: int = 2, progress: dict[str, Any] | None = None,
+             step: int | None = None) -> Path:
         """Write a verified checkpoint of model, optimizer, LR schedule and engine state into the
-        folder `path` (as `path/step_N`, N the number of `train_step` calls; `path/latest` names it)
-        and keep the newest `keep` there. Collective: every rank calls it; each writes its own shards
-        (ZeRO, FSDP, tp/pp) through `checkpoint.save_checkpoint`. `progress`: more JSON to store."""
-        state = {**(progress or {}), "step": self._steps, "world_size": self.ctx.world_size,
+        folder `path` (as `path/step_N`, N = `step`, by default the number of `train_step` calls;
+        `path/latest` names it) and keep the newest `keep` there. Collective: every rank calls it;
+        each writes its own shards (ZeRO, FSDP, tp/pp) through `checkpoint.save_checkpoint`.
+        `progress`: more JSON to store."""
+        step = self._steps if step is None else step
+        state = {**(progress or {}), "step": step, "world_size": self.ctx.world_size,
                  "engine": self.extra_state(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
         return save_checkpoint(
-            Path(path), self._steps, self.model, self.optimizer, state, self.ctx, keep=keep,
+            Path(path), step, self.model, self.optimizer, state, self.ctx, keep=keep,
             sharded_optimizer=self.sharded_optimizer, sharded_model=self.sharded_model,
         )
 

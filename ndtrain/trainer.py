@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 
-from ndtrain.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint, select_checkpoint
+from ndtrain.checkpoint import checkpoint_name, load_checkpoint, select_checkpoint
 from ndtrain.config import TrainConfig, dump_toml
 from ndtrain.console import console_stream, ensure_console, log
 from ndtrain.data.sampler import DistributedSampler, eval_shard
@@ -198,13 +198,8 @@ class Trainer:
         return int(progress["step"])
 
     def save(self, step: int) -> None:
-        progress = {"step": step, "scheduler": self.engine.scheduler.state_dict(), "world_size": self.ctx.world_size,
-                    "engine": self.engine.extra_state(), "tokens": self.tokens_total}
-        save_checkpoint(
-            self.checkpoints, step, self.engine.model, self.engine.optimizer, progress, self.ctx,
-            keep=self.cfg.checkpoint.keep, sharded_optimizer=self.engine.sharded_optimizer,
-            sharded_model=self.engine.sharded_model,
-        )
+        self.engine.save(self.checkpoints, step=step, keep=self.cfg.checkpoint.keep,
+                         progress={"tokens": self.tokens_total})
 
     def run(self) -> dict[str, Any]:
         """Train to `schedule.steps`; on SIGTERM/SIGINT stop after the current step with a checkpoint (Preempted)."""
