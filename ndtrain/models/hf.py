@@ -122,14 +122,18 @@ def check_hf_model(path: Path, seq_len: int, parallel: ParallelConfig | None = N
     check_seq_len(path, seq_len)
     if parallel is not None:
         check_family_supports(hf_model_type(path), parallel)
+    return type(_meta_model(path)).__name__
+
+
+def _meta_model(path: Path) -> torch.nn.Module:
+    """The HF model of PATH built on the meta device (no memory, no init); a one-line error if it cannot be."""
     transformers = require_transformers()
     config = _auto_config(path)
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            return transformers.AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as e:
         raise UserError(f"--model hf:{path}: not a causal LM transformers can build ({' '.join(str(e).split())[:160]})") from None
-    return type(model).__name__
 
 
 def check_family_supports(model_type: str, parallel: ParallelConfig) -> None:
@@ -153,10 +157,7 @@ def hf_model_type(path: Path) -> str:
 
 def parameter_count(path: Path) -> int:
     """Ψ of the HF model, from a construction on the meta device (no memory, no init)."""
-    transformers = require_transformers()
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(_auto_config(path))
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in _meta_model(path).parameters())
 
 
 def build_hf_model(path: Path, seed: int) -> torch.nn.Module:
