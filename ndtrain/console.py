@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 log = logging.getLogger("ndtrain")
+FILE_ONLY = {"console": False}  # `extra=` of a record the console handler skips: it goes to the rank log only
 LOGS_DIR = "logs"
 _ERROR_KEY = "ndtrain_user_error"
 
@@ -115,7 +116,7 @@ def report_user_error(message: str) -> None:
         stream = consoles[0].stderr if consoles else sys.stderr
         stream.write(text + "\n")
         stream.flush()
-    log.error(text, extra={"console": False})
+    log.error(text, extra=FILE_ONLY)
     record_user_error(message, printed=main)
 
 
@@ -191,7 +192,7 @@ class WorkerConsole:
         logging.getLogger("py.warnings").addHandler(handler)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         log.info(f"ndtrain: rank {self.rank} (pid {os.getpid()}, elastic restart {restart}) logging to {path}",
-                 extra={"console": False})
+                 extra=FILE_ONLY)
         if self._saved_fds:
             sys.stdout.flush()
             sys.stderr.flush()

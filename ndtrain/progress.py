@@ -14,7 +14,6 @@ over those steps.
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 import time
@@ -22,8 +21,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-FILE_ONLY = {"console": False}  # `extra=` of a record the console handler skips (console.py)
-log = logging.getLogger("ndtrain")
+from ndtrain.console import FILE_ONLY, log
 
 
 def format_eta(seconds: float) -> str:
