@@ -37,7 +37,7 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--sp": ("parallel.sequence_parallel", parse_bool, "sequence parallelism with tp"),
     "--schedule": ("parallel.pp_schedule", str, "pipeline schedule"),
     "--vpp": ("parallel.pp_virtual", int, "virtual pipeline stages per rank (interleaved)"),
-    "--dp-mode": ("parallel.dp_mode", str, "ddp (processes) or single-process (DataParallel over replicas)"),
+    "--dp-mode": ("parallel.dp_mode", str, "ddp (processes) or single-process (classic DataParallel over replicas)"),
     "--ps.servers": ("ps.servers", int, "parameter-server ranks, 0 = off"),
     "--ps.mode": ("ps.mode", str, "parameter-server consistency"),
     "--ps.staleness": ("ps.staleness", int, "ssp staleness bound (steps)"),

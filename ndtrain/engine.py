@@ -5,8 +5,8 @@ according to `parallel.zero`:
 
 | zero | wrapper (gradients)                              | optimizer                                   |
 |------|--------------------------------------------------|---------------------------------------------|
-| 0    | `DataParallel`: all-reduced, replicated           | the caller's, over the whole model          |
-| 1    | `DataParallel`                                    | `ZeroOptimizer`: state sharded, all-gather  |
+| 0    | `DistributedDataParallel`: all-reduced, replicated           | the caller's, over the whole model          |
+| 1    | `DistributedDataParallel`                                    | `ZeroOptimizer`: state sharded, all-gather  |
 | 2    | `Zero2DataParallel`: reduce-scattered, sharded    | `ZeroOptimizer`                             |
 | 3    | `FullyShardedDataParallel`: parameters sharded too | the caller's, over FSDP's fp32 shards       |
 
@@ -24,7 +24,7 @@ last, via `no_sync`; stages 2/3 reduce-scatter every micro-batch into the shard,
 sharded), the loss-scale check, the global gradient norm and clipping, the optimizer and LR
 schedule steps. Per step, Ψ fp32 parameters, N = dp×cp, k micro-batches, each rank sends:
 stage 0 2(N−1)/N·4Ψ; stage 1 + (N−1)/N·4Ψ (all-gather); stage 2 k·(N−1)/N·4Ψ + (N−1)/N·4Ψ;
-stage 3 see fsdp.py; plus a 4-byte all-reduce of the norm's squares (stages 1–3), a 4-byte flag
+stage 3 see zero3_parameters.py; plus a 4-byte all-reduce of the norm's squares (stages 1–3), a 4-byte flag
 (fp16) and one 8-byte all-reduce of the loss and token count for reporting.
 """
 
@@ -49,14 +49,14 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import hf_config
 from ndtrain.models.llama import count_parameters
 from ndtrain.parallel.compose import ModelParallelState, norm_weight, prepare_model
-from ndtrain.parallel.context import shard_sequence
-from ndtrain.parallel.ddp import DataParallel
-from ndtrain.parallel.fsdp import FullyShardedDataParallel
+from ndtrain.parallel.context_parallel import shard_sequence
+from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
 from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
 from ndtrain.parallel.precision import DTYPES, LossScaler, at_least_fp32, master_dtype
-from ndtrain.parallel.replicate import SingleProcessDataParallel
-from ndtrain.parallel.zero import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
-from ndtrain.parallel.zero2 import Zero2DataParallel
+from ndtrain.parallel.single_process_dp import SingleProcessDataParallel
+from ndtrain.parallel.zero1_optimizer import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
+from ndtrain.parallel.zero2_gradients import Zero2DataParallel
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
 
@@ -152,13 +152,13 @@ class Engine:
                 self.wrapped = Zero2DataParallel(self.model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype)
             elif isinstance(self.model, nn.ModuleList):  # interleaved pipeline: one DDP per stage chunk
                 self.wrapped = nn.ModuleList(
-                    DataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in self.model
+                    DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in self.model
                 )
             else:
                 module = self.model  # dp_mode=single-process: replicas on threads inside this process
                 if cfg.dp_mode == "single-process":
                     module = SingleProcessDataParallel(self.model, [ctx.device] * cfg.replicas)
-                self.wrapped = DataParallel(
+                self.wrapped = DistributedDataParallel(
                     module, ctx,
                     bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype, allow_unused=cfg.allow_unused_params,
                 )

@@ -2,7 +2,7 @@
 
 Two spawns: 2 ranks (cp=2: ring attention, whole-model loss and gradients with and without
 recompute, saved-activation bytes, `bench cp`) and 4 ranks (cp=4 ring attention and bytes;
-dp=2 × cp=2 training with our DataParallel, alone and with ZeRO-1; cp=2 × tp=2 loss and
+dp=2 × cp=2 training with our DistributedDataParallel, alone and with ZeRO-1; cp=2 × tp=2 loss and
 gradients with selective recompute). The single-process references run inside each worker (one
 thread each) on the full sequence (same seed, same data), so the workers return relative errors."""
 
@@ -21,14 +21,14 @@ from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.context import (
+from ndtrain.parallel.context_parallel import (
     DEFAULT_TILE, Ring, apply_context_parallel, attention_work, balanced_chunks, ring_attention, shard_sequence,
 )
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.recompute import SavedActivations, apply_recompute
 from ndtrain.parallel.tensor import is_tensor_parallel
 from ndtrain.parallel.tp_plan import parallelize
-from ndtrain.parallel.zero import ZeroOptimizer
+from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
 from tests.distributed import init_method, run_distributed
 
 TOL = 1e-5
@@ -177,7 +177,7 @@ def train_dp_cp(ctx: ParallelContext, zero: bool) -> dict[str, float]:
     data = batches(cfg)
     per_dp = data.shape[1] // ctx.size("dp")
     mine = data[:, ctx.coord("dp") * per_dp : (ctx.coord("dp") + 1) * per_dp]
-    model = DataParallel(apply_context_parallel(build_model(cfg, SEED), ctx), ctx)
+    model = DistributedDataParallel(apply_context_parallel(build_model(cfg, SEED), ctx), ctx)
     optimizer = ZeroOptimizer(model, ctx, adamw) if zero else None
     grads = train(model, mine, lambda x, y: shard_sequence(x, y, ctx), optimizer)
     reference = build_model(cfg, SEED)

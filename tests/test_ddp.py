@@ -1,4 +1,4 @@
-"""DataParallel: parity with single-process training, bucketing, no_sync, exact bytes, unused parameters.
+"""DistributedDataParallel: parity with single-process training, bucketing, no_sync, exact bytes, unused parameters.
 
 Each multi-process run executes every scenario in one spawn (imports dominate the cost) and
 returns parameters; the parent trains the single-process reference on the whole global batch.
@@ -22,7 +22,7 @@ from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DataParallel, pack
+from ndtrain.parallel.ddp import DistributedDataParallel, pack
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
 
@@ -101,12 +101,12 @@ def reference_gradients() -> State:
 
 
 # ------------------------------------------------------------------------------------ workers
-def _wrap(ctx: ParallelContext, extra: bool = False, **ddp_kwargs: Any) -> DataParallel:
-    """A DataParallel Net built from a rank-dependent seed: the broadcast must make the ranks equal."""
-    return DataParallel(make_net(SEED + ctx.rank, extra), ctx, **ddp_kwargs)
+def _wrap(ctx: ParallelContext, extra: bool = False, **ddp_kwargs: Any) -> DistributedDataParallel:
+    """A DistributedDataParallel Net built from a rank-dependent seed: the broadcast must make the ranks equal."""
+    return DistributedDataParallel(make_net(SEED + ctx.rank, extra), ctx, **ddp_kwargs)
 
 
-def _train(ctx: ParallelContext, model: DataParallel, *, micro_steps: int = 1, zero: str = "optimizer",
+def _train(ctx: ParallelContext, model: DistributedDataParallel, *, micro_steps: int = 1, zero: str = "optimizer",
            on_backward: Callable[[bool], None] = lambda synced: None) -> State:
     """5 AdamW steps on this rank's shard of each global batch, in `micro_steps` micro-batches."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -143,7 +143,7 @@ def _accounting_run(ctx: ParallelContext) -> dict[str, Any]:
     return {"params": params, "deltas": deltas, "buckets": model.bucket_count, "grad_bytes": model.gradient_bytes}
 
 
-def _first_gradients(ctx: ParallelContext, model: DataParallel) -> State:
+def _first_gradients(ctx: ParallelContext, model: DistributedDataParallel) -> State:
     """The gradient after one synchronising backward on this rank's shard of the first batch."""
     x, y = global_batch(0)
     model(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]).backward()
@@ -190,7 +190,7 @@ def _train_llama(ctx: ParallelContext | None, world: int = 2) -> State:
     cfg = config_from_dict({"model": {"preset": "tiny"}}).model
     model: nn.Module = build_model(cfg, seed=0, device="cpu").to(LLAMA_DTYPE)
     if ctx is not None:
-        model = DataParallel(model, ctx, bucket_mb=0.02, comm_dtype=LLAMA_DTYPE)  # the buckets of 0.01 MB of fp32
+        model = DistributedDataParallel(model, ctx, bucket_mb=0.02, comm_dtype=LLAMA_DTYPE)  # the buckets of 0.01 MB of fp32
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for tokens, targets in _llama_batches():
         if ctx is not None:
@@ -212,7 +212,7 @@ def test_pack_keeps_order_caps_size_and_separates_dtypes() -> None:
 
 def test_single_rank_buckets_views_and_zero_grad() -> None:
     ctx = init(ParallelConfig())
-    model = DataParallel(make_net(SEED), ctx, bucket_mb=TINY_BUCKET_MB)
+    model = DistributedDataParallel(make_net(SEED), ctx, bucket_mb=TINY_BUCKET_MB)
     assert model.bucket_count == 3
     assert model.gradient_bytes == sum(p.numel() * 4 for p in model.parameters())
     ref = make_net(SEED)
@@ -279,10 +279,10 @@ def test_four_ranks_match_single_process() -> None:
 def test_dropped_wrapper_is_collected_and_unhooks_its_module() -> None:
     ctx = init(ParallelConfig())
     net = make_net(SEED)
-    wrapper = weakref.ref(DataParallel(net, ctx))
+    wrapper = weakref.ref(DistributedDataParallel(net, ctx))
     gc.collect()
     assert wrapper() is None  # hooks hold it weakly: no cycle through autograd's C++ side
     assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
-    again = DataParallel(net, ctx)
+    again = DistributedDataParallel(net, ctx)
     again(*global_batch(0)).backward()
     assert all(p.grad._base is not None for p in net.parameters())

@@ -22,7 +22,7 @@ from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.zero import no_decay_for_vectors
+from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
 

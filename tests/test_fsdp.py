@@ -25,8 +25,8 @@ from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.fsdp import FullyShardedDataParallel
-from ndtrain.parallel.zero import no_decay_for_vectors
+from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
+from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
 

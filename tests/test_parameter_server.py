@@ -17,7 +17,7 @@ from ndtrain.models.llama import build_model
 from ndtrain.parallel.parameter_server import (
     ParameterServer, PSSetup, PSWorker, async_beta1, async_lr_scale, shard_parameters,
 )
-from ndtrain.parallel.zero import no_decay_for_vectors, parameter_groups
+from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors, parameter_groups
 from ndtrain.ps_trainer import check_ps_config
 from tests.distributed import init_method, run_distributed
 from tests.test_trainer import corpus_file

@@ -22,7 +22,7 @@ from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.pipeline import eval_pipeline, is_pipeline_duplicate, run_pipeline, split_model
 from ndtrain.parallel.tp_plan import parallelize
 from tests.distributed import init_method, run_distributed
@@ -132,7 +132,7 @@ def _dp_pp_worker() -> dict[str, torch.Tensor]:
     ctx = init(ParallelConfig(dp=2, pp=2), init_method=init_method())
     dp = ctx.coord("dp")
     model = build_model(model_config(3, tied=True), SEED).to(TRAIN_DTYPE)
-    stages = [DataParallel(s, ctx) for s in split_model(model, ctx)]
+    stages = [DistributedDataParallel(s, ctx) for s in split_model(model, ctx)]
     params = [q for s in stages for q in s.parameters()]
     optimizer = torch.optim.AdamW(params, lr=LR)
     for step in range(STEPS):

@@ -86,7 +86,7 @@ def test_dp4_step_from_measured_pieces_and_shared_cores(tmp_path: Path) -> None:
 
 
 def test_zero_stages_use_ndtrains_collectives_on_cpu(tmp_path: Path) -> None:
-    """ZeRO-1 keeps DDP's all-reduce and adds the all-gather (zero.py); ZeRO-2 reduce-scatters every
+    """ZeRO-1 keeps DDP's all-reduce and adds the all-gather (zero1_optimizer.py); ZeRO-2 reduce-scatters every
     micro-batch; ZeRO-3 gathers twice and reduce-scatters once per micro-batch; m = 2."""
     hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces()})
     grads = 4 * stage_params(BENCH, layout(), "only")

@@ -20,9 +20,9 @@ from torch import nn
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.mesh import ParallelContext, init
-from ndtrain.parallel.fsdp import FullyShardedDataParallel
+from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
 from ndtrain.parallel.precision import LossScaler, master_dtype, reduction_dtype
-from ndtrain.parallel.zero2 import Zero2DataParallel
+from ndtrain.parallel.zero2_gradients import Zero2DataParallel
 from tests.distributed import init_method, run_distributed
 from tests.test_engine_zero import batch, make_llama, with_config
 

@@ -12,7 +12,7 @@ from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.context import RingAttend, apply_context_parallel
+from ndtrain.parallel.context_parallel import RingAttend, apply_context_parallel
 from ndtrain.parallel.recompute import MODES, SavedActivations, SelectiveRecompute, apply_recompute, block_saved_bytes
 
 SEED = 3

@@ -12,7 +12,7 @@ from torch import nn
 from ndtrain.config import config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.replicate import ReplicaError, SingleProcessDataParallel, chunk_sizes
+from ndtrain.parallel.single_process_dp import ReplicaError, SingleProcessDataParallel, chunk_sizes
 
 TOL = 1e-5
 

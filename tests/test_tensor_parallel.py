@@ -28,11 +28,11 @@ from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, is_tensor_parallel
 from ndtrain.parallel.tp_plan import parallelize, resolve_plan
 from ndtrain.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from ndtrain.parallel.zero import ZeroOptimizer
+from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
 
@@ -198,7 +198,7 @@ def _check_training(ctx: ParallelContext, zero: bool, sp: bool, micro: int) -> N
     reference = build_model(CFG, seed=5).to(TRAIN_DTYPE)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     model = parallelize(build_model(CFG, seed=5).to(TRAIN_DTYPE), ctx, sequence_parallel=sp)
-    wrapped = DataParallel(model, ctx)
+    wrapped = DistributedDataParallel(model, ctx)
     make = lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)  # noqa: E731
     opt = ZeroOptimizer(wrapped, ctx, make) if zero else make(model.parameters())
     dp, dp_rank = ctx.group("dp_cp").size, ctx.group("dp_cp").rank

@@ -29,8 +29,8 @@ from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import MB, DataParallel, pack
-from ndtrain.parallel.zero import ZeroOptimizer, no_decay_for_vectors
+from ndtrain.parallel.ddp import MB, DistributedDataParallel, pack
+from ndtrain.parallel.zero1_optimizer import ZeroOptimizer, no_decay_for_vectors
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
 
@@ -151,7 +151,7 @@ def _train(ctx: ParallelContext, kind: str, bucket_mb: float, sizes: tuple[int, 
            steps: int = STEPS, resume_at: int | None = None) -> dict[str, Any]:
     rank, n = ctx.rank, ctx.world_size
     module = make_llama() if kind == "llama" else make_net(sizes, SEED + rank)  # broadcast makes them equal
-    model = DataParallel(module, ctx, bucket_mb=bucket_mb, comm_dtype=DTYPE)
+    model = DistributedDataParallel(module, ctx, bucket_mb=bucket_mb, comm_dtype=DTYPE)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
     out: dict[str, Any] = {"deltas": [], "norms": [], "saved": None}
@@ -181,7 +181,7 @@ def _train(ctx: ParallelContext, kind: str, bucket_mb: float, sizes: tuple[int, 
 def _resume(ctx: ParallelContext, saved: bytes, first: int) -> dict[str, Any]:
     """Rebuild from a checkpoint taken before step `first` and train to STEPS; also a wrong-layout load."""
     rank, n = ctx.rank, ctx.world_size
-    model = DataParallel(make_net(NET, SEED + 1000 + rank), ctx, bucket_mb=NET_BUCKET_MB, comm_dtype=DTYPE)
+    model = DistributedDataParallel(make_net(NET, SEED + 1000 + rank), ctx, bucket_mb=NET_BUCKET_MB, comm_dtype=DTYPE)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
     ckpt = torch.load(io.BytesIO(saved), weights_only=True)
@@ -274,7 +274,7 @@ def test_four_ranks_match_single_process() -> None:
 
 def test_single_rank_equals_plain_adamw_and_keeps_lr_schedule() -> None:
     ctx = init(ParallelConfig())
-    model = DataParallel(make_net(NET, SEED, torch.float32), ctx, bucket_mb=NET_BUCKET_MB)
+    model = DistributedDataParallel(make_net(NET, SEED, torch.float32), ctx, bucket_mb=NET_BUCKET_MB)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
     assert [g["lr"] for g in zero.param_groups] == pytest.approx([LR / 3] * 2)
@@ -293,7 +293,7 @@ def test_single_rank_equals_plain_adamw_and_keeps_lr_schedule() -> None:
 def test_fp64_parameters_are_their_own_master() -> None:
     """fp64 parameters are updated in fp64: no fp32 master copy, no fp32 gradient norm."""
     ctx = init(ParallelConfig())
-    model = DataParallel(make_net(NET, SEED, torch.float64), ctx, comm_dtype=torch.float64)
+    model = DistributedDataParallel(make_net(NET, SEED, torch.float64), ctx, comm_dtype=torch.float64)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
     for step in range(STEPS):
@@ -310,7 +310,7 @@ def test_fp64_parameters_are_their_own_master() -> None:
 
 def test_factory_that_ignores_its_groups_is_a_clear_error() -> None:
     ctx = init(ParallelConfig())
-    model = DataParallel(make_net(NET, SEED), ctx)
+    model = DistributedDataParallel(make_net(NET, SEED), ctx)
     with pytest.raises(UserError, match="exactly the parameter groups it is given"):
         ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(model.parameters(), lr=LR))
     with pytest.raises(UserError, match="exactly the parameter groups it is given"):  # groups merged
@@ -318,13 +318,13 @@ def test_factory_that_ignores_its_groups_is_a_clear_error() -> None:
                       group_fn=no_decay_for_vectors)
     with pytest.raises(UserError, match="not a torch.optim.Optimizer"):
         ZeroOptimizer(model, ctx, lambda groups: groups)  # type: ignore[arg-type, return-value]
-    with pytest.raises(UserError, match="DataParallel-wrapped"):
+    with pytest.raises(UserError, match="DistributedDataParallel-wrapped"):
         ZeroOptimizer(model.module, ctx, adamw)  # type: ignore[arg-type]
 
 
 def test_zero2_keeps_only_the_gradient_shard() -> None:
     """ZeRO-2 frees autograd's gradients at once and holds at most MAX_IN_FLIGHT + 1 staging buckets."""
-    from ndtrain.parallel import zero2
+    from ndtrain.parallel import zero2_gradients as zero2
 
     ctx = init(ParallelConfig())
     model = zero2.Zero2DataParallel(make_net(NET, SEED, torch.float32), ctx, bucket_mb=PER_PARAM_BUCKET_MB)  # 7 buckets

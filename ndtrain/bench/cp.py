@@ -4,7 +4,7 @@ Both contestants train the same Llama (same preset, seed and initial weights) wi
 same random token batches of `--seq-len` tokens (meant to be long: the point of cp), the same on
 every rank, with the same loop: forward, backward, step, `zero_grad(set_to_none=True)`.
 - `cpN` (N = world size; run `--nproc 2` and `--nproc 4` for cp = 2 and 4): our
-  `DataParallel(apply_context_parallel(model))`; each rank holds 2 of the 2N load-balanced chunks
+  `DistributedDataParallel(apply_context_parallel(model))`; each rank holds 2 of the 2N load-balanced chunks
   of every sequence (`shard_sequence`), K/V travel around the ring, gradients are averaged over
   the cp group.
 - `cp1`, the reference: every rank trains the whole sequence alone, with no communication, as the
@@ -33,8 +33,8 @@ from ndtrain.config import ModelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.context import apply_context_parallel, attention_work, shard_sequence
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.context_parallel import apply_context_parallel, attention_work, shard_sequence
+from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.recompute import SavedActivations
 
 LR = 3e-4
@@ -63,7 +63,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         return _step(model, optimizer, lambda i: (tokens[i, :, :-1], tokens[i, :, 1:]))
 
     def ring() -> Step:
-        model = DataParallel(apply_context_parallel(build_model(work.model, options.seed, ctx.device), ctx), ctx,
+        model = DistributedDataParallel(apply_context_parallel(build_model(work.model, options.seed, ctx.device), ctx), ctx,
                              bucket_mb=options.bucket_mb)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         return _step(model, optimizer, lambda i: shard_sequence(tokens[i, :, :-1], tokens[i, :, 1:], ctx))

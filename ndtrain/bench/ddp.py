@@ -1,4 +1,4 @@
-"""Scenario `ddp`: ndtrain's `DataParallel` against `torch.nn.parallel.DistributedDataParallel`.
+"""Scenario `ddp`: ndtrain's `DistributedDataParallel` against `torch.nn.parallel.DistributedDataParallel`.
 
 Both train the same Llama (same preset, seed and initial weights) with AdamW on the same random
 token batches (a different stream per rank, the same for both contestants), with the same bucket
@@ -22,7 +22,7 @@ from ndtrain.bench.limit import limit_contestant
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.ddp import DistributedDataParallel
 
 LR = 3e-4
 
@@ -34,7 +34,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     group = ctx.group("dp_cp")
 
     def ours() -> Step:
-        model = DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
+        model = DistributedDataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
         return training_step(model, torch.optim.AdamW(model.parameters(), lr=LR), work.tokens)
 
     def torch_ddp() -> Step:

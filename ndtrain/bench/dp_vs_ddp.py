@@ -1,7 +1,7 @@
 """Scenario `dp-vs-ddp`: single-process `DataParallel` (threads over N replicas in rank 0) against
 our DDP over N processes, at the same global batch (N × `--micro-batch` sequences per step).
 
-- ddp (reference): every rank trains `DataParallel` (ndtrain.parallel.ddp) on its micro-batch;
+- ddp (reference): every rank trains `DistributedDataParallel` (ndtrain.parallel.ddp) on its micro-batch;
   gradients all-reduced during backward (2(N−1)/N · G bytes per rank, G = gradient bytes).
 - dataparallel: rank 0 alone runs `SingleProcessDataParallel` over N replicas of the model on
   its device (one Python thread per replica: N CPU "devices" here, N GPUs on a real machine) on
@@ -21,8 +21,8 @@ from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step,
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DataParallel
-from ndtrain.parallel.replicate import SingleProcessDataParallel
+from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.single_process_dp import SingleProcessDataParallel
 
 LR = 3e-4
 
@@ -34,7 +34,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     n = ctx.world_size
 
     def ddp() -> Step:
-        model = DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
+        model = DistributedDataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
         return training_step(model, torch.optim.AdamW(model.parameters(), lr=LR), work.tokens)
 
     def dataparallel() -> Step:

@@ -33,7 +33,7 @@ from ndtrain.bench.limit import limit_contestant
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.fsdp import FullyShardedDataParallel
+from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
 
 LR = 3e-4
 

@@ -1,4 +1,4 @@
-"""Scenarios `zero1` (below) and `zero2` (`run_zero2`). `zero1`: ndtrain's `DataParallel` + `ZeroOptimizer` against PyTorch's DDP + `ZeroRedundancyOptimizer`.
+"""Scenarios `zero1` (below) and `zero2` (`run_zero2`). `zero1`: ndtrain's `DistributedDataParallel` + `ZeroOptimizer` against PyTorch's DDP + `ZeroRedundancyOptimizer`.
 
 Both train the same Llama (same preset, seed and initial weights) with AdamW (one parameter group,
 the same LR) on the same random token batches (a different stream per rank, the same for both
@@ -35,9 +35,9 @@ from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import MB, DataParallel, pack
-from ndtrain.parallel.zero import ZeroOptimizer
-from ndtrain.parallel.zero2 import Zero2DataParallel
+from ndtrain.parallel.ddp import MB, DistributedDataParallel, pack
+from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
+from ndtrain.parallel.zero2_gradients import Zero2DataParallel
 
 LR = 3e-4
 
@@ -51,7 +51,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     group = ctx.group("dp_cp")
 
     def ours() -> Built:
-        model = DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
+        model = DistributedDataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
         optimizer = ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(groups, lr=LR))
         return training_step(model, optimizer, work.tokens), optimizer.state_bytes, lambda: optimizer.padded_numel
 

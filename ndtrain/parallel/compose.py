@@ -27,7 +27,7 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.context import apply_context_parallel
+from ndtrain.parallel.context_parallel import apply_context_parallel
 from ndtrain.parallel.pipeline import is_pipeline_duplicate, split_model
 from ndtrain.parallel.pipeline.partition import LossFn
 from ndtrain.parallel.recompute import apply_recompute

@@ -89,7 +89,7 @@ def broadcast_state(ctx: ParallelContext, group: Group, tensors: list[torch.Tens
                 offset += t.numel()
 
 
-def _gradient_hook(owner: weakref.ref[DataParallel], index: int, param: torch.Tensor) -> None:
+def _gradient_hook(owner: weakref.ref[DistributedDataParallel], index: int, param: torch.Tensor) -> None:
     ddp = owner()
     if ddp is not None:
         ddp._on_gradient(index, param)
@@ -122,7 +122,7 @@ class _Bucket:
         return self.comm.numel() * self.comm.element_size()
 
 
-class DataParallel(nn.Module):
+class DistributedDataParallel(nn.Module):
     """Wrap `module` so that `loss.backward()` leaves the gradient averaged over `ctx.group("dp_cp")`.
 
     The hooks hold the wrapper weakly; once it is dropped they are removed (the module's `.grad`s

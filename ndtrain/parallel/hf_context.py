@@ -1,4 +1,4 @@
-"""Context parallel on a Hugging Face causal LM: its attention routed through ring attention (context.py).
+"""Context parallel on a Hugging Face causal LM: its attention routed through ring attention (context_parallel.py).
 
 transformers 5 looks each attention call up by `config._attn_implementation` in its
 `AttentionInterface` registry and calls it with the attention module, q [B, H, s, h] (RoPE
@@ -12,7 +12,7 @@ ignores the mask: ring attention is causal over the load-balanced chunks by cons
 
 Positions: each cp rank holds a non-contiguous set of T/cp positions; the engine passes them as
 `position_ids` through the `CausalLM` adapter, so RoPE (Llama/Qwen2) and GPT-2's learned position
-embeddings see the global positions. Costs: those of ring attention (context.py), per layer.
+embeddings see the global positions. Costs: those of ring attention (context_parallel.py), per layer.
 Refused in one line: families ndtrain has no spec for, sliding-window attention (Qwen2's
 `use_sliding_window`: the ring is full causal), and attention dropout while training.
 """
@@ -26,7 +26,7 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.models.hf_families import FAMILIES, family_of, hf_config, hf_model
-from ndtrain.parallel.context import Ring, ring_attention
+from ndtrain.parallel.context_parallel import Ring, ring_attention
 
 ATTENTION_NAME = "ndtrain_ring"
 _RING = "_ndtrain_ring"

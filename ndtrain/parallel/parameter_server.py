@@ -71,7 +71,7 @@ from torch import nn
 from ndtrain.config import PSConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.zero import GroupFn, no_decay_for_vectors
+from ndtrain.parallel.zero1_optimizer import GroupFn, no_decay_for_vectors
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]

@@ -2,9 +2,9 @@
 
 What is split: nothing; this file names the dtypes and holds the loss scaler. The model's
 parameters are cast to the compute dtype (2 bytes each) and forward/backward run in it; the
-optimizer updates fp32 master weights and keeps fp32 state: `ZeroOptimizer` (zero.py) holds the
+optimizer updates fp32 master weights and keeps fp32 state: `ZeroOptimizer` (zero1_optimizer.py) holds the
 master slice of this rank (stages 1, 2; the whole master with `sharded=False` for plain DDP) and
-copies it back into the compute copy after each step; FSDP (fsdp.py) keeps fp32 shards and gathers
+copies it back into the compute copy after each step; FSDP (zero3_parameters.py) keeps fp32 shards and gathers
 `param_dtype` copies. Gradients are reduced in `parallel.comm_dtype`. A float64 model (tests'
 parity references) stays float64 throughout: `master_dtype` and `reduction_dtype` never narrow it
 below what it is unless bf16 reduction is asked for.

@@ -215,7 +215,7 @@ def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _Micr
     first_layer = model.layer_params / layout.tp * precision.param_bytes
     gather = collectives.exposed(cost("all_gather", weights), window_f, cost("all_gather", min(bucket, first_layer)))
     scatter = collectives.exposed(cost("reduce_scatter", grads), window_b, cost("reduce_scatter", bucket))
-    if layout.zero == 1:  # ndtrain's ZeRO-1 keeps DDP's all-reduce (zero.py); Megatron reduce-scatters
+    if layout.zero == 1:  # ndtrain's ZeRO-1 keeps DDP's all-reduce (zero1_optimizer.py); Megatron reduce-scatters
         return (reduce if cluster.hardware.cpu is not None else scatter) + gather
     if layout.zero == 2:
         return m * scatter + gather

@@ -27,7 +27,7 @@ gradients I left at each weight's operation (`split_backward`): together about o
 Stage 0 has no input gradient: its I is free, its W the whole backward. Sent tensors are kept
 until the end of the step (a c10d send needs its buffer until done).
 
-Data parallel: stages wrapped in `DataParallel` synchronise only in the last gradient-producing
+Data parallel: stages wrapped in `DistributedDataParallel` synchronise only in the last gradient-producing
 action of each stage (the others run under `no_sync()`): the usual 2(N−1)/N·G per step, once,
 overlapped with that last backward only. A tied embedding/head weight with data parallel: each
 copy is averaged over dp first, then the two are summed across the pipeline (linear, so exact).
@@ -248,7 +248,7 @@ def run_pipeline(
     schedule: str, timeline: Timeline | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Forward and backward of all micro-batches `(inputs, targets)` (the same list on every pp
-    rank) through this rank's `stages` (from `split_model`, optionally each in `DataParallel`).
+    rank) through this rank's `stages` (from `split_model`, optionally each in `DistributedDataParallel`).
 
     Returns (Σ over micro-batches of the micro-batch mean loss, on every pp rank; target count).
     Gradients of the mean loss over micro-batches are accumulated into `.grad`."""

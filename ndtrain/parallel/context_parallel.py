@@ -5,7 +5,7 @@ size) and group rank i holds chunks i and 2c−1−i (load-balanced causal layou
 chunk paired with a late, expensive one), so each rank holds T/c tokens, in increasing position
 order, and passes their global positions to the model (RoPE). Every op but attention is
 per-token and runs on the shard unchanged; the loss is the mean over the local tokens, and as
-shards are equal-sized the mean over the dp×cp group (our `DataParallel` averages gradients over
+shards are equal-sized the mean over the dp×cp group (our `DistributedDataParallel` averages gradients over
 `dp_cp`) is the global mean.
 
 Attention (`Attention.attend`, replaced by `apply_context_parallel`) is ring attention. With

@@ -1,6 +1,6 @@
 """ZeRO stage 2: gradients too are sharded over the data-parallel ranks; parameters are not.
 
-What is split: the optimizer state (as in stage 1, by `ZeroOptimizer` of zero.py) and the
+What is split: the optimizer state (as in stage 1, by `ZeroOptimizer` of zero1_optimizer.py) and the
 gradient. The trainable parameters are packed into buckets exactly as DDP packs them (`pack`, in
 reverse registration order, at most `bucket_mb` per bucket), each padded to a multiple of N (the
 size of `ctx.group("dp_cp")`). Group rank r keeps only the fp32 (float64 for a float64 model) gradient of its slice

@@ -5,7 +5,7 @@ name matches one of the `wrap` patterns (fnmatch over `named_modules()`), or wit
 (the default) one unit per decoder layer of the model's layer list (`hf_families.decoder_layers`:
 `layers.*` on the built-in Llama, `hf.model.layers.*` on an HF Llama, `hf.transformer.h.*` on
 GPT-2, else the largest nn.ModuleList of identical blocks; no such list: the root unit alone),
-plus the root unit of every parameter left over (embedding, final norm, head). Each unit is a `FlatUnit` (fsdp_unit.py): a flat fp32 buffer padded to a multiple of
+plus the root unit of every parameter left over (embedding, final norm, head). Each unit is a `FlatUnit` (zero3_unit.py): a flat fp32 buffer padded to a multiple of
 N (the size of `ctx.group("dp_cp")`) of which each rank keeps 1/N, with its gradient; the
 optimizer sees only those shards (`parameter_groups`), so its state is sharded too.
 
@@ -55,8 +55,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import decoder_layers
-from ndtrain.parallel.fsdp_unit import FlatUnit
-from ndtrain.parallel.zero import GroupFn, _group_keys, _one_group
+from ndtrain.parallel.zero3_unit import FlatUnit
+from ndtrain.parallel.zero1_optimizer import GroupFn, _group_keys, _one_group
 
 
 def wrap_patterns(module: nn.Module, wrap: Sequence[str] | str) -> list[str]:

@@ -1,6 +1,6 @@
 """ZeRO stage 1: the optimizer state is sharded over the data-parallel ranks; parameters and gradients are not.
 
-What is split: the optimizer's work and state. `DataParallel` (ddp.py) has packed the trainable
+What is split: the optimizer's work and state. `DistributedDataParallel` (ddp.py) has packed the trainable
 parameters into buckets; here every bucket also gets a flat *parameter* buffer with the same layout
 as its gradient bucket, padded with zeros to a multiple of N (the size of `ctx.group("dp_cp")`), and
 the module's parameters become views into it (`param.data = flat[a:b].view_as(param)`). Group rank
@@ -28,7 +28,7 @@ of 4Ψ + 4Ψ + 8Ψ for DDP. Each rank sends per step 2(N−1)/N · 4Ψ bytes of 
 (N−1)/N · 4Ψ' of all-gather, in one call per bucket each: 1.5× DDP's volume, the price of the
 sharded state (ZeRO-2 would replace the all-reduce by a reduce-scatter and get back to 1×).
 
-The same class serves ZeRO-2 (zero2.py: the gradient slices are then this rank's reduce-scattered
+The same class serves ZeRO-2 (zero2_gradients.py: the gradient slices are then this rank's reduce-scattered
 gradient shard, `model.gradients_sharded`) and mixed precision: when the model's parameters are
 bf16/fp16 compute copies, each segment is instead an fp32 *master* copy of the slice (+4Ψ/N bytes),
 its gradient an fp32 cast of the gradient slice made in `prepare_grads()`, and after the inner step
@@ -53,7 +53,7 @@ from torch import nn
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.precision import at_least_fp32
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
@@ -94,7 +94,7 @@ def parameter_groups(module: nn.Module, group_fn: GroupFn = _one_group) -> list[
 
 
 class GradientSource(Protocol):
-    """What ZeroOptimizer needs of the gradient side: DataParallel (replicated) or Zero2DataParallel (sharded)."""
+    """What ZeroOptimizer needs of the gradient side: DistributedDataParallel (replicated) or Zero2DataParallel (sharded)."""
 
     module: nn.Module
     gradients_sharded: bool
@@ -116,7 +116,7 @@ class _Shard:
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Shard the optimizer of a `DataParallel` model over `ctx.group("dp_cp")` (ZeRO stage 1).
+    """Shard the optimizer of a `DistributedDataParallel` model over `ctx.group("dp_cp")` (ZeRO stage 1).
 
     `optimizer_fn(groups)` receives a list of parameter groups, `{"params": [segments], **options}`,
     one per distinct `group_fn(name, param)` result (a dict of hashable option values, e.g.
@@ -132,14 +132,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, model: DataParallel | GradientSource, ctx: ParallelContext, optimizer_fn: OptimizerFn, *,
+        self, model: DistributedDataParallel | GradientSource, ctx: ParallelContext, optimizer_fn: OptimizerFn, *,
         group_fn: GroupFn = _one_group, masters: dict[int, torch.Tensor] | None = None, sharded: bool = True,
     ) -> None:
         """`masters` maps `id(param)` to its fp32 initial value when the parameters are low-precision
         compute copies (default: their upcast); `sharded=False` keeps the whole state on every rank."""
         # Optimizer.__init__ is not called: the parameters belong to the inner optimizer.
         if not hasattr(model, "gradient_slice"):
-            raise UserError(f"ZeroOptimizer needs a DataParallel-wrapped model, got {type(model).__name__}: wrap it first")
+            raise UserError(f"ZeroOptimizer needs a DistributedDataParallel-wrapped model, got {type(model).__name__}: wrap it first")
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self.model, self.ctx = model, ctx
