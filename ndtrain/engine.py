@@ -48,7 +48,8 @@ from ndtrain.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import hf_config
 from ndtrain.models.llama import count_parameters
-from ndtrain.parallel.compose import ModelParallelState, norm_weight, prepare_model
+from ndtrain.parallel.compose import ModelParallelState, prepare_model
+from ndtrain.parallel.placement import name_parameters, placement_of
 from ndtrain.parallel.context_parallel import shard_sequence
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
@@ -126,6 +127,7 @@ class Engine:
         self.compute_dtype = DTYPES[cfg.precision]
         comm_dtype = DTYPES[cfg.comm_dtype]
         full = model_fn().to(ctx.device)
+        name_parameters(full)
         self.parameter_count = count_parameters(full)
         full_shapes = {name: p.shape for name, p in full.named_parameters(remove_duplicate=False)}
         self.loss_fn = loss_fn
@@ -275,7 +277,7 @@ class Engine:
         """Σ g² of the whole model's gradient, identical on every rank.
 
         Model parallel (tp/pp, stages 0–1, gradients reduced over dp): each rank's Σg² weighted by
-        `compose.norm_weight` (tp shards once, tp-replicated parameters 1/tp each, a pipeline-tied
+        `Placement.norm_weight` (tp shards once, tp-replicated parameters 1/tp each, a pipeline-tied
         copy not at all) and summed over "mp". Otherwise sharded over dp_cp (stages 1–3, each
         rank's shard, padding excluded): summed over dp_cp; replicated (stage 0): local."""
         device = self.ctx.device
@@ -285,7 +287,7 @@ class Engine:
             squares = torch.zeros((), dtype=dtype, device=device)
             for p in self.model.parameters():
                 if p.grad is not None:
-                    squares += norm_weight(p, tp) * at_least_fp32(p.grad.detach()).pow(2).sum()
+                    squares += placement_of(p).norm_weight(tp) * at_least_fp32(p.grad.detach()).pow(2).sum()
             self.ctx.comm.all_reduce(squares, self.ctx.group("mp"))
             return squares
         if self.fsdp is not None:

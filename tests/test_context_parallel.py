@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ndtrain.parallel.placement import placement_of
 from ndtrain.bench import cp as bench_cp
 from ndtrain.bench.harness import BenchOptions
 from ndtrain.config import ParallelConfig, config_from_dict
@@ -105,7 +106,7 @@ def _shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of `full` a tensor-parallel `param` holds (all of it for a replicated one)."""
     if not is_tensor_parallel(param):
         return full
-    shard = param.tp_shard
+    shard = placement_of(param).tp
     return full.narrow(shard.dim, shard.start, shard.length)
 
 

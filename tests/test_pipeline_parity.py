@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ndtrain.parallel.placement import placement_of
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
@@ -150,7 +151,7 @@ def _pp_tp_worker(sequence_parallel: bool) -> tuple[float, dict[str, tuple[torch
     stages = split_model(model, ctx)
     del model
     loss, _ = run_pipeline(stages, micro_batches(4, SEED), ctx, "1f1b")
-    grads = {n: (q.grad.clone(), getattr(q, "tp_shard", None)) for s in stages for n, q in s.named_parameters()}
+    grads = {n: (q.grad.clone(), placement_of(q).tp) for s in stages for n, q in s.named_parameters()}
     return loss.item(), grads
 
 

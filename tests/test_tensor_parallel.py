@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ndtrain.mesh
+from ndtrain.parallel.placement import placement_of
 from ndtrain.bench.tp import analytic_wire_bytes
 from ndtrain.comm import Communicator, Group
 from ndtrain.config import ModelConfig, ParallelConfig
@@ -51,7 +52,7 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of a full tensor a sharded parameter holds (padding beyond `full` as zeros)."""
-    s = param.tp_shard
+    s = placement_of(param).tp
     if s.full > full.shape[s.dim]:
         pad = full.new_zeros((*full.shape[: s.dim], s.full - full.shape[s.dim], *full.shape[s.dim + 1 :]))
         full = torch.cat([full, pad], dim=s.dim)

@@ -8,9 +8,6 @@ Nothing here communicates while building; the strategies' own docstrings give th
 
 Also here, because they need to know every axis at once (the unsupported combinations are
 refused earlier, by `ParallelConfig.validate`):
-- `norm_weight`: how much a parameter's Σg² counts in the global gradient norm summed over the
-  model-parallel group (pp × tp): 1 for a tp shard, 1/tp for a parameter replicated over tp
-  (each tp rank holds the same gradient), 0 for the head's copy of a pipeline-tied embedding;
 - `ModelParallelState`: what the checkpoint writes for a tp/pp run: each rank's own parameters
   (same-layout resume), and the full model with the original parameter names (tp shards gathered
   over tp, each pipeline stage contributing its own parameters), which any layout and
@@ -28,11 +25,12 @@ from torch import nn
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.context_parallel import apply_context_parallel
-from ndtrain.parallel.pipeline import is_pipeline_duplicate, split_model
+from ndtrain.parallel.pipeline import split_model
+from ndtrain.parallel.placement import placement_of
 from ndtrain.parallel.pipeline.partition import LossFn
 from ndtrain.parallel.recompute import apply_recompute
 from ndtrain.parallel.tensor import GatherLastDim
-from ndtrain.parallel.tp_plan import is_tensor_parallel, parallelize
+from ndtrain.parallel.tp_plan import parallelize
 
 
 def prepare_model(
@@ -63,13 +61,6 @@ def _sample(model: nn.Module, ctx: ParallelContext) -> torch.Tensor | None:
         return None
     generator = torch.Generator().manual_seed(0)
     return torch.randint(cfg.vocab_size, (1, cfg.seq_len), generator=generator).to(ctx.device)
-
-
-def norm_weight(param: torch.Tensor, tp: int) -> float:
-    """The share of this rank's Σg² of `param` in the norm summed over the pp × tp group."""
-    if is_pipeline_duplicate(param):
-        return 0.0
-    return 1.0 if is_tensor_parallel(param) else 1.0 / tp
 
 
 class ModelParallelState:
@@ -104,8 +95,8 @@ class ModelParallelState:
             name = _original_name(name, self.ctx.config.pp_virtual)
             if name in out:
                 continue
-            if is_tensor_parallel(param):
-                shard = param.tp_shard  # type: ignore[attr-defined]
+            shard = placement_of(param).tp
+            if shard is not None:
                 moved = param.detach().movedim(shard.dim, -1).contiguous()
                 full = GatherLastDim.apply(moved, self.ctx.comm, tp).movedim(-1, shard.dim)
                 out[name] = full.narrow(shard.dim, 0, self.full_shapes[name][shard.dim]).clone()

@@ -27,8 +27,8 @@ wire volume as all-gather + reduce-scatter ((n−1)/n · X each, twice per direc
 activations between blocks take 1/n of the memory. Weights and their gradients take 1/n.
 Parameters replicated over tp whose gradient is partial on each rank (sequence-shard inputs,
 replicated kv heads) get a gradient hook all-reducing it over tp (`sum_gradient_over`).
-Sharded parameters carry `tp_shard`, a `Shard` (dim, start, length, padded full size): what
-`is_tensor_parallel` reads, and what a checkpoint needs to place the shard in the full tensor.
+A sharded parameter's placement record (placement.py) holds its `Shard` (dim, start, length, padded
+full size): what `is_tensor_parallel` reads, and what a checkpoint needs to place the shard in the full tensor.
 """
 
 from __future__ import annotations
@@ -42,29 +42,9 @@ from torch import nn
 
 from ndtrain.comm import Communicator, Group
 from ndtrain.errors import UserError
+from ndtrain.parallel.placement import Shard, carry_placement, is_tensor_parallel
 
 SEQ_DIM = 1
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Where a sharded parameter sits in the full one: `length` indices from `start` along `dim`
-    of a full tensor of `full` indices (padding beyond the real size included)."""
-
-    dim: int
-    start: int
-    length: int
-    full: int
-
-
-def mark_sharded(param: nn.Parameter, shard: Shard) -> nn.Parameter:
-    param.tp_shard = shard  # type: ignore[attr-defined]
-    return param
-
-
-def is_tensor_parallel(param: torch.Tensor) -> bool:
-    """True for parameters split over tp (their squared norms add up over the tp group)."""
-    return getattr(param, "tp_shard", None) is not None
 
 
 # --------------------------------------------------------------------------- conjugate operators
@@ -254,11 +234,11 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_padded = out_padded or linear.out_features
         weight, shard = _slice(linear.weight, 0, group.rank, group.size, self.out_padded)
-        self.weight = mark_sharded(nn.Parameter(weight), shard)
+        self.weight = carry_placement(nn.Parameter(weight), linear.weight, tp=shard)
         self.bias = None
         if linear.bias is not None:
             bias, bias_shard = _slice(linear.bias, 0, group.rank, group.size, self.out_padded)
-            self.bias = mark_sharded(nn.Parameter(bias), bias_shard)
+            self.bias = carry_placement(nn.Parameter(bias), linear.bias, tp=bias_shard)
         self.out_start = shard.start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -284,8 +264,8 @@ class RowParallelLinear(nn.Module):
         self.comm, self.group, self.sequence_parallel = comm, group, sequence_parallel
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, shard = _slice(linear.weight, 1, group.rank, group.size, linear.in_features)
-        self.weight = mark_sharded(nn.Parameter(weight), shard)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.weight = carry_placement(nn.Parameter(weight), linear.weight, tp=shard)
+        self.bias = None if linear.bias is None else carry_placement(nn.Parameter(linear.bias.detach().clone()), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = from_parallel(F.linear(x, self.weight), self.comm, self.group, self.sequence_parallel)

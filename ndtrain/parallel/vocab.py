@@ -27,7 +27,8 @@ from torch import nn
 
 from ndtrain.comm import Communicator, Group
 from ndtrain.parallel.precision import at_least_fp32
-from ndtrain.parallel.tensor import from_parallel, mark_sharded, _slice
+from ndtrain.parallel.placement import carry_placement
+from ndtrain.parallel.tensor import from_parallel, _slice
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -46,7 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.padded = padded_vocab(embedding.num_embeddings, group.size)
         weight, shard = _slice(embedding.weight, 0, group.rank, group.size, self.padded)
-        self.weight = mark_sharded(nn.Parameter(weight), shard)
+        self.weight = carry_placement(nn.Parameter(weight), embedding.weight, tp=shard)
         self.start, self.stop = shard.start, shard.start + shard.length
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

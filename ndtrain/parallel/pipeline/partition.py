@@ -32,14 +32,12 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import FAMILIES, Family, family_of, hf_config
 from ndtrain.models.llama import Llama
 from ndtrain.parallel.pipeline.hf_stages import HFStage, end_costs
+from ndtrain.parallel.placement import place, placement_of
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-_DUPLICATE = "_ndtrain_pipeline_duplicate"
-
-
 def is_pipeline_duplicate(param: torch.Tensor) -> bool:
     """True on the copy of a tied weight (the head's) that a pipeline-wide sum must skip."""
-    return getattr(param, _DUPLICATE, False)
+    return placement_of(param).pipeline_duplicate
 
 
 class LlamaStage(nn.Module):
@@ -177,14 +175,14 @@ def split_model(
             stage = LlamaStage(model, ids, first=s == 0, last=s == stages - 1)
             stage.tied = stage.tied if p > 1 else None  # one rank holds both: autograd sums them
             if stage.tied == "output.weight":
-                setattr(stage.output.weight, _DUPLICATE, True)
+                place(stage.output.weight, pipeline_duplicate=True)
         elif family is not None:
             stage = HFStage(model, family, ids, first=s == 0, last=s == stages - 1, loss_fn=loss_fn)
             if p > 1 and family.tied and s in (0, stages - 1):  # one copy per end; the runner sums their gradients
                 head, embedding = next(iter(family.tied.items()))
                 stage.tied = embedding if s == 0 else head
                 if s == stages - 1:
-                    setattr(stage.get_parameter(head), _DUPLICATE, True)
+                    place(stage.get_parameter(head), pipeline_duplicate=True)
         else:
             stage = SequentialStage(blocks, ids, loss_fn if s == stages - 1 else None)
         out.append(stage)
