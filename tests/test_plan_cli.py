@@ -124,4 +124,13 @@ def test_an_old_profile_is_refused_with_the_fix(tmp_path, capsys: pytest.Capture
 def test_published_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["--published"]) == 0
     out = capsys.readouterr().out
-    assert "Llama Team 2024" in out and "calibration" in out and "held out" in out
+    assert "llm-foundry" in out and "held out" in out and "fit" in out
+    assert "held out: 10 rows, median |error|" in out and "ordering, BigScience" in out
+
+
+def test_explain_shows_the_best_layouts_terms(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "64",
+                "--explain"]) == 0
+    out = capsys.readouterr().out
+    for term in ("gemm", "attention", "element-wise", "recompute adds", "φ =", "dp_comm", "step"):
+        assert term in out

@@ -13,7 +13,7 @@ Parameters (exact, as the reference implementations build them):
           per layer  h·(a+2k)·d + a·d·h  [attention]  +  3·h·f  [w1, w2, w3]  +  2h  [norms]
           total  l·(per layer) + 2·V·h + h
 
-Attention kernel, by arch (the practice of each family's published runs):
+Attention kernel, by arch unless `flash` says otherwise (the practice of each family's published runs):
     gpt    Megatron's dense masked softmax (Shoeybi 2019): QKᵀ and AV over the full s×s score
            matrix, which is stored for the backward (Korthikanti 2022's 5·a·s²·b)
     llama  FlashAttention (Dao 2022), causal: half the score FLOPs are skipped, no score matrix
@@ -52,6 +52,7 @@ class ModelSpec:
     ffn: int
     vocab: int
     seq: int
+    flash: bool | None = None  # attention kernel: None = the family's practice (see above)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -117,8 +118,8 @@ class ModelSpec:
 
     @cached_property
     def flash_attention(self) -> bool:
-        """Causal FlashAttention (llama) rather than a stored dense score matrix (gpt)."""
-        return self.arch == "llama"
+        """Causal FlashAttention rather than a stored dense score matrix: llama unless told otherwise."""
+        return self.arch == "llama" if self.flash is None else self.flash
 
     @cached_property
     def attention_forward_flops_per_token(self) -> int:

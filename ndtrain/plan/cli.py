@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, metavar="N", help="layouts to show")
     out.add_argument("--json", action="store_true", help='print {"candidates": [...]} best first')
-    out.add_argument("--explain", action="store_true", help="why rejected layouts fail: counts and examples")
+    out.add_argument("--explain", action="store_true", help="why rejected layouts fail, and the best layout's time term by term")
     out.add_argument("--published", action="store_true", help="compare with published large-scale runs")
     out.add_argument("--calibrate", action="store_true", help="measure this machine into a CPU profile; with --model/--arch also "
                      "that model's layers; --gpus N adds a process count to the default 1, 2, 4")
@@ -134,6 +134,8 @@ def _run(args: argparse.Namespace) -> int:
         print(report.table(result, args.top))
         if args.explain or not fits:
             print(report.explain(result))
+        if args.explain and result.candidates:
+            print(report.terms(result.candidates[0], model, cluster))
     if not fits:
         print("ndtrain: no layout fits in memory: the smallest are shown; add GPUs, recompute or ZeRO",
               file=sys.stderr)

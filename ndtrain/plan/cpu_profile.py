@@ -31,6 +31,7 @@ from typing import Any
 from ndtrain.errors import UserError
 from ndtrain.plan import jsonfile
 from ndtrain.plan.arch import ModelSpec
+from ndtrain.plan.efficiency import MEASURED
 from ndtrain.plan.hardware import FP32, GB, GIB, Hardware, Link
 
 VERSION = 2
@@ -151,7 +152,7 @@ def load_profile(path: Path, processes: int) -> Hardware:
     link = cpu.link("all_reduce", processes)
     ram = data["memory_total_gib"] * GIB / processes
     reserved = data["process_baseline_mib"] * 1024**2
-    return Hardware("cpu", "cpu", flops, 1.0, ram, reserved, memory_bw, link, link, FP32, False, cpu)
+    return Hardware("cpu", "cpu", flops, MEASURED, ram, reserved, memory_bw, link, link, FP32, False, cpu)
 
 
 def _sharing(comm: dict[str, Any], measured: str, cores: int, processes: int) -> float:

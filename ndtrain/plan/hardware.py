@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ndtrain.errors import UserError
+from ndtrain.plan.efficiency import GPU_EFFICIENCY, GpuEfficiency
 
 if TYPE_CHECKING:
     from ndtrain.plan.cpu_profile import CpuProfile
@@ -61,7 +62,7 @@ class Hardware:
     name: str
     kind: str  # "gpu" or "cpu"
     peak_flops: float
-    matmul_efficiency: float
+    efficiency: GpuEfficiency
     memory_bytes: float
     reserved_bytes: float  # runtime context, communication buffers, allocator workspace
     hbm_bandwidth: float
@@ -71,28 +72,28 @@ class Hardware:
     overlaps_comm: bool  # GPUs communicate beside compute; CPU collectives run on the computing cores
     cpu: CpuProfile | None = None  # what a calibrated CPU profile measured beyond these numbers
 
+    @property
+    def matmul_efficiency(self) -> float:
+        return self.efficiency.matmul
 
-def _gpu(name: str, peak_tflops: float, eta: float, memory_gib: float, hbm_tbs: float, intra_gbs: float,
+
+def _gpu(name: str, peak_tflops: float, memory_gib: float, hbm_tbs: float, intra_gbs: float,
          inter_gbs: float) -> Hardware:
     return Hardware(
-        name, "gpu", peak_tflops * 1e12, eta, memory_gib * GIB, 2 * GIB, hbm_tbs * 1e12,
+        name, "gpu", peak_tflops * 1e12, GPU_EFFICIENCY, memory_gib * GIB, 2 * GIB, hbm_tbs * 1e12,
         Link(intra_gbs * GB, 5e-6), Link(inter_gbs * GB, 10e-6), MIXED_BF16, True,
     )
 
 
-# η: A100 from Korthikanti 2022 Table 5 (GPT-3 175B, selective recompute + SP: 13.75 s/iteration),
-# H100 from Llama Team 2024 Table 4 (405B on 8,192 GPUs: 430 TFLOP/s/GPU); H200 shares the H100's
-# compute die, so its η. Each value is the one for which the planner reproduces that run.
-A100_ETA = 0.73
-H100_ETA = 0.65
-
+# η is the same for every GPU (`efficiency.py`): generations differ only by their datasheet numbers.
 GPUS: dict[str, Hardware] = {
     hw.name: hw
     for hw in (
-        _gpu("a100-40gb", 312, A100_ETA, 40, 1.555, 240, 24),
-        _gpu("a100-80gb", 312, A100_ETA, 80, 2.039, 240, 24),
-        _gpu("h100-sxm", 989, H100_ETA, 80, 3.35, 360, 48),
-        _gpu("h200", 989, H100_ETA, 140, 4.8, 360, 48),
+        _gpu("v100-sxm3", 130, 32, 0.9, 120, 10),
+        _gpu("a100-40gb", 312, 40, 1.555, 240, 24),
+        _gpu("a100-80gb", 312, 80, 2.039, 240, 24),
+        _gpu("h100-sxm", 989, 80, 3.35, 360, 48),
+        _gpu("h200", 989, 140, 4.8, 360, 48),
     )
 }
 
@@ -114,9 +115,17 @@ class Cluster:
             )
 
     def link(self, stride: int, size: int) -> Link:
-        """The slowest link a group of `size` ranks spaced `stride` apart spans (ranks fill nodes in order)."""
-        within_node = stride * size <= self.gpus_per_node
-        return self.hardware.intra if within_node else self.hardware.inter
+        """The link a group of `size` ranks spaced `stride` apart runs its rings over (ranks fill nodes
+        in order): NVLink inside a node; across nodes, the NICs of the group's members in each node,
+        since NCCL runs one ring per NIC and forwards within the node over NVLink (a group with
+        q members per node moves q × one NIC's bandwidth per node, capped by NVLink)."""
+        if stride * size <= self.gpus_per_node:
+            return self.hardware.intra
+        members_per_node = max(1, self.gpus_per_node // stride)
+        if members_per_node == 1:
+            return self.hardware.inter
+        bandwidth = min(self.hardware.intra.bandwidth, members_per_node * self.hardware.inter.bandwidth)
+        return Link(bandwidth, self.hardware.inter.latency)
 
 
 def gpu(name: str, intra_bw_gbs: float | None = None, inter_bw_gbs: float | None = None) -> Hardware:

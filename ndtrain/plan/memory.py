@@ -17,9 +17,9 @@ where R (values and masks replicated across tp: norms' inputs, the inputs of QKV
 MLP, dropout masks), S (tp-sharded: Q, K, V, the attention projection's input, the MLP's
 intermediates) and Z (the score matrix: softmax output, dropout mask and output) are, per arch:
     gpt     R = 4β + 2,   S = β·(2 + 2k/a + 2f/h),   Z = 2β + 1     (34 and 5 for k=a, f=4h, β=2)
-    llama   R = 4β,       S = β·(2 + 2k/a + 3f/h),   Z = 0          (no dropout; fused SwiGLU keeps
-                                                                      w1·x, w3·x and the product;
-                                                                      flash attention stores no scores)
+    llama   R = 4β,       S = β·(2 + 2k/a + 3f/h)                   (no dropout; fused SwiGLU keeps
+                                                                      w1·x, w3·x and the product)
+and Z = 0 for flash attention, which stores no scores (llama's default; gpt with `flash`).
 k/a is the GQA adjustment: K and V are k/a the size of Q. Recompute (Korthikanti §5):
     selective  drops the Z term (scores are recomputed in the backward)
     full       keeps only each layer's input, β·sbh/t_R, plus one layer's full activations as
@@ -82,9 +82,10 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
 def activation_coefficients(model: ModelSpec, beta: int) -> tuple[float, float, float]:
     """(R, S, Z) of the module docstring, in bytes per s·b·h (R, S) and per a·s²·b (Z)."""
     kv, ffn = model.kv_ratio, model.ffn / model.hidden
+    scores = 0 if model.flash_attention else 2 * beta + 1
     if model.arch == "gpt":
-        return 4 * beta + 2, beta * (2 + 2 * kv + 2 * ffn), 2 * beta + 1
-    return 4 * beta, beta * (2 + 2 * kv + 3 * ffn), 0
+        return 4 * beta + 2, beta * (2 + 2 * kv + 2 * ffn), scores
+    return 4 * beta, beta * (2 + 2 * kv + 3 * ffn), scores
 
 
 def stage_params(model: ModelSpec, layout: Layout, stage: str) -> float:

@@ -7,12 +7,15 @@ hardware TFLOP/s per GPU (hardware includes recompute) and MFU = model FLOP/s ÷
 
 from __future__ import annotations
 
+import itertools
 import json
-from typing import Any
+import statistics
+from typing import Any, Sequence
 
+from ndtrain.plan import gpu_compute
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.hardware import Cluster
-from ndtrain.plan.published import RUNS
+from ndtrain.plan.published import ORDERINGS, RUNS, PublishedRun, held_out
 from ndtrain.plan.search import Candidate, Rejections, SearchResult
 
 GIB = 1024**3
@@ -78,14 +81,61 @@ def explain(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
+ORDER_MARGIN = 0.05  # measured differences below this are within the sources' run-to-run noise
+
+
 def published_table() -> str:
-    """The cluster-scale check: published runs, reported vs predicted TFLOP/s per GPU."""
-    rows = [("source", "layout", "metric", "reported", "predicted", "error", "role")]
-    for run in RUNS:
+    """The cluster-scale check: published runs, reported vs predicted throughput per GPU."""
+    rows = [("#", "source", "gpu", "layout", "unit", "reported", "predicted", "error", "role")]
+    for index, run in enumerate(RUNS):
         lay = run.layout
-        layout = f"tp{lay.tp} pp{lay.pp} dp{lay.dp} cp{lay.cp} mbs{lay.mbs} B={run.global_batch} {lay.recompute}"
-        role = "calibration" if run.calibrates else ("outlier" if run.outlier else "held out")
-        rows.append((run.source, layout, run.metric, f"{run.reported_tflops:.1f}", f"{run.predicted_tflops():.1f}",
-                     f"{100 * run.error():+.1f}%", role))
+        layout = f"{lay.label()} B={run.global_batch}"
+        unit = "tok/s/GPU" if run.metric == "tokens" else "TFLOP/s/GPU"
+        rows.append((str(index), run.source, run.gpu, layout, unit, f"{run.reported:.1f}", f"{run.predicted():.1f}",
+                     f"{100 * run.error():+.1f}%", "held out" if held_out(index) else "fit"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    for name, chosen in (("held out", True), ("fit", False), ("all", None)):
+        errors = [abs(run.error()) for i, run in enumerate(RUNS) if chosen is None or held_out(i) == chosen]
+        lines.append(f"{name}: {len(errors)} rows, median |error| {100 * statistics.median(errors):.1f} %, "
+                     f"worst {100 * max(errors):.1f} %")
+    for source, runs in ORDERINGS:
+        pairs = ordering_pairs(runs)
+        lines.append(f"ordering, {source}: {sum(ok for _, _, ok in pairs)} of {len(pairs)} pairs reproduced")
+    return "\n".join(lines)
+
+
+def ordering_pairs(runs: Sequence[PublishedRun]) -> list[tuple[PublishedRun, PublishedRun, bool]]:
+    """(measured faster, measured slower, whether the planner predicts it faster) for every pair of
+    compared runs whose measured throughputs differ by more than ORDER_MARGIN."""
+    pairs = []
+    for first, second in itertools.combinations(runs, 2):
+        faster, slower = (first, second) if first.reported >= second.reported else (second, first)
+        if faster.reported > (1 + ORDER_MARGIN) * slower.reported:
+            pairs.append((faster, slower, faster.predicted() > slower.predicted()))
+    return pairs
+
+
+def terms(candidate: Candidate, model: ModelSpec, cluster: Cluster) -> str:
+    """The best layout's time, term by term (what `--explain` shows beside the rejections)."""
+    lay, tm, hw = candidate.layout, candidate.timing, cluster.hardware
+    lines = [f"time of one step of the best layout ({lay.label()}), by term:"]
+    if hw.cpu is None:
+        eff = hw.efficiency
+        layer = gpu_compute.layer_terms(model, lay, hw)
+        lines.append(f"  one layer forward, one rank: gemm {_ms(layer.gemm)} (arithmetic at η_mm = {eff.matmul} of "
+                     f"{hw.peak_flops / 1e12:.4g} TFLOP/s + operand traffic at {hw.hbm_bandwidth / 1e12:.4g} TB/s), "
+                     f"attention {_ms(layer.attention)} (η_attn = {eff.attention} for flash, η_mm for dense), "
+                     f"element-wise {_ms(layer.element)} ({eff.element_passes} passes over its activations)")
+        lines.append(f"  backward = 2 × forward; recompute adds {_ms(gpu_compute.compute(model, lay, hw).recompute)} "
+                     f"per layer backward ({lay.recompute})")
+        lines.append(f"  overlapped data-parallel communication costs φ = {eff.overlap_cost} of its time "
+                     f"in the compute it runs beside")
+    for part in TIME_PARTS:
+        lines.append(f"  {part:10s} {_ms(getattr(tm, part))}")
+    lines.append(f"  {'step':10s} {_ms(tm.step)}")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.3f} ms"

@@ -49,12 +49,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ndtrain.plan import collectives, schedules
+from ndtrain.plan import collectives, gpu_compute, schedules
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.cpu_profile import model_key
 from ndtrain.plan.hardware import Cluster
 from ndtrain.plan.layout import Layout
-from ndtrain.plan.memory import activation_coefficients, layer_activation_bytes, stage_params
+from ndtrain.plan.memory import stage_params
 
 BUCKET_BYTES = 25 * 1024**2  # DDP's default bucket cap
 OPTIMIZER_TRAFFIC_BYTES = 28  # fp32 master, m, v read + written (24), gradient read, weight written
@@ -153,20 +153,9 @@ def _compute(model: ModelSpec, layout: Layout, cluster: Cluster, layers: int) ->
         layer_b, attention_f = pieces.layer_b / layout.cp, attention_share * pieces.layer_f / layout.cp
         recompute = {"none": 0.0, "selective": attention_f, "full": layer_f}[layout.recompute]
     else:
-        rate = hw.peak_flops * hw.matmul_efficiency
-        tokens = layout.mbs * model.seq / layout.cp
-        beta = hw.precision.activation_bytes
-        flops_f = tokens * model.layer_forward_flops_per_token / layout.tp / rate
-        attention_f = tokens * model.attention_forward_flops_per_token / layout.tp / rate
-        memory_f = 2 * layer_activation_bytes(model, layout, hw.precision, "none") / hw.hbm_bandwidth
-        scores_f = 2 * _score_bytes(model, layout, beta) / hw.hbm_bandwidth
-        recompute = {"none": 0.0, "selective": attention_f + scores_f, "full": flops_f + memory_f}[layout.recompute]
-        if model.flash_attention and layout.recompute == "none":
-            recompute = attention_f
-        layer_f = flops_f + memory_f
-        layer_b = 2 * layer_f
-        ends_f = tokens * model.logits_forward_flops_per_token / layout.tp / rate
-        ends_b = 2 * ends_f
+        gpu = gpu_compute.compute(model, layout, hw)
+        layer_f, layer_b, recompute = gpu.layer.total, 2 * gpu.layer.total, gpu.recompute
+        ends_f, ends_b, attention_f = gpu.ends_f, gpu.ends_b, gpu.attention_f
     forward, backward = layers * layer_f + ends_f, layers * (layer_b + recompute) + ends_b  # the last stage
     all_stages = model.layers * (layer_f + layer_b + recompute) + ends_f + ends_b
     return _Compute(forward, backward, all_stages, attention_f)
@@ -189,12 +178,6 @@ def _vocab_forward(cluster: Cluster, layout: Layout, tokens: float, tp_one: floa
     return loss + (tp_one if layout.pp == 1 else 0.0)
 
 
-def _score_bytes(model: ModelSpec, layout: Layout, beta: int) -> float:
-    """The score-matrix part of one layer's activations (what selective recompute rebuilds)."""
-    z = activation_coefficients(model, beta)[2]
-    return model.heads * (model.seq / layout.cp) * model.seq * layout.mbs * z / layout.tp
-
-
 def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _MicroBatch, m: int) -> float:
     n = layout.dp * layout.cp
     if n == 1:
@@ -209,18 +192,25 @@ def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _Micr
     bucket = min(BUCKET_BYTES, grads)
     overlap = 1.0 if cluster.hardware.overlaps_comm else 0.0
     window_f, window_b = overlap * mb.compute_f, overlap * mb.compute_b
-    reduce = collectives.exposed(cost("all_reduce", grads), window_b, cost("all_reduce", bucket))
+    phi = cluster.hardware.efficiency.overlap_cost
+
+    def behind(total: float, window: float, first_piece: float) -> float:
+        """Exposed seconds, plus what the hidden part costs the compute it runs beside (φ)."""
+        exposed = collectives.exposed(total, window, first_piece)
+        return exposed + phi * (total - exposed)
+
+    reduce = behind(cost("all_reduce", grads), window_b, cost("all_reduce", bucket))
     if layout.zero == 0:
         return reduce
     first_layer = model.layer_params / layout.tp * precision.param_bytes
-    gather = collectives.exposed(cost("all_gather", weights), window_f, cost("all_gather", min(bucket, first_layer)))
-    scatter = collectives.exposed(cost("reduce_scatter", grads), window_b, cost("reduce_scatter", bucket))
+    gather = behind(cost("all_gather", weights), window_f, cost("all_gather", min(bucket, first_layer)))
+    scatter = behind(cost("reduce_scatter", grads), window_b, cost("reduce_scatter", bucket))
     if layout.zero == 1:  # ndtrain's ZeRO-1 keeps DDP's all-reduce (zero1_optimizer.py); Megatron reduce-scatters
         return (reduce if cluster.hardware.cpu is not None else scatter) + gather
     if layout.zero == 2:
         return m * scatter + gather
     backward = cost("all_gather", weights) + cost("reduce_scatter", grads)
-    return m * (gather + collectives.exposed(backward, window_b, cost("all_gather", first_layer)))
+    return m * (gather + behind(backward, window_b, cost("all_gather", first_layer)))
 
 
 def _optimizer(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
