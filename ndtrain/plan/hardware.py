@@ -2,21 +2,23 @@
 
 A device is described by
     peak        dense matmul FLOP/s in the training precision (bf16 on GPUs, fp32 on CPU)
-    η           achievable fraction of that peak for transformer matmuls (the one fitted constant
-                per GPU type; see docs/planner.md for the published run that set each)
+    efficiency  achievable fractions and costs (`efficiency.py`): the same fitted constants for
+                every GPU, so generations differ only by the datasheet numbers here
     HBM         memory bandwidth, which prices the memory-bound element-wise work
     links       intra-node and inter-node (bandwidth B per GPU, latency α), used by the α–β
                 collective model in `collectives.py`
 
-GPU figures: NVIDIA A100 and H100/H200 datasheets (bf16 dense 312 / 989 / 989 TFLOP/s; HBM
-1.555 / 2.039 / 3.35 / 4.8 TB/s). Link defaults are achievable bus bandwidths of NCCL ring
-collectives on large messages (≈ 80 % of the NVLink per-direction rate, ≈ 95 % of one
-200 Gb/s HDR or 400 Gb/s NDR NIC per GPU), overridable with --intra-bw / --inter-bw.
+GPU figures: NVIDIA V100, A100 and H100/H200 datasheets (dense fp16/bf16 130 / 312 / 989 / 989
+TFLOP/s, the V100's being the DGX-2H SXM3 part's; HBM 0.9 / 1.555 / 2.039 / 3.35 / 4.8 TB/s).
+Link defaults are achievable bus bandwidths of NCCL ring collectives on large messages (≈ 80 %
+of the NVLink per-direction rate, ≈ 95 % of one 200 Gb/s HDR or 400 Gb/s NDR NIC per GPU; a
+DGX-2H's 100 GB/s per 16 GPUs for the V100), overridable with --intra-bw / --inter-bw. A group spanning nodes uses the NICs of its members in each node
+(`Cluster.link`).
 
 A CPU profile (JSON written by `ndtrain plan --calibrate`, read by `cpu_profile.load_profile`)
 replaces all of these by what was measured on this machine for a given number of local processes
-(η = 1: the measured matmul rate is already what is achieved), and its communication never
-overlaps compute: gloo runs on the same cores.
+(`efficiency.MEASURED`, η = 1: the measured matmul rate is already what is achieved), and its
+communication never overlaps compute: gloo runs on the same cores.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def _gpu(name: str, peak_tflops: float, memory_gib: float, hbm_tbs: float, intra
 GPUS: dict[str, Hardware] = {
     hw.name: hw
     for hw in (
-        _gpu("v100-sxm3", 130, 32, 0.9, 120, 10),
+        _gpu("v100-sxm3", 130, 32, 0.9, 120, 6.25),
         _gpu("a100-40gb", 312, 40, 1.555, 240, 24),
         _gpu("a100-80gb", 312, 80, 2.039, 240, 24),
         _gpu("h100-sxm", 989, 80, 3.35, 360, 48),

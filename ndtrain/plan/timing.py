@@ -3,12 +3,10 @@
 Per micro-batch on the slowest stage (L_s layers, the logits on the last), t tp, c cp, b mbs,
 s' = s/c local tokens per sequence, β bytes per activation value:
 
-compute   FLOPs / (peak·η)  +  element-wise traffic / HBM bandwidth
-          FLOPs per layer: forward b·s'·(2W + 4·s·a·d)/t (`arch.py`), backward 2× forward;
-          recompute adds a forward of the layer (full) or of QKᵀ and AV (selective; always
-          for flash attention, whose backward recomputes the scores: Dao 2022).
-          Element-wise traffic: the layer's activations (`memory.py`, no recompute) written and
-          read once in the forward (2 passes) and twice that in the backward, like the FLOPs.
+compute   on GPUs `gpu_compute.py`: per layer, GEMM arithmetic at η_mm·peak plus operand traffic,
+          the attention kernel, element-wise passes over the activations at HBM bandwidth;
+          backward 2× forward; recompute adds a layer forward (full) or the attention (selective;
+          always for flash attention, whose backward recomputes the scores: Dao 2022).
 tp        2 all-reduces per layer forward and 2 backward of b·s'·h·β bytes (Shoeybi 2019 §3);
           with SP each becomes an all-gather + reduce-scatter of the same total cost
           (Korthikanti 2022 §4.2.2); full recompute replays the forward's 2. Never overlapped.
@@ -25,7 +23,8 @@ pp        one send/recv of b·s'·h·β/t per chunk boundary, forward and backwa
           scatter/gather optimisation of Narayanan 2021 §4.1), v per micro-batch when interleaved;
           synchronous, so on the critical path.
 step      m·(t_f + t_b) + bubble (`schedules.py`) + exposed dp/ZeRO communication + optimizer
-dp/ZeRO   over N = dp·c ranks, Ψ the stage's parameters per rank, the slowest link the group spans:
+dp/ZeRO   over N = dp·c ranks, Ψ the stage's parameters per rank, the link of the group (`Cluster.link`);
+          communication hidden behind compute still costs φ of its time (efficiency.overlap_cost):
           stage 0   all-reduce 2Ψ behind the last micro-batch's backward (DDP buckets), except
                     the last bucket (Li 2020, PyTorch DDP)
           stage 1   reduce-scatter 2Ψ (as above) + all-gather 2Ψ of updated weights behind the
