@@ -1,5 +1,6 @@
 """Seconds of one micro-batch's compute on a GPU, term by term, from datasheet numbers and the
-universal efficiencies of `efficiency.py` (the same for every GPU).
+universal efficiencies of `efficiency.py` (the same for every GPU; a CPU profile without layer
+profiles uses the same terms with `efficiency.MEASURED`).
 
 One layer's forward on one rank, T = b·s/c tokens, t tp, P peak FLOP/s, B HBM bytes/s, β bytes
 per value:
@@ -34,6 +35,7 @@ from ndtrain.plan.efficiency import GpuEfficiency
 from ndtrain.plan.hardware import Hardware
 from ndtrain.plan.layout import Layout
 from ndtrain.plan.memory import activation_coefficients, layer_activation_bytes
+
 
 class LayerTerms(NamedTuple):
     """Seconds of one layer forward on one rank, by term."""

@@ -142,8 +142,8 @@ class _Compute(NamedTuple):
 
 
 def _compute(model: ModelSpec, layout: Layout, cluster: Cluster, layers: int) -> _Compute:
-    """Seconds of one micro-batch's compute: measured pieces of a CPU profile when it has them, FLOPs
-    at the achievable rate plus element-wise traffic otherwise."""
+    """Seconds of one micro-batch's compute: measured pieces of a CPU profile when it has them, the
+    terms of `gpu_compute` otherwise."""
     hw = cluster.hardware
     attention_share = model.attention_forward_flops_per_token / model.layer_forward_flops_per_token
     pieces = hw.cpu.piece_times(model, layout.tp, layout.mbs) if hw.cpu is not None else None
