@@ -50,8 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from ndtrain.config import ModelConfig
 from ndtrain.errors import UserError
 from ndtrain.models.hf_families import decoder_layers, family_of
-
-MODES = ("none", "selective", "full")
+from ndtrain.options import RECOMPUTE_MODES as MODES
 
 
 class SelectiveRecompute:
