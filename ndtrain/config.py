@@ -26,8 +26,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from ndtrain.errors import UserError
 from ndtrain.options import (
-    ZERO_STAGES, Backend, CommDtype, DataFormat, Device, DpMode, PipelineBalance, PipelineSchedule, Precision, Progress,
-    PsMode, RecomputeMode, ZeroStage, literal_in, values,
+    ZERO_STAGES, Backend, CommDtype, DataFormat, Device, DpMode, PipelineBalance, PipelineSchedule, Precision,
+    ProgressMode, PsMode, RecomputeMode, ZeroStage, literal_in, values,
 )
 
 BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (data/tokenizer.py), the least a model can have
@@ -322,7 +322,7 @@ class LogConfig:
     out: str = "runs/default"
     eval_every: int = 50
     every: int = 10
-    progress: bool | Progress = "auto"
+    progress: bool | ProgressMode = "auto"
     report_to: list[str] = field(default_factory=list)  # any of "tensorboard", "wandb", "mlflow"
     timeline: bool | int = False  # pp > 1: record one step's pipeline timeline (true: step 2; N: step N)
 

@@ -8,6 +8,9 @@ Everything that checks or lists these values reads them from here:
 - the strategies: the pipeline schedules (`parallel/pipeline/schedules.py`), recompute modes
   (`parallel/recompute.py`), pipeline balance (`parallel/pipeline/partition.py`) and tensor-parallel
   styles (`parallel/tp_plan.py`); the data formats (`data/sources.py`); the planner's layouts.
+- the docs: tests/test_cli_conventions.py checks the README's `ndtrain train` usage line against them.
+Open-ended keys are not here: `parallel.fsdp_wrap` ("auto" or module patterns), `data.tokenizer`
+("bytes" or hf:PATH), `model.preset` (a preset name or hf:PATH, checked by `cli_flags.parse_model`).
 
 `values(T)` is a type's values as a tuple, in the order the help lists them (the same tuple object
 on every call, so `choices` can be compared by identity).
@@ -29,7 +32,7 @@ PipelineBalance = Literal["params", "measured"]
 DpMode = Literal["ddp", "single-process"]
 ZeroStage = Literal[0, 1, 2, 3]
 PsMode = Literal["sync", "async", "ssp"]
-Progress = Literal["auto", "bar", "lines", "off"]
+ProgressMode = Literal["auto", "bar", "lines", "off"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet", "disk", "csv", "json", "arrow"]
 TpStyle = Literal["colwise", "rowwise", "vocab", "replicate"]
 
@@ -42,7 +45,7 @@ def values(option: Any) -> tuple[Any, ...]:
 
 
 def literal_in(hint: Any) -> Any | None:
-    """The `Literal` type in a type hint (itself, or one member of a union such as `bool | Progress`), or None."""
+    """The `Literal` type in a type hint (itself, or one member of a union such as `bool | ProgressMode`), or None."""
     if typing.get_origin(hint) is Literal:
         return hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -52,16 +55,9 @@ def literal_in(hint: Any) -> Any | None:
     return None
 
 
-BACKENDS = values(Backend)
-DEVICES = values(Device)
-COMM_DTYPES = values(CommDtype)
-PRECISIONS = values(Precision)
 RECOMPUTE_MODES = values(RecomputeMode)
 PP_SCHEDULES = values(PipelineSchedule)
 PP_BALANCES = values(PipelineBalance)
-DP_MODES = values(DpMode)
 ZERO_STAGES = values(ZeroStage)
-PS_MODES = values(PsMode)
-PROGRESS_MODES = values(Progress)
 DATA_FORMATS = values(DataFormat)
 TP_STYLES = values(TpStyle)

@@ -21,7 +21,7 @@ from ndtrain import cli, cli_flags, version
 from ndtrain.bench import cli as bench_cli
 from ndtrain import options
 from ndtrain.config import MODEL_PRESETS, PRESET_NAMES, allowed_values
-from ndtrain.options import PP_SCHEDULES, PRECISIONS, ZERO_STAGES
+from ndtrain.options import PP_SCHEDULES, ZERO_STAGES
 from ndtrain.plan import cli as plan_cli
 
 if sys.version_info >= (3, 11):
@@ -186,7 +186,7 @@ def test_choices_are_the_config_tuples() -> None:
     for command in ("train", "plan"):
         assert choices(parsers[command], "--schedule") is PP_SCHEDULES
         assert choices(parsers[command], "--zero") is ZERO_STAGES
-    assert choices(parsers["train"], "--precision") is PRECISIONS
+    assert choices(parsers["train"], "--precision") is options.values(options.Precision)
     (model,) = [a for a in parsers["train"]._actions if "--model" in a.option_strings]
     assert all(model.type(name) == name for name in PRESET_NAMES) and model.type("hf:some/dir") == "hf:some/dir"
     with pytest.raises(argparse.ArgumentTypeError):
