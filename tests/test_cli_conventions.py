@@ -152,13 +152,15 @@ def flag_choices(parser: argparse.ArgumentParser, flag: str) -> object:
     return action.choices
 
 
-@pytest.mark.parametrize("flag, option", [
-    ("--precision", options.Precision), ("--recompute", options.RecomputeMode), ("--schedule", options.PipelineSchedule),
-    ("--dp-mode", options.DpMode), ("--zero", options.ZeroStage), ("--ps.mode", options.PsMode),
-])
-def test_train_choices_are_the_literal_values(flag: str, option: object) -> None:
+CLOSED_FLAGS = {"--precision": options.Precision, "--recompute": options.RecomputeMode,
+                "--schedule": options.PipelineSchedule, "--dp-mode": options.DpMode, "--zero": options.ZeroStage,
+                "--ps.mode": options.PsMode}
+
+
+@pytest.mark.parametrize("flag", CLOSED_FLAGS)
+def test_train_choices_are_the_literal_values(flag: str) -> None:
     """The option types of options.py are the one definition: the parser offers exactly their values."""
-    assert flag_choices(subcommands()["train"], flag) == options.values(option)
+    assert flag_choices(subcommands()["train"], flag) == options.values(CLOSED_FLAGS[flag])
 
 
 def test_every_closed_config_key_has_its_literal_as_choices() -> None:
@@ -173,9 +175,7 @@ def test_readme_usage_lists_the_literal_values() -> None:
     """The README's `ndtrain train` usage block lists each closed flag's values as options.py defines them."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     usage = readme.split("## The `ndtrain` command", 1)[1].split("ndtrain generate", 1)[0]
-    for flag, option in [("--precision", options.Precision), ("--recompute", options.RecomputeMode),
-                         ("--schedule", options.PipelineSchedule), ("--dp-mode", options.DpMode),
-                         ("--zero", options.ZeroStage), ("--ps.mode", options.PsMode)]:
+    for flag, option in CLOSED_FLAGS.items():
         listed = re.search(re.escape(flag) + r" ([\w|-]+)", usage)
         assert listed is not None and listed.group(1) == "|".join(map(str, options.values(option))), flag
 
