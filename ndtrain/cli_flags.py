@@ -1,9 +1,10 @@
 """Flag conventions shared by `ndtrain train`, `plan` and `bench`: one spelling, one set of allowed values.
 
 - Booleans are `true|false` everywhere (`parse_bool`; 1/0, yes/no and on/off are read too).
-- Closed sets (model preset, precision, recompute, schedule, dp mode, ZeRO stage, PS mode) are the
-  tuples config.py validates with, handed to argparse as `choices`, so the parser refuses anything
-  else with one line and `--help` lists them.
+- Closed sets (precision, recompute, schedule, dp mode, ZeRO stage, PS mode: the `Literal` types of
+  options.py) are the values of the annotation of the config key a flag sets, the same the config
+  validates with, handed to argparse as `choices`, so the parser refuses anything else with one line
+  and `--help` lists them; the model preset is checked by `parse_model`.
 - Every option's help ends with its default: `train` flags show the config default of their key
   (read from the config dataclasses), the other commands their argparse default (`HelpFormatter`).
 """
@@ -13,25 +14,12 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from ndtrain.config import (
-    DP_MODES, MODEL_PRESETS, PP_SCHEDULES, PRESET_NAMES, PRECISIONS, PS_MODES, RECOMPUTE_MODES, ZERO_STAGES, TrainConfig,
-    read_toml,
-)
+from ndtrain.config import MODEL_PRESETS, PRESET_NAMES, TrainConfig, allowed_values, read_toml
 
 BOOL_METAVAR = "{true,false}"
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 NUMBER_METAVARS: dict[Callable[[str], Any], str] = {int: "N", float: "X"}
-
-# The allowed values of each closed-set config key a flag sets.
-KEY_CHOICES: dict[str, tuple[Any, ...]] = {
-    "parallel.precision": PRECISIONS,
-    "parallel.recompute": RECOMPUTE_MODES,
-    "parallel.pp_schedule": PP_SCHEDULES,
-    "parallel.dp_mode": DP_MODES,
-    "parallel.zero": ZERO_STAGES,
-    "ps.mode": PS_MODES,
-}
 
 
 def parse_bool(text: str) -> bool:
@@ -60,7 +48,7 @@ def value_options(key: str, kind: Callable[[str], Any]) -> dict[str, Any]:
         return {"type": parse_model, "metavar": MODEL_METAVAR}
     if kind is parse_bool:
         return {"type": parse_bool, "metavar": BOOL_METAVAR}
-    choices = KEY_CHOICES.get(key)
+    choices = allowed_values(key)
     if choices is None and kind in NUMBER_METAVARS:
         return {"type": kind, "metavar": NUMBER_METAVARS[kind]}
     return {"type": kind, "choices": choices}

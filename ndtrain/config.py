@@ -25,6 +25,10 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from ndtrain.errors import UserError
+from ndtrain.options import (
+    ZERO_STAGES, Backend, CommDtype, DataFormat, Device, DpMode, PipelineBalance, PipelineSchedule, Precision,
+    ProgressMode, PsMode, RecomputeMode, ZeroStage, literal_in, values,
+)
 
 BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (data/tokenizer.py), the least a model can have
 INT64_MAX = 2**63 - 1
@@ -39,17 +43,6 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "bench": dict(dim=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_dim=1024, seq_len=256),
 }
 
-# The allowed values of the closed-set keys: validated here, offered as `choices` by the command line.
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
-DEVICES = ("auto", "cpu", "cuda")
-COMM_DTYPES = ("fp32", "bf16")
-PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE_MODES = ("none", "selective", "full")
-PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb")
-PP_BALANCES = ("params", "measured")
-DP_MODES = ("ddp", "single-process")
-ZERO_STAGES = (0, 1, 2, 3)
-PS_MODES = ("sync", "async", "ssp")
 # Presets of the tasks other than the language model (tasks.py), with the defaults they bring to any
 # section (below the TOML file and flags). `digits`: the CNN of models/digits.py (model.dim is its
 # embedding size; the other model keys are unused); its run reaches CMC rank-1 >= 0.95 on CPU in seconds.
@@ -121,11 +114,12 @@ class DataConfig:
     val_fraction: float = 0.02
     eval_samples: int = 256
     tokenizer: str = "bytes"          # bytes | hf:PATH (a tokenizer.json or a tokenizer directory)
-    format: str = "auto"              # auto | text | jsonl | parquet | disk | csv | json | arrow
+    format: DataFormat = "auto"
     text_field: str = "text"          # the text field/column of JSONL, Parquet and datasets records
     cache: str | None = None          # token-file folder (default RUN_DIR/data)
 
     def validate(self) -> None:
+        _check_choices(self)
         if not 0.0 < self.val_fraction < 1.0:
             raise UserError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.eval_samples < 0:
@@ -148,30 +142,30 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    zero: int = 0
-    backend: str = "auto"
-    device: str = "auto"
+    zero: ZeroStage = 0
+    backend: Backend = "auto"
+    device: Device = "auto"
     bucket_mb: float = 25.0
-    comm_dtype: str = "fp32"          # dtype of gradient reductions (the "reduce dtype")
+    comm_dtype: CommDtype = "fp32"    # dtype of gradient reductions (the "reduce dtype")
     allow_unused_params: bool = False
     timeout_s: float = 600.0          # init/rendezvous timeout (and the communication library's own)
     watchdog_s: float = 60.0          # a wait on one collective longer than this ends the run, naming who is missing
     # mixed precision: compute dtype; fp32 master weights and optimizer state in every mode
-    precision: str = "fp32"           # fp32 | bf16 | fp16
+    precision: Precision = "fp32"
     loss_scaling: bool = True         # dynamic loss scaling (required for fp16)
     # activation recomputation per transformer block
-    recompute: str = "none"           # none | selective | full
+    recompute: RecomputeMode = "none"
     # ZeRO-3 / FSDP
     fsdp_wrap: str = "auto"           # auto (one unit per decoder layer) | comma-separated fnmatch patterns
     reshard_after_forward: bool = True
     # tensor parallel
     sequence_parallel: bool = False
     # pipeline parallel: the micro-batches are the step's gradient-accumulation micro-batches
-    pp_schedule: str = "1f1b"         # naive | gpipe | 1f1b | interleaved | zb
+    pp_schedule: PipelineSchedule = "1f1b"
     pp_virtual: int = 1               # virtual stages per rank (interleaved)
-    pp_balance: str = "params"        # params | measured
+    pp_balance: PipelineBalance = "params"
     # data-parallel flavour: our DDP over processes, or single-process DataParallel over replicas
-    dp_mode: str = "ddp"              # ddp | single-process
+    dp_mode: DpMode = "ddp"
     replicas: int = 2                 # devices (CPU replicas when no GPU) for dp_mode=single-process
 
     def validate(self) -> None:
@@ -185,20 +179,13 @@ class ParallelConfig:
                 f"parallel.watchdog_s must be in (0, 120] seconds, got {self.watchdog_s}: "
                 "use a value above the longest wait on one collective (default 60)"
             )
-        _choice(self, "backend", BACKENDS)
-        _choice(self, "device", DEVICES)
-        _choice(self, "comm_dtype", COMM_DTYPES)
-        _choice(self, "precision", PRECISIONS)
-        _choice(self, "recompute", RECOMPUTE_MODES)
-        _choice(self, "pp_schedule", PP_SCHEDULES)
-        _choice(self, "pp_balance", PP_BALANCES)
-        _choice(self, "dp_mode", DP_MODES)
+        if self.zero not in ZERO_STAGES:
+            raise UserError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
+        _check_choices(self)
         if self.dp_mode == "single-process" and self.zero > 1:
             raise UserError(
                 f"parallel.dp_mode=single-process does not combine with parallel.zero={self.zero}: use zero 0 or 1"
             )
-        if self.zero not in ZERO_STAGES:
-            raise UserError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.precision == "fp16" and not self.loss_scaling:
             raise UserError(
                 "parallel.precision=fp16 needs loss scaling (fp16 gradients underflow without it): "
@@ -335,7 +322,7 @@ class LogConfig:
     out: str = "runs/default"
     eval_every: int = 50
     every: int = 10
-    progress: bool | str = "auto"
+    progress: bool | ProgressMode = "auto"
     report_to: list[str] = field(default_factory=list)  # any of "tensorboard", "wandb", "mlflow"
     timeline: bool | int = False  # pp > 1: record one step's pipeline timeline (true: step 2; N: step N)
 
@@ -351,7 +338,7 @@ class LogConfig:
         if self.eval_every < 0:
             raise UserError(f"log.eval_every must be >= 0 (0 = only at the end), got {self.eval_every}")
         _positive(self, "every")
-        _choice(self, "progress", ("auto", "bar", "lines", "off"))
+        _check_choices(self)
         from ndtrain.trackers import check_trackers
 
         check_trackers(self.report_to)
@@ -386,7 +373,7 @@ class PSConfig:
     ("RANK:FACTOR") makes one worker FACTOR× slower, for experiments."""
 
     servers: int = 0
-    mode: str = "sync"
+    mode: PsMode = "sync"
     staleness: int = 2
     slow_worker: str = ""
 
@@ -395,7 +382,7 @@ class PSConfig:
             raise UserError(f"ps.servers must be >= 0 (0 = off), got {self.servers}")
         if self.staleness < 0:
             raise UserError(f"ps.staleness must be >= 0, got {self.staleness}")
-        _choice(self, "mode", PS_MODES)
+        _check_choices(self)
         self.straggler()
 
     def straggler(self) -> tuple[int, float] | None:
@@ -594,7 +581,9 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
 
 
 def _check_type(key: str, value: Any, hint: Any) -> Any:
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    # an options Literal is checked here for its values' type; `_check_choices` (validate) checks the value
+    options = tuple(type(values(o)[0]) if typing.get_origin(o) is typing.Literal else o for o in options)
     for option in options:
         if option is type(None) and value is None:
             return None
@@ -632,10 +621,25 @@ def _exists(path: str) -> bool:
     return True
 
 
-def _choice(section: Any, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(section, name)
-    if value not in choices:
-        raise UserError(f"{_section_name(section)}.{name}={value!r} is not one of {', '.join(choices)}")
+def _check_choices(section: Any) -> None:
+    """Every field of `section` annotated with an options Literal holds one of its values."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        option = literal_in(hints[f.name])
+        value = getattr(section, f.name)
+        if option is not None and value not in values(option):
+            allowed = ", ".join(str(v) for v in values(option))
+            raise UserError(f"{_section_name(section)}.{f.name}={value!r} is not one of {allowed}")
+
+
+def allowed_values(key: str) -> tuple[Any, ...] | None:
+    """The values a dotted config key (`parallel.precision`) is limited to, from its annotation; None for an open key."""
+    section: Any = TrainConfig
+    *parents, name = key.split(".")
+    for part in parents:
+        section = typing.get_type_hints(section)[part]
+    option = literal_in(typing.get_type_hints(section)[name])
+    return None if option is None else values(option)
 
 
 def _section_name(section: Any) -> str:

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from ndtrain.console import FILE_ONLY, log
+from ndtrain.options import ProgressMode
 
 
 def format_eta(seconds: float) -> str:
@@ -67,7 +68,7 @@ def format_line(step: int, total: int, *, loss: float, val: float | None = None,
     return " | ".join(parts)
 
 
-def resolve_mode(mode: str, stream: TextIO) -> str:
+def resolve_mode(mode: ProgressMode, stream: TextIO) -> ProgressMode:
     """"auto" → "bar" on a terminal, "lines" otherwise; the other modes as given."""
     if mode != "auto":
         return mode

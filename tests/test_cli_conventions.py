@@ -19,7 +19,9 @@ import torch
 import ndtrain
 from ndtrain import cli, cli_flags, version
 from ndtrain.bench import cli as bench_cli
-from ndtrain.config import MODEL_PRESETS, PP_SCHEDULES, PRECISIONS, PRESET_NAMES, ZERO_STAGES
+from ndtrain import options
+from ndtrain.config import MODEL_PRESETS, PRESET_NAMES, allowed_values
+from ndtrain.options import PP_SCHEDULES, ZERO_STAGES
 from ndtrain.plan import cli as plan_cli
 
 if sys.version_info >= (3, 11):
@@ -145,16 +147,46 @@ def test_train_help_lists_allowed_values(flag: str, allowed: str, capsys: pytest
     assert f"{flag} {allowed}" in option_blocks(help_text(["train"], capsys, monkeypatch))
 
 
-def test_choices_are_the_config_tuples() -> None:
-    def choices(parser: argparse.ArgumentParser, flag: str) -> object:
-        (action,) = [a for a in parser._actions if flag in a.option_strings]
-        return action.choices
+def flag_choices(parser: argparse.ArgumentParser, flag: str) -> object:
+    (action,) = [a for a in parser._actions if flag in a.option_strings]
+    return action.choices
 
+
+CLOSED_FLAGS = {"--precision": options.Precision, "--recompute": options.RecomputeMode,
+                "--schedule": options.PipelineSchedule, "--dp-mode": options.DpMode, "--zero": options.ZeroStage,
+                "--ps.mode": options.PsMode}
+
+
+@pytest.mark.parametrize("flag", CLOSED_FLAGS)
+def test_train_choices_are_the_literal_values(flag: str) -> None:
+    """The option types of options.py are the one definition: the parser offers exactly their values."""
+    assert flag_choices(subcommands()["train"], flag) == options.values(CLOSED_FLAGS[flag])
+
+
+def test_every_closed_config_key_has_its_literal_as_choices() -> None:
+    """Every train flag whose config key is annotated with a Literal offers its values; every other has no choices."""
+    train = subcommands()["train"]
+    for flag, (key, _, _) in cli.TRAIN_FLAGS.items():
+        expected = None if key == "model.preset" else allowed_values(key)
+        assert flag_choices(train, flag) == expected, flag
+
+
+def test_readme_usage_lists_the_literal_values() -> None:
+    """The README's `ndtrain train` usage block lists each closed flag's values as options.py defines them."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    usage = readme.split("## The `ndtrain` command", 1)[1].split("ndtrain generate", 1)[0]
+    for flag, option in CLOSED_FLAGS.items():
+        listed = re.search(re.escape(flag) + r" ([\w|-]+)", usage)
+        assert listed is not None and listed.group(1) == "|".join(map(str, options.values(option))), flag
+
+
+def test_choices_are_the_config_tuples() -> None:
+    choices = flag_choices
     parsers = subcommands()
     for command in ("train", "plan"):
         assert choices(parsers[command], "--schedule") is PP_SCHEDULES
         assert choices(parsers[command], "--zero") is ZERO_STAGES
-    assert choices(parsers["train"], "--precision") is PRECISIONS
+    assert choices(parsers["train"], "--precision") is options.values(options.Precision)
     (model,) = [a for a in parsers["train"]._actions if "--model" in a.option_strings]
     assert all(model.type(name) == name for name in PRESET_NAMES) and model.type("hf:some/dir") == "hf:some/dir"
     with pytest.raises(argparse.ArgumentTypeError):

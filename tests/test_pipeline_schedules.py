@@ -13,7 +13,7 @@ from ndtrain.models.llama import build_model
 from ndtrain.parallel.pipeline import run_pipeline, split_model
 from ndtrain.parallel.pipeline.partition import balanced_split
 from ndtrain.parallel.pipeline.schedules import (
-    Action, build, bubble_fraction, check, compute_actions, place, simulate, stage_of,
+    SCHEDULES, Action, build, bubble_fraction, check, compute_actions, place, simulate, stage_of,
 )
 
 CASES = [(s, p, m, v) for p in (1, 2, 3, 4, 5) for m in (p, 2 * p, 3 * p + (p > 1)) for s, v in
@@ -122,6 +122,14 @@ def test_single_rank_pipeline_equals_the_model(schedule: str, virtual: int, bala
         assert err <= 1e-5, f"{name}: {err:.2e}"
 
 
+def test_every_configurable_schedule_has_a_rank_schedule() -> None:
+    """The schedule names are options.PipelineSchedule's; the table of rank schedules has exactly them."""
+    from ndtrain.options import PipelineSchedule, values
+    from ndtrain.parallel.pipeline.schedules import _RANK_SCHEDULES
+
+    assert tuple(_RANK_SCHEDULES) == values(PipelineSchedule) == SCHEDULES
+
+
 def test_too_few_layers_for_the_stages() -> None:
     ctx = init(ParallelConfig())
     with pytest.raises(UserError, match="3 layers cannot fill 4 pipeline stages"):
@@ -134,7 +142,7 @@ def test_too_few_layers_for_the_stages() -> None:
 def test_split_backward_equals_full_backward(last: bool) -> None:
     """zb's I then W: the input gradient and every weight gradient of one backward, with W
     restarting only at the weights' own operations (the split is complete for a Llama stage)."""
-    from ndtrain.parallel.pipeline.partition import LlamaStage
+    from ndtrain.models.llama_parallel import LlamaStage
     from ndtrain.parallel.pipeline.split_backward import WeightPasses
 
     model = build_model(_tiny(3, False), 2)

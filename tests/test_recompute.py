@@ -12,8 +12,9 @@ from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
+from ndtrain.models.llama_parallel import block_saved_bytes
 from ndtrain.parallel.context_parallel import RingAttend, apply_context_parallel
-from ndtrain.parallel.recompute import MODES, SavedActivations, SelectiveRecompute, apply_recompute, block_saved_bytes
+from ndtrain.parallel.recompute import MODES, SavedActivations, SelectiveRecompute, apply_recompute
 
 SEED = 3
 TOL = 1e-6

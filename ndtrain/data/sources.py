@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ndtrain.errors import UserError
+from ndtrain.options import DATA_FORMATS as FORMATS
 
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test"})
-FORMATS = ("auto", "text", "jsonl", "parquet", "disk", "csv", "json", "arrow")
 DATASETS_BUILDERS = ("csv", "json", "arrow")
 DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 CHUNK_BYTES = 4 << 20

@@ -17,11 +17,14 @@ Seams for the parallel strategies (each an attribute a strategy may replace, nev
 - `forward(tokens, targets, positions)`: positions default to 0..T−1 (a sequence shard passes its
   global positions);
 - `embed` / `layers` / `head`: the three parts a pipeline stage is cut from.
+How the strategies split this model (tp plan, pipeline stages, recompute figures) is in
+models/llama_parallel.py, which `Llama.parallel_spec()` returns.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,9 @@ from torch import nn
 
 from ndtrain.config import ModelConfig
 from ndtrain.parallel.precision import at_least_fp32
+
+if TYPE_CHECKING:
+    from ndtrain.models.llama_parallel import LlamaParallel
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +172,12 @@ class Llama(nn.Module):
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over all tokens, computed in fp32 (float64 for a float64 model)."""
         return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten())
+
+    def parallel_spec(self) -> LlamaParallel:
+        """What the parallel strategies need to know to split this model (models/parallel_spec.py)."""
+        from ndtrain.models.llama_parallel import LlamaParallel  # it imports this module
+
+        return LlamaParallel(self)
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Llama:

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from ndtrain.mesh import ParallelContext
+from ndtrain.options import Precision
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES: dict[Precision, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:

@@ -14,28 +14,14 @@ arguments passed through (HF layers take `attention_mask=`, `position_embeddings
   attention inside it. Recomputing ring attention runs its forward ring again in backward: c−1
   more K/V exchanges per layer (2·B·K·s·h elements each).
   A Hugging Face model has no `attend` seam (its core is chosen through transformers' attention
-  registry): there `selective` checkpoints each layer's whole attention module (the family's
-  `attention`: q/k/v projections, RoPE, core, output projection), keeping its input and
+  registry): there `selective` checkpoints the unit its model spec names in each layer
+  (`ModelParallel.selective_unit`; models/hf_parallel.py: the family's whole `attention` module,
+  q/k/v projections, RoPE, core, output projection), keeping its input and
   recomputing the rest; the MLP's activations are kept. That saves more than Megatron's
   selective recompute and costs the attention projections' compute once more.
 
-Bytes saved for backward per block (what `SavedActivations` measures; fp32, e = 4 bytes per
-element; s = B·T tokens on this rank, d model dim, H/K query/kv heads, h head size, f FFN dim;
-the tensors autograd keeps, counted once per storage):
-
-    none       e·(9sd + 2sKh + sH + 2s + 4sf)      # `block_saved_bytes`
-      norms    2 × (x, x·rstd, its product with the weight: 3sd; rstd: s)
-      attention  q: sd, k and v: 2sKh, output: sd, log-sum-exp: sH, input of wo: sd
-      ffn      input of w1/w3 is the norm's output (counted above); w1·x, silu(w1·x), w3·x,
-               their product (input of w2): 4sf
-    selective  none − e·(sd + sH)                   # the core's output and log-sum-exp
-    full       e·sd                                 # the block input
-
-plus, once for all blocks, the RoPE tables cos and sin (T·h/2 elements each: e·T·h bytes).
-Korthikanti et al. count sbh(34 + 5as/h) bytes per GPT layer in fp16 with dropout, of which
-selective recomputation drops the 5as²b of the attention core's scores, softmax and dropout mask,
-and full keeps 2sbh. Our block has no dropout and a flash-style core that keeps O(s) (output and
-log-sum-exp) instead of O(s²), so selective drops only e·(sd + sH) here; full keeps e·sd.
+What each mode keeps per block of the built-in Llama, in bytes, is worked out with
+`block_saved_bytes` in models/llama_parallel.py; `SavedActivations` measures it.
 """
 
 from __future__ import annotations
@@ -47,11 +33,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ndtrain.config import ModelConfig
 from ndtrain.errors import UserError
-from ndtrain.models.hf_families import decoder_layers, family_of
-
-MODES = ("none", "selective", "full")
+from ndtrain.models.hf_families import decoder_layers
+from ndtrain.models.parallel_spec import parallel_spec
+from ndtrain.options import RECOMPUTE_MODES as MODES
+from ndtrain.options import RecomputeMode
 
 
 class SelectiveRecompute:
@@ -72,7 +58,7 @@ def _recompute_forward(module: nn.Module) -> None:
     module.forward = functools.partial(_checkpointed, module.forward)
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+def apply_recompute(model: nn.Module, mode: RecomputeMode) -> nn.Module:
     """Recompute `model`'s blocks (its decoder-layer list) in backward per `mode`: "none" | "selective" | "full"."""
     if mode not in MODES:
         raise UserError(f"recompute mode {mode!r} is unknown: choose one of {', '.join(MODES)}")
@@ -84,12 +70,13 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
             f"recompute={mode!r} needs a list of blocks (an nn.ModuleList of one block class): "
             f"{type(model).__name__} has none"
         )
-    family = family_of(model)
+    spec = parallel_spec(model)
     for block in found[1]:
+        unit = spec.selective_unit(block) if spec is not None and mode == "selective" else None
         if mode == "full":
             _recompute_forward(block)
-        elif family is not None:
-            _recompute_forward(block.get_submodule(family.attention))
+        elif unit is not None:
+            _recompute_forward(unit)
         else:
             attentions = [m for m in block.modules() if hasattr(m, "attend")]
             if not attentions:
@@ -100,15 +87,6 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
             for attention in attentions:
                 attention.attend = SelectiveRecompute(attention.attend)
     return model
-
-
-def block_saved_bytes(cfg: ModelConfig, tokens: int, mode: str, element_size: int = 4) -> int:
-    """Bytes one Llama block keeps for backward for `tokens` (= B·T local) tokens, RoPE tables excluded."""
-    s, d, f = tokens, cfg.dim, cfg.ffn_dim
-    heads, kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
-    none = 9 * s * d + 2 * s * kv_heads * head_dim + s * heads + 2 * s + 4 * s * f
-    elements = {"none": none, "selective": none - s * d - s * heads, "full": s * d}[mode]
-    return element_size * elements
 
 
 class SavedActivations:

@@ -14,8 +14,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ndtrain.config import PP_SCHEDULES as SCHEDULES
-from ndtrain.config import RECOMPUTE_MODES as RECOMPUTE
+from ndtrain.options import PP_SCHEDULES as SCHEDULES
+from ndtrain.options import RECOMPUTE_MODES as RECOMPUTE
 from ndtrain.plan.arch import ModelSpec
 
 

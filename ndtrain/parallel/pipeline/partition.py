@@ -1,11 +1,12 @@
 """Cut a model into S = p·v pipeline stages and keep this rank's v of them.
 
-What is split: the blocks, contiguously, into S stages (rank r holds stages r, r+p, …). The
-built-in Llama puts its embedding on stage 0 and final norm + head + loss on stage S−1; a
-`nn.Sequential` (or list of blocks) with a `loss_fn` puts the loss on the last stage; a Hugging
-Face causal LM of a known family is cut along its decoder-layer list (hf_stages.py). Stages are
-cut from the full seeded model, so their weights are the unsharded model's and parameter names
-are kept (`tok_embeddings.weight`, `layers.5.attention.wq.weight`, `output.weight`).
+What is split: the blocks, contiguously, into S stages (rank r holds stages r, r+p, …). A model
+with a spec (`models.parallel_spec`: the built-in Llama's `LlamaStage`, a Hugging Face family's
+`HFStage`; no model is imported here) names its blocks, what its first stage (embedding) and last
+stage (norm, head, loss) add, and builds its stages; a `nn.Sequential` (or list of blocks) with a
+`loss_fn` puts the loss on the last stage. Stages are cut from the full seeded model, so their
+weights are the unsharded model's and parameter names are kept (`tok_embeddings.weight`,
+`layers.5.attention.wq.weight`, `output.weight`).
 
 Balance: the cut minimising the most expensive stage, by parameter count (`params`) or by the
 measured forward+backward time of each piece (`measured`: every rank times every piece a few
@@ -19,7 +20,6 @@ model is built first; the caller drops it).
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from typing import Callable, Sequence
@@ -29,65 +29,16 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
-from ndtrain.models.hf_families import FAMILIES, Family, family_of, hf_config
-from ndtrain.models.llama import Llama
-from ndtrain.parallel.pipeline.hf_stages import HFStage, end_costs
+from ndtrain.models.parallel_spec import ModelParallel, parallel_spec
+from ndtrain.options import PP_BALANCES, PipelineBalance
 from ndtrain.parallel.placement import place, placement_of
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def is_pipeline_duplicate(param: torch.Tensor) -> bool:
     """True on the copy of a tied weight (the head's) that a pipeline-wide sum must skip."""
     return placement_of(param).pipeline_duplicate
-
-
-class LlamaStage(nn.Module):
-    """Some blocks of a Llama, with its embedding (first stage) and/or norm, head, loss (last).
-
-    Runs the model's own `rotary`, `embed` and `head` seams (and its `loss_fn`) on itself; a seam
-    a strategy replaced on the model instance (tensor parallel's head, a partial bound to the
-    model) is rebound to the stage, so a parallelized model splits the same way and the rest of
-    the full model can be freed."""
-
-    def __init__(self, model: Llama, layer_ids: Sequence[int], first: bool, last: bool) -> None:
-        super().__init__()
-        self.cfg = model.cfg
-        self.first, self.last = first, last
-        self._seams = type(model)
-        if first:
-            self.tok_embeddings = model.tok_embeddings
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        if last:
-            self.norm, self.output = model.norm, model.output
-            self.loss_fn = model.loss_fn
-        for name in ("rotary", "embed", "head"):
-            seam = model.__dict__.get(name)
-            if isinstance(seam, functools.partial) and seam.args and seam.args[0] is model:
-                seam = functools.partial(seam.func, self, *seam.args[1:], **seam.keywords)
-            if seam is not None:
-                setattr(self, name, seam)
-        self.tied = "tok_embeddings.weight" if first else "output.weight"
-        self.tied = self.tied if model.cfg.tie_embeddings and first != last else None
-
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._seams.rotary(self, positions)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._seams.embed(self, tokens)
-
-    def head(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
-        return self._seams.head(self, x, targets)
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation, or on
-        the last stage the loss (the logits without targets). The sequence length is the targets'
-        when given (activations may be sequence shards)."""
-        seq = (x if targets is None else targets).shape[1]
-        cos, sin = self.rotary(torch.arange(seq, device=x.device))
-        if self.first:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
-        return self.head(x, targets) if self.last else x
 
 
 class SequentialStage(nn.Module):
@@ -134,24 +85,24 @@ def balanced_split(costs: Sequence[float], parts: int, first_extra: float = 0.0,
 
 
 def split_model(
-    model: nn.Module | Sequence[nn.Module], ctx: ParallelContext, *, virtual: int = 1, balance: str = "params",
+    model: nn.Module | Sequence[nn.Module], ctx: ParallelContext, *, virtual: int = 1,
+    balance: PipelineBalance = "params",
     loss_fn: LossFn | None = None, sample: torch.Tensor | None = None,
 ) -> list[nn.Module]:
     """This rank's `virtual` stage modules (chunk order), cut from the full `model`.
 
-    `model`: a `Llama` (its own loss), or an `nn.Sequential` / list of blocks with `loss_fn`
-    (and, for `balance="measured"`, a `sample` input batch)."""
+    `model`: a model with a spec (its own loss: the built-in Llama, an HF causal LM), or an
+    `nn.Sequential` / list of blocks with `loss_fn` (and, for `balance="measured"`, a `sample` input batch)."""
     p, rank = ctx.size("pp"), ctx.coord("pp")
     stages = p * virtual
     if virtual < 1:
         raise UserError(f"pipeline virtual stages must be >= 1, got {virtual}")
-    if balance not in ("params", "measured"):
-        raise UserError(f"pipeline balance {balance!r} is unknown: use 'params' or 'measured'")
-    llama = isinstance(model, Llama)
-    family = _hf_family(model, loss_fn, balance)
-    if not llama and family is None and loss_fn is None:
+    if balance not in PP_BALANCES:
+        raise UserError(f"pipeline balance {balance!r} is unknown: use {' or '.join(map(repr, PP_BALANCES))}")
+    spec = parallel_spec(model)
+    if spec is None and loss_fn is None:
         raise UserError("splitting a sequential model needs loss_fn=(output, targets) -> loss")
-    blocks = list(model.layers) if llama else list(model.get_submodule(family.layers)) if family else list(model)
+    blocks = spec.pipeline_blocks(loss_fn, balance) if spec is not None else list(model)
     if len(blocks) < stages:
         raise UserError(
             f"{len(blocks)} layers cannot fill {stages} pipeline stages (pp={p} × virtual={virtual}): "
@@ -159,63 +110,37 @@ def split_model(
         )
     if balance == "params":
         costs = [float(sum(t.numel() for t in b.parameters())) for b in blocks]
-        first = float(model.tok_embeddings.weight.numel()) if llama else 0.0
-        last = float(sum(t.numel() for m in (model.norm, model.output) for t in m.parameters())) if llama else 0.0
-        if family is not None:
-            first, last = end_costs(model, family)
+        first, last = spec.end_costs() if spec is not None else (0.0, 0.0)
     else:
-        costs, first, last = _measured_costs(model, blocks, loss_fn, sample, ctx)
+        costs, first, last = _measured_costs(spec, blocks, sample, ctx)
     sizes = balanced_split(costs, stages, first, last)
     starts = [sum(sizes[:s]) for s in range(stages)]
+    tied = spec.tied_weights() if spec is not None and p > 1 else None  # one rank holds both: autograd sums them
     out: list[nn.Module] = []
     for chunk in range(virtual):
         s = chunk * p + rank
         ids = range(starts[s], starts[s] + sizes[s])
-        if llama:
-            stage = LlamaStage(model, ids, first=s == 0, last=s == stages - 1)
-            stage.tied = stage.tied if p > 1 else None  # one rank holds both: autograd sums them
-            if stage.tied == "output.weight":
-                place(stage.output.weight, pipeline_duplicate=True)
-        elif family is not None:
-            stage = HFStage(model, family, ids, first=s == 0, last=s == stages - 1, loss_fn=loss_fn)
-            if p > 1 and family.tied and s in (0, stages - 1):  # one copy per end; the runner sums their gradients
-                head, embedding = next(iter(family.tied.items()))
-                stage.tied = embedding if s == 0 else head
-                if s == stages - 1:
-                    place(stage.get_parameter(head), pipeline_duplicate=True)
-        else:
-            stage = SequentialStage(blocks, ids, loss_fn if s == stages - 1 else None)
+        is_first, is_last = s == 0, s == stages - 1
+        if spec is None:
+            out.append(SequentialStage(blocks, ids, loss_fn if is_last else None))
+            continue
+        stage = spec.pipeline_stage(ids, first=is_first, last=is_last, loss_fn=loss_fn)
+        if tied is not None and (is_first or is_last):  # one copy per end; the runner sums their gradients
+            embedding, head = tied
+            stage.tied = embedding if is_first else head
+            if is_last:
+                place(stage.get_parameter(head), pipeline_duplicate=True)
         out.append(stage)
     return out
 
 
-def _hf_family(model: nn.Module | Sequence[nn.Module], loss_fn: LossFn | None, balance: str) -> Family | None:
-    """The family spec of a Hugging Face model (None for any other model); one line when one cannot be cut."""
-    config = hf_config(model) if isinstance(model, nn.Module) else None
-    if config is None:
-        return None
-    family = family_of(model)  # type: ignore[arg-type]
-    if family is None:
-        raise UserError(
-            f"pipeline parallel is not supported for Hugging Face model_type {config.model_type!r}: "
-            f"supported families are {', '.join(FAMILIES)} (or pass the blocks as an nn.Sequential with loss_fn)"
-        )
-    if getattr(model, "hf", None) is None and loss_fn is None:
-        raise UserError("splitting a bare Hugging Face model needs loss_fn=(output, targets) -> loss, "
-                        "or wrap it in ndtrain.models.causal_lm.CausalLM")
-    if balance == "measured":
-        raise UserError("pipeline balance 'measured' is not supported for Hugging Face models: use 'params'")
-    return family
-
-
 def _measured_costs(
-    model: nn.Module | Sequence[nn.Module], blocks: list[nn.Module], loss_fn: LossFn | None,
-    sample: torch.Tensor | None, ctx: ParallelContext, repeats: int = 3,
+    spec: ModelParallel | None, blocks: list[nn.Module], sample: torch.Tensor | None, ctx: ParallelContext,
+    repeats: int = 3,
 ) -> tuple[list[float], float, float]:
-    """Forward+backward seconds of every block, and of the embedding and head (Llama), summed
-    over the world so every rank cuts alike."""
-    llama = isinstance(model, Llama)
-    if not llama and sample is None:
+    """Forward+backward seconds of every block, and of the first and last stage's extras (a model with
+    a spec times them itself), summed over the world so every rank cuts alike."""
+    if spec is None and sample is None:
         raise UserError("balance='measured' on a sequential model needs sample=<an input batch>")
     device = next(iter(blocks[0].parameters())).device
 
@@ -228,22 +153,15 @@ def _measured_costs(
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds)
 
-    costs: list[float] = []
-    if llama:
-        tokens = torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device=device)
-        first = timed(model.embed, tokens)
-        x = model.embed(tokens).detach()
-        cos, sin = model.rotary(torch.arange(tokens.shape[1], device=device))
-        for block in blocks:
-            costs.append(timed(lambda h, b=block: b(h, cos, sin), x))
-        last = timed(lambda h: model.head(h, tokens), x)
+    if spec is not None:
+        costs, first, last = spec.measured_costs(blocks, timed)
     else:
-        x, first, last = sample, 0.0, 0.0
+        costs, x, first, last = [], sample, 0.0, 0.0
         for block in blocks:
             costs.append(timed(block, x))
             with torch.no_grad():
                 x = block(x)
-    model.zero_grad(set_to_none=True) if llama else [b.zero_grad(set_to_none=True) for b in blocks]
+            block.zero_grad(set_to_none=True)
     totals = torch.tensor([first, last, *costs], dtype=torch.float64, device=device)
     ctx.comm.all_reduce(totals, ctx.group("world"))
     return totals[2:].tolist(), float(totals[0]), float(totals[1])

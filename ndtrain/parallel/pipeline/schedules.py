@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ndtrain.errors import UserError
-
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb")
+from ndtrain.options import PP_SCHEDULES as SCHEDULES
+from ndtrain.options import PipelineSchedule
 COMPUTE = ("F", "B", "I", "W")
 
 
@@ -124,7 +124,7 @@ def _zero_bubble_h1(r: int, p: int, m: int, v: int) -> list[Action]:
     return out + [Action("W", k, 0) for k in range(weights, m)]
 
 
-_RANK_SCHEDULES = {
+_RANK_SCHEDULES: dict[PipelineSchedule, Callable[[int, int, int, int], list[Action]]] = {
     "naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb": _zero_bubble_h1,
 }
 

@@ -1,0 +1,127 @@
+"""How the parallel strategies split a Hugging Face causal LM: its family's `ModelParallel` spec.
+
+Read from the family record (`hf_families.Family`, keyed by `config.model_type`):
+- Tensor parallel: the family's plan (a family without one is refused in one line; a model_type
+  ndtrain has no family for needs a plan from the user), only behind the `CausalLM` adapter; heads from
+  the config, k/v projections replicated when tp does not divide the kv heads (the attention's
+  `num_key_value_groups` is then set to the local ratio); the adapter's `loss_fn` becomes the
+  vocab-parallel cross-entropy and `full_logits` gathers the vocabulary (one all-gather) when called
+  without targets. Sequence parallelism cuts the sequence at the first decoder layer's input
+  (`SequenceCut`): HF computes the causal mask, positions and RoPE tables from the embedding's output,
+  which must therefore span the whole sequence (one all-reduce of b·s·d instead of a reduce-scatter).
+- Pipeline: the family's decoder-layer list, cut into `HFStage`s (parallel/pipeline/hf_stages.py); the
+  first stage adds the embeddings, the last the final norm and head; `balance=measured` is refused.
+- Recomputation: `selective` recomputes each layer's whole attention module (HF has no `attend` seam).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ndtrain.errors import UserError
+from ndtrain.mesh import ParallelContext
+from ndtrain.models.causal_lm import CausalLM
+from ndtrain.models.hf_families import FAMILIES, decoder_layers, family_of, hf_config
+from ndtrain.models.parallel_spec import Heads, LossFn, ModelParallel, SequenceCut
+from ndtrain.parallel.pipeline.hf_stages import HFStage, end_costs
+from ndtrain.parallel.tensor import ColumnParallelLinear, GatherLastDim
+from ndtrain.parallel.vocab import vocab_parallel_cross_entropy
+
+
+class HFParallel(ModelParallel):
+    """A transformers `*ForCausalLM` (or its `CausalLM` adapter) of a known family, or of an unknown one."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.config: Any = hf_config(model)
+        self.family = family_of(model)
+
+    @property
+    def name(self) -> str:
+        return f"Hugging Face model_type {self.config.model_type!r}"
+
+    def tp_plan(self) -> Mapping[str, str] | None:
+        if self.family is not None and self.family.tp_plan is None:
+            raise UserError(self.family.tp_refusal)
+        return None if self.family is None else self.family.tp_plan
+
+    def check_tensor_parallel(self) -> None:
+        if self.family is not None and not isinstance(self.model, CausalLM):
+            raise UserError("tensor parallel on a Hugging Face model needs the adapter: "
+                            "pass ndtrain.models.causal_lm.CausalLM(model)")
+
+    def heads(self) -> Heads | None:
+        if self.family is None:
+            return None
+        config = self.config
+        attention = self._layers()[0].get_submodule(self.family.attention)
+        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return Heads(config.num_attention_heads, n_kv, attention.head_dim, type(attention), self.family.kv_projections,
+                     ("config.num_attention_heads", "config.num_key_value_heads"))
+
+    def sequence_cut(self) -> SequenceCut | None:
+        if self.family is None:
+            return None
+        return SequenceCut(at=f"{self.family.layers}.0", input_name=self.family.layer_input,
+                           before=self.family.embeddings)
+
+    def fit_tensor_parallel(self, ctx: ParallelContext, heads: Heads | None) -> None:
+        """Vocab-parallel loss and gathered logits on the adapter; local kv-group ratio on HF attention."""
+        if self.family is None or heads is None:
+            return
+        model, family = self.model, self.family
+        head = model.get_submodule(family.head)
+        if not isinstance(head, ColumnParallelLinear):
+            raise UserError(f"tp plan for {family.model_type} must make {family.head!r} vocab-parallel "
+                            "(the loss is computed on vocab shards)")
+        tp = ctx.group("tp").size
+        local_kv = heads.n_kv_heads // tp if heads.n_kv_heads % tp == 0 else 1
+        for module in model.modules():
+            if isinstance(module, heads.attention_type) and hasattr(module, "num_key_value_groups"):
+                module.num_key_value_groups = heads.n_heads // tp // local_kv
+        model.loss_fn = functools.partial(  # type: ignore[method-assign]
+            vocab_parallel_cross_entropy, start=head.out_start, vocab_size=head.out_features,
+            comm=ctx.comm, group=ctx.group("tp"))
+        model.full_logits = functools.partial(_gather_vocab, head, ctx)  # type: ignore[method-assign]
+
+    def pipeline_blocks(self, loss_fn: LossFn | None, balance: str) -> list[nn.Module]:
+        if self.family is None:
+            raise UserError(
+                f"pipeline parallel is not supported for {self.name}: supported families are "
+                f"{', '.join(FAMILIES)} (or pass the blocks as an nn.Sequential with loss_fn)")
+        if getattr(self.model, "hf", None) is None and loss_fn is None:
+            raise UserError("splitting a bare Hugging Face model needs loss_fn=(output, targets) -> loss, "
+                            "or wrap it in ndtrain.models.causal_lm.CausalLM")
+        if balance == "measured":
+            raise UserError("pipeline balance 'measured' is not supported for Hugging Face models: use 'params'")
+        return list(self._layers())
+
+    def end_costs(self) -> tuple[float, float]:
+        assert self.family is not None  # pipeline_blocks refused the rest
+        return end_costs(self.model, self.family)
+
+    def pipeline_stage(self, block_ids: Sequence[int], first: bool, last: bool, loss_fn: LossFn | None) -> nn.Module:
+        assert self.family is not None
+        return HFStage(self.model, self.family, block_ids, first=first, last=last, loss_fn=loss_fn)
+
+    def tied_weights(self) -> tuple[str, str] | None:
+        if self.family is None or not self.family.tied:
+            return None
+        head, embedding = next(iter(self.family.tied.items()))
+        return embedding, head
+
+    def selective_unit(self, block: nn.Module) -> nn.Module | None:
+        return None if self.family is None else block.get_submodule(self.family.attention)
+
+    def _layers(self) -> nn.ModuleList:
+        return decoder_layers(self.model)[1]  # type: ignore[index]
+
+
+def _gather_vocab(head: ColumnParallelLinear, ctx: ParallelContext, logits: torch.Tensor) -> torch.Tensor:
+    """Logit shards [..., V'/n] → the real vocabulary [..., V] on every tp rank."""
+    return GatherLastDim.apply(logits, ctx.comm, ctx.group("tp"))[..., : head.out_features]
