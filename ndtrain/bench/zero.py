@@ -35,7 +35,8 @@ from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import MB, DistributedDataParallel, pack
+from ndtrain.parallel.buckets import MB, pack
+from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
 from ndtrain.parallel.zero2_gradients import Zero2DataParallel
 
