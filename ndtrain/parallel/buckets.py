@@ -226,8 +226,9 @@ def _remove_hooks(handles: list[RemovableHandle]) -> None:
 class GradientBuckets:
     """`params` packed into buckets of `kind`, synchronised over `group` during every backward.
 
-    `end_of_backward` (default `finish`) is what the queued callback runs; an owner with more to do
-    at that point (DDP's unused-parameter check) calls `launch_all()` and `complete_all()` itself.
+    `end_of_backward` (default `finish`) is what the queued callback runs: an owner with more to do
+    at that point (DDP's unused-parameter check) passes a method of its own, held weakly so that
+    dropping the owner frees everything at once, which calls `launch_all()` and `complete_all()`.
     `used[i]` says whether parameter i got a gradient since the last synchronising backward.
     """
 
@@ -247,7 +248,7 @@ class GradientBuckets:
         self.sync = SyncSwitch()
         self.used = [False] * len(params)
         self._max_in_flight = max_in_flight
-        self._end_of_backward = end_of_backward
+        self._end_of_backward = None if end_of_backward is None else weakref.WeakMethod(end_of_backward)  # type: ignore[arg-type]
         self._callback_queued = False
         self._next_launch = 0
         self._in_flight: list[Bucket] = []
@@ -266,7 +267,8 @@ class GradientBuckets:
         if not self.sync.enabled:
             return
         if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward or self.finish)
+            callback = None if self._end_of_backward is None else self._end_of_backward()
+            torch.autograd.Variable._execution_engine.queue_callback(callback or self.finish)
             self._callback_queued = True
         bucket.waiting -= 1
         if bucket.waiting == 0:
