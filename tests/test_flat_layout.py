@@ -1,7 +1,8 @@
-"""FlatLayout: the padded flat layout of ZeRO-1/2/3 (single process, no communication).
+"""FlatLayout: the padded flat layout of ZeRO-1/2/3 (single process).
 
 Across the N ranks, the segments cover every element of every parameter exactly once, never the
-padding; each keeps the parameter's Placement and local shape, and its view is the right slice."""
+padding; each keeps the parameter's Placement and local shape, and its view is the right slice.
+ZeroOptimizer (over DDP and ZeRO-2), Zero2DataParallel and FSDP hand them out after flattening."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from ndtrain.parallel.flat_layout import FlatLayout
-from ndtrain.parallel.placement import Shard, place, placement_of
+from ndtrain import ParallelConfig, init
+from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.flat_layout import FlatLayout, Segment
+from ndtrain.parallel.placement import Shard, name_parameters, place, placement_of
+from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
+from ndtrain.parallel.zero2_gradients import Zero2DataParallel
+from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
 
 
 def _params() -> list[nn.Parameter]:
@@ -55,3 +61,37 @@ def test_placement_is_read_at_construction_and_views_runs_follow_the_layout() ->
     assert layout.views(flat)[3].item() == 29.0
     last = FlatLayout(params, 4, 3)  # [30, 40): 7 real elements, 3 of padding
     assert last.real == 7 and FlatLayout(params, 40, 39).real == 0
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    name_parameters(net)
+    return net
+
+
+def test_strategies_hand_out_segments_by_parameter_name_after_flattening() -> None:
+    ctx = init(ParallelConfig())
+    reference = _net()
+    reference(torch.ones(2, 3)).sum().backward()
+    values = {name: p.detach() for name, p in reference.named_parameters()}
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+
+    def check(segments: list[Segment], expect: dict[str, torch.Tensor]) -> None:
+        by_name = {s.placement.name: s for s in segments}
+        assert len(by_name) == len(segments) and by_name.keys() == expect.keys()
+        for name, s in by_name.items():
+            assert s.local_shape == tuple(expect[name].shape) and (s.start, s.stop) == (0, expect[name].numel())
+            assert torch.equal(s.flat_view, expect[name].reshape(-1)), name
+
+    sgd = lambda groups: torch.optim.SGD(groups, lr=0.1)  # noqa: E731
+    ddp = DistributedDataParallel(_net(), ctx)
+    zero2 = Zero2DataParallel(_net(), ctx)
+    zero1, zero2_optimizer = ZeroOptimizer(ddp, ctx, sgd), ZeroOptimizer(zero2, ctx, sgd)
+    fsdp = FullyShardedDataParallel(_net(), ctx, wrap=["2"])
+    for model in (ddp, zero2, fsdp):
+        model(torch.ones(2, 3)).sum().backward()
+    for segments, expect in [(zero1.segments(), values), (zero1.segments(grad=True), grads),
+                             (zero2_optimizer.segments(), values), (zero2_optimizer.segments(grad=True), grads),
+                             (zero2.segments(), grads), (fsdp.segments(), values), (fsdp.segments(grad=True), grads)]:
+        check(segments, expect)
