@@ -10,6 +10,8 @@ matrices, none on biases and norms) into *segments*: parameters that alias the f
 `.grad` aliases the DDP gradient bucket. The inner optimizer (built by the caller's factory) sees
 only these segments, so its state exists only for this rank's slice, and its in-place update
 writes straight into the model's parameters. The segment is the fp32 (or fp64) master: no copy.
+The padded layout is `FlatLayout` (flat_layout.py, shared with ZeRO-2's buckets and ZeRO-3's units);
+`segments()` maps this rank's slice back to parameter pieces and their placements.
 
 What is communicated, and when:
 - During backward, DDP all-reduces (averages) the gradient buckets as usual: every rank holds the
