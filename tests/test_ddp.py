@@ -22,7 +22,8 @@ from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DistributedDataParallel, pack
+from ndtrain.parallel.buckets import pack
+from ndtrain.parallel.ddp import DistributedDataParallel
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
 

@@ -18,7 +18,7 @@ from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import MB, pack
+from ndtrain.parallel.buckets import MB, pack
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
 

@@ -29,7 +29,8 @@ from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import MB, DistributedDataParallel, pack
+from ndtrain.parallel.buckets import MB, pack
+from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer, no_decay_for_vectors
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params

@@ -15,7 +15,7 @@ contestant `limit` (`ndtrain.bench.limit`): the same step with no communication 
 from __future__ import annotations
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import DistributedDataParallel as TorchDistributedDataParallel
 
 from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, llama_workload, run_contest, training_step
 from ndtrain.bench.limit import limit_contestant
@@ -38,7 +38,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         return training_step(model, torch.optim.AdamW(model.parameters(), lr=LR), work.tokens)
 
     def torch_ddp() -> Step:
-        model = DistributedDataParallel(
+        model = TorchDistributedDataParallel(
             build_model(work.model, options.seed, ctx.device), process_group=group.process_group,
             bucket_cap_mb=options.bucket_mb, gradient_as_bucket_view=True, forward_sync_buffers=False,
         )

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import DistributedDataParallel as TorchDistributedDataParallel
 
 from ndtrain.bench.fsdp import fsdp2_model
 from ndtrain.bench.harness import (
@@ -35,7 +35,8 @@ from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import MB, DistributedDataParallel, pack
+from ndtrain.parallel.buckets import MB, pack
+from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
 from ndtrain.parallel.zero2_gradients import Zero2DataParallel
 
@@ -60,7 +61,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         # which `ndtrain bench ddp` and importers of this module need not pay.
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        model = DistributedDataParallel(
+        model = TorchDistributedDataParallel(
             build_model(work.model, options.seed, ctx.device), process_group=group.process_group,
             bucket_cap_mb=options.bucket_mb, gradient_as_bucket_view=True, forward_sync_buffers=False,
         )

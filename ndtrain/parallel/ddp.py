@@ -8,15 +8,14 @@ What is communicated, and when:
 - At construction, parameters and buffers are broadcast from group rank 0 (flattened per dtype
   into chunks of at most one bucket), so ranks that initialised differently start equal.
   Buffers are not synchronised again (no running statistics are averaged).
-- During each synchronising backward, gradients are all-reduced in buckets. The parameters that
-  require grad, in reverse registration order (about the order backward produces them), are
-  packed per dtype and device into flat buffers of at most `bucket_mb` (a larger parameter gets
-  a bucket of its own). Each `param.grad` is a view into its bucket, so autograd accumulates
-  straight into it. A post-accumulate-grad hook counts the gradients of each bucket; a complete
-  bucket is all-reduced asynchronously while backward goes on, strictly in bucket order, so every
-  rank issues the same collectives in the same order. The first hook of a backward queues a
-  callback on the autograd engine that, at the end of backward, launches the buckets still
-  waiting, waits for all of them and divides by N.
+- During each synchronising backward, gradients are all-reduced in buckets, by the bucket layer
+  (buckets.py: `GradientBuckets` of `AllReduceBucket`s). The parameters that require grad, in
+  reverse registration order (about the order backward produces them), are packed per dtype and
+  device into flat buffers of at most `bucket_mb` (a larger parameter gets a bucket of its own).
+  Each `param.grad` is a view into its bucket, so autograd accumulates straight into it. A
+  complete bucket is all-reduced asynchronously while backward goes on, strictly in bucket order,
+  so every rank issues the same collectives in the same order; at the end of backward the buckets
+  still waiting are launched, all are waited for and divided by N.
 - Inside `no_sync()` nothing is communicated: gradients accumulate locally in the buckets and the
   next synchronising backward reduces the sum.
 - Unused parameters are looked for on the first synchronising backward (an error unless
@@ -34,92 +33,17 @@ gradients in float64 (`reduction_dtype`), so a float64 model is never narrowed.
 
 from __future__ import annotations
 
-import functools
-import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from ndtrain.comm import Group, Pending
+from ndtrain.comm import Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.precision import reduction_dtype
-
-MB = 1024 * 1024
-
-
-def pack(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
-    """Group the indices of `tensors` per (dtype, device) into runs of at most `cap_bytes`.
-
-    Order is kept inside a run and runs are numbered by their first member; a tensor larger than
-    the cap is a run of its own.
-    """
-    runs: list[list[int]] = []
-    open_runs: dict[tuple[torch.dtype, torch.device], tuple[int, int]] = {}  # key -> (run, bytes)
-    for i, tensor in enumerate(tensors):
-        key = (tensor.dtype, tensor.device)
-        size = tensor.numel() * tensor.element_size()
-        if key in open_runs and open_runs[key][1] + size <= cap_bytes:
-            run, used = open_runs[key]
-            runs[run].append(i)
-            open_runs[key] = (run, used + size)
-        else:
-            runs.append([i])
-            open_runs[key] = (len(runs) - 1, size)
-    return runs
-
-
-def broadcast_state(ctx: ParallelContext, group: Group, tensors: list[torch.Tensor], cap: int) -> None:
-    """Copy group rank 0's values of `tensors` to every rank, in flat chunks of at most `cap` bytes."""
-    if group.size == 1:
-        return
-    for run in pack(tensors, cap):
-        chunk = [tensors[i] for i in run]
-        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-        ctx.comm.broadcast(flat, group, src=0)
-        offset = 0
-        with torch.no_grad():
-            for t in chunk:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
-def _gradient_hook(owner: weakref.ref[DistributedDataParallel], index: int, param: torch.Tensor) -> None:
-    ddp = owner()
-    if ddp is not None:
-        ddp._on_gradient(index, param)
-
-
-def _remove_hooks(handles: list[RemovableHandle]) -> None:
-    for handle in handles:
-        handle.remove()
-
-
-class _Bucket:
-    """Flat gradient storage of some parameters, and what is all-reduced for it."""
-
-    def __init__(self, params: list[nn.Parameter], comm_dtype: torch.dtype, group_size: int) -> None:
-        self.params = params
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        comm_dtype = reduction_dtype(comm_dtype, self.flat.dtype)
-        needs_cast = comm_dtype != self.flat.dtype and group_size > 1
-        self.comm = torch.empty_like(self.flat, dtype=comm_dtype) if needs_cast else self.flat
-        self.waiting = len(params)  # hooks still expected in this synchronising backward
-        self.pending: Pending | None = None
-
-    @property
-    def comm_bytes(self) -> int:
-        return self.comm.numel() * self.comm.element_size()
+from ndtrain.parallel.buckets import MB, AllReduceBucket, GradientBuckets, broadcast_state
 
 
 class DistributedDataParallel(nn.Module):
@@ -144,27 +68,11 @@ class DistributedDataParallel(nn.Module):
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         named.reverse()
         self._names = [name for name, _ in named]
-        self._params = [p for _, p in named]
-        self._buckets: list[_Bucket] = []
-        slots: dict[int, tuple[_Bucket, torch.Tensor]] = {}
-        for run in pack(self._params, cap):
-            bucket = _Bucket([self._params[i] for i in run], comm_dtype, self.group.size)
-            self._buckets.append(bucket)
-            slots.update((i, (bucket, view)) for i, view in zip(run, bucket.views))
-        self._slot = [slots[i] for i in range(len(self._params))]  # parameter index -> (bucket, grad view)
-        owner = weakref.ref(self)  # hooks live in autograd's C++ side, where a strong cycle is never collected
-        handles = []
-        for i, (param, (_, view)) in enumerate(zip(self._params, self._slot)):
-            if param.grad is not None:
-                view.copy_(param.grad)
-            param.grad = view
-            handles.append(param.register_post_accumulate_grad_hook(functools.partial(_gradient_hook, owner, i)))
-        weakref.finalize(self, _remove_hooks, handles)
-
-        self._sync = True
-        self._callback_queued = False
-        self._next_launch = 0
-        self._used = [False] * len(self._params)
+        self._grads = GradientBuckets(
+            [p for _, p in named], ctx.comm, self.group, AllReduceBucket, cap_bytes=cap, comm_dtype=comm_dtype,
+            end_of_backward=self._finish_sync,
+        )
+        self._buckets: list[AllReduceBucket] = self._grads.buckets  # type: ignore[assignment]
         self._checked_unused = allow_unused
 
     # ----------------------------------------------------------------------------- public surface
@@ -172,7 +80,7 @@ class DistributedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     @property
-    def buckets(self) -> tuple["_Bucket", ...]:
+    def buckets(self) -> tuple[AllReduceBucket, ...]:
         """The gradient buckets in launch order (their `params`, `flat` storage and per-parameter `views`)."""
         return tuple(self._buckets)
 
@@ -196,88 +104,36 @@ class DistributedDataParallel(nn.Module):
         """Bytes of all-reduced gradient payload per synchronising step (the G of the docstring)."""
         return sum(self.bucket_bytes)
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate gradients locally; the next one outside reduces the sum."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
+        return self._grads.sync.off()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the buckets in place, keeping every `.grad` a bucket view (`set_to_none` drops them)."""
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return
-        for bucket in self._buckets:
-            bucket.flat.zero_()
-        for param, (_, view) in zip(self._params, self._slot):
-            param.grad = view
+        self._grads.zero_grad()
 
     # ----------------------------------------------------------------------------- backward
-    def _on_gradient(self, index: int, param: torch.Tensor) -> None:
-        bucket, view = self._slot[index]
-        if param.grad is not view:  # replaced, e.g. after zero_grad(set_to_none=True)
-            view.copy_(param.grad)
-            param.grad = view
-        self._used[index] = True
-        if not self._sync:
-            return
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_sync)
-            self._callback_queued = True
-        bucket.waiting -= 1
-        if bucket.waiting == 0:
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        """Launch complete buckets in order; a complete bucket waits for all earlier ones."""
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].waiting == 0:
-            bucket = self._buckets[self._next_launch]
-            if bucket.comm is not bucket.flat:
-                bucket.comm.copy_(bucket.flat)
-            bucket.pending = self.ctx.comm.all_reduce(bucket.comm, self.group, async_op=True)
-            self._next_launch += 1
-
     def _finish_sync(self) -> None:
         """End of a synchronising backward: reduce whatever is left, wait, average."""
-        for param, (_, view) in zip(self._params, self._slot):
-            if param.grad is None:  # no gradient since .grad was dropped: a zero contribution
-                view.zero_()
-            elif param.grad is not view:  # assigned by the caller
-                view.copy_(param.grad)
-            param.grad = view
         error = self._first_unused_check()
-        for bucket in self._buckets:
-            bucket.waiting = 0
-        self._launch_ready()
+        self._grads.launch_all()
         usage = self._launch_usage() if self.allow_unused else None
-        for bucket in self._buckets:
-            assert bucket.pending is not None
-            bucket.pending.wait()
-            bucket.pending = None
-            if bucket.comm is not bucket.flat:
-                bucket.flat.copy_(bucket.comm)
-            if self.group.size > 1:
-                bucket.flat.div_(self.group.size)
+        self._grads.complete_all()
         if usage is not None:
             used_anywhere, pending = usage
             pending.wait()
-            for param, used in zip(self._params, used_anywhere.tolist()):
+            for param, used in zip(self._grads.params, used_anywhere.tolist()):
                 if not used:  # no rank produced a gradient: keep .grad None, as without DDP
                     param.grad = None
-        for bucket in self._buckets:
-            bucket.waiting = len(bucket.params)
-        self._next_launch = 0
-        self._used = [False] * len(self._params)
-        self._callback_queued = False
         if error is not None:
             raise error
 
     def _launch_usage(self) -> tuple[torch.Tensor, Pending]:
         """One flag per parameter, max-reduced: was it used on any rank since the last sync?"""
-        flags = torch.tensor(self._used, dtype=torch.uint8, device=self._buckets[0].flat.device)
+        flags = torch.tensor(self._grads.used, dtype=torch.uint8, device=self._buckets[0].flat.device)
         pending = self.ctx.comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX, async_op=True)
         assert pending is not None
         return flags, pending
@@ -287,7 +143,7 @@ class DistributedDataParallel(nn.Module):
         if self._checked_unused:
             return None
         self._checked_unused = True
-        unused = [name for name, used in zip(self._names, self._used) if not used]
+        unused = [name for name, used in zip(self._names, self._grads.used) if not used]
         if not unused:
             return None
         return UserError(

@@ -10,6 +10,8 @@ matrices, none on biases and norms) into *segments*: parameters that alias the f
 `.grad` aliases the DDP gradient bucket. The inner optimizer (built by the caller's factory) sees
 only these segments, so its state exists only for this rank's slice, and its in-place update
 writes straight into the model's parameters. The segment is the fp32 (or fp64) master: no copy.
+The padded layout is `FlatLayout` (flat_layout.py, shared with ZeRO-2's buckets and ZeRO-3's units);
+`segments()` maps this rank's slice back to parameter pieces and their placements.
 
 What is communicated, and when:
 - During backward, DDP all-reduces (averages) the gradient buckets as usual: every rank holds the
@@ -54,6 +56,7 @@ from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.flat_layout import FlatLayout, Segment
 from ndtrain.parallel.precision import at_least_fp32
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
@@ -108,10 +111,12 @@ class GradientSource(Protocol):
 
 
 class _Shard:
-    """One bucket's flat parameter buffer, this rank's slice of it and its fp32 master (if separate)."""
+    """One bucket's flat parameter buffer (its `flat_layout` over N ranks), this rank's [lo, hi) of it and
+    its fp32 master (if separate)."""
 
-    def __init__(self, flat: torch.Tensor, numel: int, lo: int, hi: int, master: torch.Tensor | None) -> None:
-        self.flat, self.numel, self.lo, self.hi, self.master = flat, numel, lo, hi, master
+    def __init__(self, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor | None) -> None:
+        self.flat_layout, self.flat, self.master = layout, flat, master
+        self.lo, self.hi = layout.lo, layout.hi
         self.segments: list[tuple[int, int, int, nn.Parameter, torch.Tensor]] = []  # (a, b, group, param, grad)
 
 
@@ -154,35 +159,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._shards: list[_Shard] = []
         for k, bucket in enumerate(model.buckets):
             first = bucket.params[0]
-            numel = sum(p.numel() for p in bucket.params)
-            padded = -(-numel // n) * n
-            size = padded // n
-            flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+            layout = FlatLayout(bucket.params, n, rank)
+            flat = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
             low_precision = torch.finfo(first.dtype).bits < 32  # bf16/fp16 compute copies; fp64 is its own master
-            master = torch.zeros(size, dtype=torch.float32, device=first.device) if low_precision else None
-            shard = _Shard(flat, numel, rank * size, (rank + 1) * size, master)
-            runs: list[tuple[int, int, int]] = []  # (start, end, group) of this rank's real elements
-            a = 0
-            for p in bucket.params:
-                b = a + p.numel()
-                with torch.no_grad():
-                    flat[a:b].copy_(p.detach().reshape(-1))
-                    if master is not None:
+            master = torch.zeros(layout.size, dtype=torch.float32, device=first.device) if low_precision else None
+            shard = _Shard(layout, flat, master)
+            with torch.no_grad():
+                for p, view in zip(bucket.params, layout.views(flat)):
+                    view.copy_(p.detach())
+                    p.data = view
+                if master is not None:
+                    for piece in layout.segments(master):
+                        p = layout.params[piece.index]
                         source = (masters or {}).get(id(p), p.detach()).reshape(-1)
-                        lo, hi = max(a, shard.lo), min(b, shard.hi)
-                        if lo < hi:
-                            master[lo - shard.lo : hi - shard.lo].copy_(source[lo - a : hi - a])
-                p.data = flat[a:b].view_as(p)
-                g = keys[tuple(sorted(dict(group_fn(names[id(p)], p)).items()))]
-                lo, hi = max(a, shard.lo), min(b, shard.hi)
-                a = b
-                if lo >= hi:
-                    continue
-                if runs and runs[-1][2] == g and runs[-1][1] == lo:
-                    runs[-1] = (runs[-1][0], hi, g)
-                else:
-                    runs.append((lo, hi, g))
-            for a, b, g in runs:
+                        piece.flat_view.copy_(source[piece.start : piece.stop])
+            group_of = [keys[tuple(sorted(dict(group_fn(names[id(p)], p)).items()))] for p in bucket.params]
+            for a, b, g in layout.runs(group_of):
                 # the fp32 master: the flat buffer itself, or this rank's separate fp32 copy
                 segment = nn.Parameter(flat[a:b] if master is None else master[a - shard.lo : b - shard.lo])
                 grad = model.gradient_slice(k, a, b)
@@ -305,6 +297,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def master_bytes(self) -> int:
         """Bytes of separate fp32 master slices (0 when the parameters themselves are fp32 or fp64)."""
         return sum(s.master.numel() * 4 for s in self._shards if s.master is not None)
+
+    def segments(self, grad: bool = False) -> list[Segment]:
+        """Each parameter piece this rank updates, bucket by bucket: its placement, local shape,
+        [start, stop) in the parameter and a view of this rank's master values (the fp32 master, or
+        the flat buffer's range when the parameters are fp32/fp64), or with `grad=True` of the
+        gradient slice the optimizer reads (before any fp32 cast)."""
+        out = []
+        for k, s in enumerate(self._shards):
+            values = s.master if s.master is not None else s.flat[s.lo : s.hi]
+            out += s.flat_layout.segments(self.model.gradient_slice(k, s.lo, s.hi) if grad else values)
+        return out
 
     def _layout(self) -> dict[str, Any]:
         return {"world": self.group.size, "rank": self.group.rank,

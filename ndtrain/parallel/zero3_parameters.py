@@ -41,11 +41,11 @@ With `param_dtype` ≠ fp32, floating-point inputs of the root forward are cast 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import decoder_layers
+from ndtrain.parallel.flat_layout import Segment
+from ndtrain.parallel.sync_switch import SyncSwitch
 from ndtrain.parallel.zero3_unit import FlatUnit
 from ndtrain.parallel.zero1_optimizer import GroupFn, _group_keys, _one_group
 
@@ -142,7 +144,7 @@ class FullyShardedDataParallel(nn.Module):
 
         self._order: list[FlatUnit] = []  # blocks in forward execution order (recorded once)
         self._order_known = False
-        self._sync = True
+        self._sync = SyncSwitch()
         self._callback_queued = False
         self._in_backward: set[int] = set()  # ids of units whose pre-backward ran
         self._awaiting: list[FlatUnit] = []  # units forwarded with grad, not yet reduced, in order
@@ -227,7 +229,7 @@ class FullyShardedDataParallel(nn.Module):
         self._awaiting.remove(unit)
         unit.ready.clear()
         self._track()
-        if self._sync:
+        if self._sync.enabled:
             unit.launch_reduce()
             self._track()
             if self._reducing is not None:
@@ -250,14 +252,9 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
 
     # ----------------------------------------------------------------------------- public surface
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside keep the full gradients; the next one outside reduce-scatters the sum."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
+        return self._sync.off()
 
     def zero_grad(self, set_to_none: bool = False) -> None:  # type: ignore[override]
         """Zero the shards' gradients (they stay the segments' `.grad`) and drop unreduced full gradients."""
@@ -282,6 +279,11 @@ class FullyShardedDataParallel(nn.Module):
         """Σ g² over this rank's gradient shards, padding excluded (master-dtype scalar; all-reduce it over dp_cp)."""
         parts = [u.shard_grad[: u.real].pow(2).sum() for u in self.units]
         return torch.stack(parts).sum()
+
+    def segments(self, grad: bool = False) -> list[Segment]:
+        """Each parameter piece of this rank's shards, unit by unit: its placement, local shape,
+        [start, stop) in the parameter and a view of the master shard (`grad=True`: of `shard_grad`)."""
+        return [s for u in self.units for s in u.flat_layout.segments(u.shard_grad if grad else u.shard)]
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: "parameters" (shards + gathered units), "gradients" (shards + full)."""
@@ -317,9 +319,8 @@ class FullyShardedDataParallel(nn.Module):
         calls it; one all-gather per unit)."""
         where: dict[int, torch.Tensor] = {}
         for u in self.units:
-            flat = u.gather_fp32()
-            for p, a in zip(u.params, u.offsets):
-                where[id(p)] = flat[a : a + p.numel()].view(p.shape).clone()
+            for p, view in zip(u.params, u.flat_layout.views(u.gather_fp32())):
+                where[id(p)] = view.clone()
         return {k: where[id(v)] if id(v) in where else v.detach().clone()
                 for k, v in self.module.state_dict(keep_vars=True).items()}
 

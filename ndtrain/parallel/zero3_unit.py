@@ -1,7 +1,8 @@
 """One FSDP wrapping unit: its parameters in one flat buffer, sharded over the data-parallel ranks.
 
 The unit's parameters (Ψᵤ elements, in registration order) are laid end to end in a flat fp32
-buffer, zero-padded to Ψᵤ' = s·N (s = ⌈Ψᵤ/N⌉, N ranks). Group rank r keeps the slice
+buffer, zero-padded to Ψᵤ' = s·N (s = ⌈Ψᵤ/N⌉, N ranks; `flat_layout`, the padded flat layout ZeRO-1
+and ZeRO-2 use too: flat_layout.py). Group rank r keeps the slice
 [r·s, (r+1)·s) as `shard` (the fp32 master) and `shard_grad` (its fp32 gradient); that is all a
 unit holds between steps. The module's own parameters stay in place, but their `.data` are views
 of `full`, a Ψᵤ'-element buffer in the compute dtype whose storage exists only while gathered:
@@ -35,6 +36,7 @@ from torch import nn
 
 from ndtrain.comm import Communicator, Group, Pending
 from ndtrain.memory import tensor_bytes
+from ndtrain.parallel.flat_layout import FlatLayout
 from ndtrain.parallel.precision import master_dtype, reduction_dtype
 
 
@@ -52,28 +54,20 @@ class FlatUnit:
         # a 16-bit param_dtype is mixed precision; fp32 asks for none, so float64 stays float64
         self.param_dtype = param_dtype if param_dtype.itemsize < 4 else self.master_dtype
         self.reduce_dtype = reduction_dtype(reduce_dtype, self.param_dtype)
-        self.offsets: list[int] = []
-        offset = 0
-        for p in self.params:
-            self.offsets.append(offset)
-            offset += p.numel()
-        self.numel = offset
-        n = group.size
-        self.size = -(-self.numel // n)
-        self.padded = self.size * n
-        self.lo = group.rank * self.size
+        layout = self.flat_layout = FlatLayout(self.params, group.size, group.rank)
+        self.numel, self.size, self.padded = layout.numel, layout.size, layout.padded
         device = self.params[0].device
         flat = torch.zeros(self.padded, dtype=self.master_dtype, device=device)
         with torch.no_grad():
-            for p, a in zip(self.params, self.offsets):
-                flat[a : a + p.numel()].copy_(p.detach().reshape(-1))
+            for p, view in zip(self.params, layout.views(flat)):
+                view.copy_(p.detach())
         comm.broadcast(flat, group, src=0)  # every rank starts from group rank 0's weights
-        self.shard = flat[self.lo : self.lo + self.size].clone()
+        self.shard = flat[layout.lo : layout.hi].clone()
         self.shard_grad = torch.zeros_like(self.shard)
         del flat
         self.full = torch.empty(self.padded, dtype=self.param_dtype, device=device)
-        for p, a in zip(self.params, self.offsets):
-            p.data = self.full[a : a + p.numel()].view(p.shape)
+        for p, view in zip(self.params, layout.views(self.full)):
+            p.data = view
         self._storage_bytes = tensor_bytes(self.full)
         self.full.untyped_storage().resize_(0)
         self.gathered = False
@@ -120,7 +114,7 @@ class FlatUnit:
         """Point every parameter's `.grad` at its view of `grad_full` (allocated as zeros if absent)."""
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.padded, dtype=self.param_dtype, device=self.shard.device)
-            self._grad_views = [self.grad_full[a : a + p.numel()].view(p.shape) for p, a in zip(self.params, self.offsets)]
+            self._grad_views = self.flat_layout.views(self.grad_full)
         for p, view in zip(self.params, self._grad_views):
             if p.grad is not view:
                 if p.grad is not None:
@@ -172,21 +166,14 @@ class FlatUnit:
     @property
     def real(self) -> int:
         """Elements of this rank's shard that are parameters (the rest is padding)."""
-        return max(0, min(self.size, self.numel - self.lo))
+        return self.flat_layout.real
 
     # ----------------------------------------------------------------------------- optimizer view
     def build_segments(self, group_of: list[int]) -> list[tuple[int, nn.Parameter]]:
         """Cut the shard's real elements into parameters, one per run of the same group index
         (`group_of[i]` for parameter i); return (group index, segment) pairs in shard order."""
-        runs: list[list[int]] = []  # [start, end, group] in shard coordinates
-        for p, a, g in zip(self.params, self.offsets, group_of):
-            start, end = max(a, self.lo) - self.lo, min(a + p.numel(), self.lo + self.size) - self.lo
-            if start >= end:
-                continue
-            if runs and runs[-1][2] == g and runs[-1][1] == start:
-                runs[-1][1] = end
-            else:
-                runs.append([start, end, g])
+        lo = self.flat_layout.lo
+        runs = [(a - lo, b - lo, g) for a, b, g in self.flat_layout.runs(group_of)]  # in shard coordinates
         self.segments = [(a, b, nn.Parameter(self.shard[a:b])) for a, b, _ in runs]
         self.attach_segment_grads()
         return [(g, seg) for (_, _, g), (_, _, seg) in zip(runs, self.segments)]
