@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import ndtrain
+from ndtrain import trainer
 from ndtrain.config import PSConfig, config_from_dict, load_config
 from ndtrain.engine import NonFiniteError
 from ndtrain.errors import UserError
@@ -280,8 +279,9 @@ def test_push_pull_bytes(results: list[dict]) -> None:
 
 def test_one_training_loop() -> None:
     """The Trainer's loop drives the parameter server (engine_kinds.py): no second loop is left."""
-    assert importlib.util.find_spec("ndtrain.ps_trainer") is None
-    sources = Path(ndtrain.__file__).parent.rglob("*.py")
+    package = Path(trainer.__file__).parent
+    assert not (package / "ps_trainer.py").exists()
+    sources = package.rglob("*.py")
     assert [p.name for p in sources if "ps_trainer" in p.read_text() or "PSTrainer" in p.read_text()] == []
 
 
