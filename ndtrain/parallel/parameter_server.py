@@ -13,8 +13,7 @@ the same seed, so workers start from the servers' parameters without an initial 
 What is communicated, and when (all point-to-point on the "world" group, through `ctx.comm`):
 - push: after forward/backward, worker w sends server j one fp32 message
   [‖g_w‖², g_w restricted to shard j] (the squared norm of its whole local gradient, for
-  per-push clipping in async/ssp);
-  The header is NaN when the worker's loss is not finite (the servers' non-finite guard reads it);
+  per-push clipping in async/ssp; NaN when the worker's loss is not finite, for the guard below);
 - pull: server j answers with [version, gradient norm, lr, status, shard j's parameters] (the
   norm and lr the server used on that push; status applied / skipped / stop); the worker copies
   the parameters into its model and starts its next step. The reply to a worker's last push is
@@ -24,8 +23,8 @@ sends and receives device tensors; async/ssp need a receive from any source, whi
 NCCL lacks (refused there with one line).
 Non-finite guard: a push whose header (the worker's ‖g‖², NaN for a non-finite loss) or, in sync,
 whose averaged gradient's norm is NaN/inf is not applied. With `skip_nonfinite` it is skipped
-(status skipped, counted by the worker); otherwise the server answers "stop" and every worker
-raises `NonFiniteError` with nothing updated. Every server reads the same headers, so all decide
+(status skipped, counted by the worker); otherwise the server answers "stop" and every rank
+raises `NonFiniteError`, the bad gradient never applied (sync: that step updates nothing). Every server reads the same headers, so all decide
 alike; in async a server that sees the bad push answers "stop" to each worker's next push (a
 worker told "stop" by one server sends one more header-NaN push to each server that had answered
 normally, which is answered "stop" too), then raises.
