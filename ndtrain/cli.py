@@ -161,7 +161,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
         return train_worker(cfg)
     dp = cfg.parallel.resolve_dp(cfg.launch.nproc)
     if cfg.ps.servers:
-        from ndtrain.ps_trainer import check_ps_config
+        from ndtrain.parallel.ps_engine import check_ps_config
 
         dp = check_ps_config(cfg, cfg.launch.nproc)
     cfg.schedule.accumulation_steps(dp)
@@ -251,7 +251,6 @@ def train_worker(cfg: TrainConfig) -> int:
     from ndtrain.launch import die_with_parent, in_worker, set_worker_threads
     from ndtrain.mesh import init
     from ndtrain.preemption import Preempted, exit_status
-    from ndtrain.ps_trainer import PSTrainer
     from ndtrain.run_lock import run_lock
     from ndtrain.trainer import Trainer
 
@@ -267,7 +266,7 @@ def train_worker(cfg: TrainConfig) -> int:
         try:
             with run_lock(Path(cfg.log.out), ctx):
                 console.attach_rank_log(Path(cfg.log.out))
-                (PSTrainer if cfg.ps.servers else Trainer)(cfg, ctx).run()
+                Trainer(cfg, ctx).run()
         except NonFiniteError as e:
             e.newest_checkpoint = _newest_checkpoint(Path(cfg.log.out) / "checkpoints")
             report_user_error(str(e))

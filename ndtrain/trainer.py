@@ -28,7 +28,8 @@ from ndtrain.checkpoint import checkpoint_name, load_checkpoint, select_checkpoi
 from ndtrain.config import TrainConfig, dump_toml
 from ndtrain.console import console_stream, ensure_console, log
 from ndtrain.data.sampler import DistributedSampler, eval_shard
-from ndtrain.engine import Batch, Engine, StepResult
+from ndtrain.engine import Batch, StepResult
+from ndtrain.engine_kinds import AnyEngine, engine_kind
 from ndtrain.errors import UserError
 from ndtrain.memory import peak_bytes, reset_peak
 from ndtrain.mesh import ParallelContext, init
@@ -82,22 +83,18 @@ def seeded(model_fn: ModelFn, seed: int) -> ModelFn:
 
 
 def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | None = None,
-                 loss_fn: LossFn | None = None) -> Engine:
-    """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine.
+                 loss_fn: LossFn | None = None) -> AnyEngine:
+    """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine,
+    in the engine kind of the config (engine_kinds.py: `Engine`, or `PSEngine` when ps.servers > 0).
     The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
     o, s = cfg.optim, cfg.schedule
-    return Engine(
+    return engine_kind(cfg, ctx).build(
         seeded(model_fn, cfg.seed) if model_fn is not None else lambda: build_run_model(cfg.model, cfg.seed),
         lambda groups: torch.optim.AdamW(
             groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         ),
-        ctx,
-        scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: lr_multiplier(step, s.warmup_steps, s.steps, s.min_lr_ratio)
-        ),
-        grad_clip=o.grad_clip,
-        skip_nonfinite=o.skip_nonfinite,
-        loss_fn=loss_fn,
+        lambda step: lr_multiplier(step, s.warmup_steps, s.steps, s.min_lr_ratio),
+        loss_fn,
     )
 
 
@@ -116,6 +113,7 @@ class Trainer:
         self.run_dir = Path(cfg.log.out)
         self.checkpoints = self.run_dir / "checkpoints"
         self.task = build_task(cfg)
+        self.kind = engine_kind(cfg, self.ctx)
         self.corpus_description = self.task.data_description
         self.train_set, self.val_set = self.task.train_set, self.task.val_set
         dp, dp_rank = self.data_ranks()
@@ -134,10 +132,11 @@ class Trainer:
         self.trackers = Trackers(cfg.log.report_to if self.ctx.is_main else [], self.run_dir)
 
     def data_ranks(self) -> tuple[int, int]:
-        """How many ranks share the data and this rank's place among them: the dp axis."""
-        return self.ctx.size("dp"), self.ctx.coord("dp")
+        """How many ranks share the data and this rank's place among them: the dp axis (a parameter
+        server's workers)."""
+        return self.kind.data_ranks()
 
-    def make_engine(self) -> Engine:
+    def make_engine(self) -> AnyEngine:
         return build_engine(self.cfg, self.ctx, self.model_fn if self.model_fn is not None else self.task.model_fn,
                             self.loss_fn)
 
@@ -183,6 +182,8 @@ class Trainer:
         if start_over and self.ctx.is_main:
             for name in ("metrics.jsonl", "summary.json", "loss.png", "timeline.json"):
                 (self.run_dir / name).unlink(missing_ok=True)
+        if not self.kind.checkpoints:
+            return 0
         path = select_checkpoint(self.checkpoints, self.ctx, start_over)
         if path is None:
             if self.cfg.checkpoint.resume:
@@ -203,7 +204,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to `schedule.steps`; on SIGTERM/SIGINT stop after the current step with a checkpoint (Preempted)."""
-        with StopRequest() as stop_request, self.trackers:
+        with self.kind.stop_request() as stop_request, self.trackers:
             return self.train(stop_request)
 
     def train(self, stop_request: StopRequest) -> dict[str, Any]:
@@ -251,13 +252,15 @@ class Trainer:
             record: dict[str, Any] = {}
             if done % cfg.log.every == 0 or done == cfg.schedule.steps:
                 record.update(self.step_record(done, result, elapsed, rank_peak))
-            evaluate_now = (cfg.log.eval_every and done % cfg.log.eval_every == 0) or done == cfg.schedule.steps
+            evaluate_now = (cfg.log.eval_every and self.kind.lockstep and done % cfg.log.eval_every == 0) \
+                or done == cfg.schedule.steps
             if evaluate_now:
                 last_val, _ = self.engine.evaluate(self.eval_batches())
                 task_metrics = self.task.evaluate(self.engine) if self.task.evaluate else {}
                 record.update(step=done, val_loss=last_val, **task_metrics)
-            stop_signal = stop_request.agreed(ctx.comm, ctx.group("world"), ctx.device)
-            if (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == stop or stop_signal:
+            stop_signal = stop_request.agreed(ctx.comm, ctx.group("world"), ctx.device) if self.kind.checkpoints else 0
+            save_now = (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == stop or stop_signal
+            if save_now and self.kind.checkpoints:
                 self.save(done)
             if metrics and record:
                 metrics.write(record)
@@ -279,6 +282,7 @@ class Trainer:
             "skipped_steps": self.engine.skipped_steps,
             "restarts": restarts, "unit": self.task.unit, **task_metrics,
         }
+        summary.update(self.kind.summary(self.engine))
         if main:
             summary.update(started=metrics.clock.started, finished=utc_now(), elapsed_s=metrics.clock.elapsed_s(),
                            epoch=stop / self.steps_per_epoch, **environment())
@@ -293,12 +297,12 @@ class Trainer:
             "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_s": result.tokens / elapsed, "step_time_s": elapsed,
             "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes": peak,
-            "skipped": result.skipped, "loss_scale": result.loss_scale,
+            "skipped": result.skipped, "loss_scale": result.loss_scale, **self.kind.step_record(self.engine),
         }
 
     def describe(self, start: int, restarts: int = 0) -> str:
         cfg, ctx = self.cfg, self.ctx
-        layout = " × ".join(f"{a}={ctx.size(a)}" for a in ("dp", "cp", "pp", "tp"))
+        layout = self.kind.layout()
         action = f"resuming at step {start}" if start else "starting"
         if restarts:
             action += f" after elastic restart {restarts}"
@@ -308,7 +312,7 @@ class Trainer:
             f"{torch.get_num_threads()} thread(s)/process",
             *wrap_parts("ndtrain: data ", self.corpus_description.split("; ")),
             f"ndtrain: {len(self.train_set)} train / {len(self.val_set)} val {self.task.items}; global batch "
-            f"{cfg.schedule.global_batch} = dp {ctx.size('dp')} × micro {cfg.schedule.micro_batch} × accumulation "
+            f"{cfg.schedule.global_batch} = {self.kind.data_split()} × micro {cfg.schedule.micro_batch} × accumulation "
             f"{self.accumulation}",
             f"ndtrain: run dir {self.run_dir}",
         ])
@@ -332,6 +336,7 @@ class Trainer:
             ("peak memory", f"{human_bytes(s['peak_memory_bytes_max_rank'])} (max over ranks)"),
             ("skipped steps", f"{s['skipped_steps']} (inf/NaN gradients or loss)"),
             ("elastic restarts", str(s["restarts"])),
+            *self.kind.summary_rows(s),
             ("run directory", str(self.run_dir)),
         ]
-        return format_table(rows, "ndtrain: summary")
+        return format_table(rows, self.kind.title)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ndtrain import trainer
 from ndtrain.config import PSConfig, config_from_dict, load_config
+from ndtrain.engine import NonFiniteError
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
@@ -18,8 +21,9 @@ from ndtrain.parallel.parameter_server import (
     ParameterServer, PSSetup, PSWorker, async_beta1, async_lr_scale, shard_parameters,
 )
 from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors, parameter_groups
-from ndtrain.ps_trainer import check_ps_config
+from ndtrain.parallel.ps_engine import PSEngine, check_ps_config
 from tests.distributed import init_method, run_distributed
+from tests.parity import assert_close_params
 from tests.test_trainer import corpus_file
 
 TOL = 1e-5
@@ -44,8 +48,9 @@ def tiny():
     return build_model(config_from_dict({"model": {"preset": "tiny"}}).model, seed=0)
 
 
-def reference(workers: int) -> list[torch.Tensor]:
-    """One process, the whole global batch per step, AdamW, clipping and schedule as the servers."""
+def reference(workers: int, norms: list[float] | None = None) -> list[torch.Tensor]:
+    """One process, the whole global batch per step, AdamW, clipping and schedule as the servers
+    (each step's gradient norm before clipping appended to `norms`)."""
     model = tiny()
     opt = adamw(parameter_groups(model, no_decay_for_vectors))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
@@ -54,7 +59,9 @@ def reference(workers: int) -> list[torch.Tensor]:
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         opt.zero_grad()
         model(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if norms is not None:
+            norms.append(norm.item())
         opt.step()
         sched.step()
     return [p.detach().clone() for p in model.parameters()]
@@ -75,6 +82,27 @@ def run_ps(ctx, ps: PSConfig, steps: int = STEPS) -> dict:
             "versions": worker.report.versions, "pushes": worker.report.steps}
 
 
+def run_engine(ctx, ps: dict, skip_nonfinite: bool = False, poison: tuple[int, int] | None = None) -> dict:
+    """`PSEngine.train_step` for STEPS steps; `poison=(rank, step)`: that worker's parameters are NaN
+    before that step (its loss and gradient are NaN). Records every StepResult and a NonFiniteError."""
+    cfg = config_from_dict({"ps": ps, "schedule": {"steps": STEPS},
+                            "optim": {"grad_clip": CLIP, "skip_nonfinite": skip_nonfinite}})
+    engine = PSEngine(tiny, adamw, ctx, cfg, lr_lambda=lr_lambda)
+    results, error = [], None
+    try:
+        for step in range(STEPS):
+            if poison == (ctx.rank, step):
+                with torch.no_grad():
+                    next(engine.model.parameters()).fill_(float("nan"))
+            r = engine.train_step(micro_batches(ctx.rank, step, engine.model.cfg.vocab_size))
+            results.append((r.loss, r.tokens, r.grad_norm, r.lr, r.skipped))
+    except NonFiniteError as e:
+        error = e.step
+    return {"results": results, "error": error, "skipped": engine.skipped_steps, "server": engine.is_server,
+            "updates": engine.server.report.updates if engine.server else None,
+            "params": [p.detach().clone() for p in engine.model.parameters()]}
+
+
 def _scenarios() -> dict:
     ctx = init(init_method=init_method())
     out = {
@@ -85,8 +113,16 @@ def _scenarios() -> dict:
         "lockstep": run_ps(ctx, PSConfig(servers=1, mode="ssp", staleness=0), steps=4),
         "sent": ctx.comm.stats.snapshot(),
     }
-    if ctx.rank == 0:  # the single-process references of the two sync scenarios
-        out["reference"] = {2: reference(2), 3: reference(3)}
+    out["engine_sync"] = run_engine(ctx, {"servers": 2, "mode": "sync"})
+    out["nan_skip"] = run_engine(ctx, {"servers": 1, "mode": "sync"}, skip_nonfinite=True, poison=(1, 2))
+    out["nan_stop_sync"] = run_engine(ctx, {"servers": 1, "mode": "sync"}, poison=(2, 3))
+    out["nan_stop_async"] = run_engine(ctx, {"servers": 2, "mode": "async"}, poison=(1, 2))
+    out["nan_stop_ssp"] = run_engine(ctx, {"servers": 1, "mode": "ssp", "staleness": 1}, poison=(0, 1))
+    out["after"] = run_engine(ctx, {"servers": 1, "mode": "sync"})  # nothing left in flight by the stops
+    if ctx.rank == 0:  # the single-process references of the sync scenarios
+        norms: list[float] = []
+        out["reference"] = {2: reference(2, norms), 3: reference(3)}
+        out["reference_norms"] = norms
     return out
 
 
@@ -95,6 +131,10 @@ def _one_worker() -> dict:
     the parameters it was computed on), so they must be plain single-process training."""
     ctx = init(init_method=init_method())
     return {mode: run_ps(ctx, PSConfig(servers=1, mode=mode, staleness=0)) for mode in ("async", "ssp", "sync")}
+
+
+def named(params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {str(i): p for i, p in enumerate(params)}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -128,6 +168,47 @@ def test_sync_equals_single_process(results: list[dict], scenario: str, workers:
     for s in servers:
         assert s["role"] == "server" and s["updates"] == STEPS
         assert sorted(s["applied"]) == [(w, c, 0, 0) for w in range(workers) for c in range(STEPS)]  # sync: staleness 0
+
+
+def test_engine_step_reports_what_the_servers_did(results: list[dict]) -> None:
+    """PSEngine.train_step (2 workers + 2 servers, sync): the parameters of one process, and each
+    StepResult carries the norm the servers computed (= clip_grad_norm_'s), their lr, W× the tokens."""
+    expected, norms = results[0]["reference"][2], results[0]["reference_norms"]
+    for rank in (0, 1):
+        r = results[rank]["engine_sync"]
+        assert not r["server"] and r["error"] is None and r["skipped"] == 0
+        assert_close_params(named(r["params"]), named(expected), TOL)
+        assert [t for _, t, *_ in r["results"]] == [2 * MICRO * SEQS * SEQ_LEN] * STEPS
+        for step, (loss, _, grad_norm, lr, skipped) in enumerate(r["results"]):
+            assert math.isfinite(loss) and not skipped
+            assert abs(grad_norm - norms[step]) <= 1e-5 * norms[step]
+            assert lr == pytest.approx(LR * lr_lambda(step), rel=1e-6)
+    for rank in (2, 3):
+        assert results[rank]["engine_sync"]["server"] and results[rank]["engine_sync"]["updates"] == STEPS
+
+
+def test_nonfinite_push_is_skipped_with_skip_nonfinite(results: list[dict]) -> None:
+    """Worker 1's step 3 is NaN (3 workers + 1 server, sync): no update that step, every rank counts
+    one skip, and the poisoned worker gets the servers' parameters back."""
+    for rank in range(3):
+        r = results[rank]["nan_skip"]
+        assert r["error"] is None and r["skipped"] == 1
+        assert [skipped for *_, skipped in r["results"]] == [False, False, True, False, False]
+        assert math.isnan(r["results"][2][2])
+        assert_close_params(named(r["params"]), named(results[0]["nan_skip"]["params"]), 0.0)
+    assert results[3]["nan_skip"]["updates"] == STEPS - 1 and results[3]["nan_skip"]["skipped"] == 1
+
+
+@pytest.mark.parametrize("scenario,step", [("nan_stop_sync", 4), ("nan_stop_async", None), ("nan_stop_ssp", None)])
+def test_nonfinite_push_stops_every_rank(results: list[dict], scenario: str, step: int | None) -> None:
+    """Without skip_nonfinite every rank raises NonFiniteError (none waits for the others): sync at
+    the poisoned step with nothing updated; async/ssp on each worker's next exchange."""
+    errors = [results[rank][scenario]["error"] for rank in range(4)]
+    assert all(e is not None for e in errors), errors
+    if step is not None:
+        assert errors == [step] * 4
+        assert results[3][scenario]["updates"] == step - 1
+    assert results[0]["after"]["error"] is None and len(results[0]["after"]["results"]) == STEPS
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
@@ -196,6 +277,14 @@ def test_push_pull_bytes(results: list[dict]) -> None:
     assert sent["wire_bytes"] == sum(steps * (4 * psi + 4 * servers) for steps, servers in pushes.values())
 
 
+def test_one_training_loop() -> None:
+    """The Trainer's loop drives the parameter server (engine_kinds.py): no second loop is left."""
+    package = Path(trainer.__file__).parent
+    assert not (package / "ps_trainer.py").exists()
+    sources = package.rglob("*.py")
+    assert [p.name for p in sources if "ps_trainer" in p.read_text() or "PSTrainer" in p.read_text()] == []
+
+
 def test_shard_parameters_balances_bytes() -> None:
     assert shard_parameters([10, 40, 30, 20], 2) == [[0, 1], [2, 3]]  # 40→0, 30→1, 20→1, 10→0: 50/50
     assert shard_parameters([5, 5, 5], 3) == [[0], [1], [2]]
@@ -238,6 +327,7 @@ def test_cli_async_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 worker(s) (ranks 0..1) + 1 server(s) on 3 cpu process(es)" in proc.stdout
     assert "pushes/s per worker" in proc.stdout and "staleness histogram" in proc.stdout
+    assert "ndtrain: summary (parameter server)" in proc.stdout and "skipped steps" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     ps = summary["ps"]
     assert ps["mode"] == "async" and ps["workers"] == 2 and ps["updates_applied"] == 8
@@ -245,7 +335,16 @@ def test_cli_async_end_to_end(tmp_path: Path) -> None:
     assert sum(ps["staleness_histogram"].values()) == 8
     assert summary["tokens"] == 4 * 8 * 32 and summary["val_loss"] < 6.0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 4] and "val_loss" in records[-1]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and "val_loss" in records[-1]
+    # The Trainer's step record (as every other run's), plus worker 0's pushes/s and pulled version.
+    for r in records:
+        assert set(r) >= {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "comm_bytes_per_step",
+                          "peak_memory_bytes", "skipped", "loss_scale", "pushes_per_s", "version"}
+        assert r["grad_norm"] > 0 and r["lr"] > 0 and r["skipped"] is False and r["tokens_per_s"] > 0
+    assert set(summary) >= {"model_state_bytes_rank0", "peak_memory_bytes_max_rank", "skipped_steps", "restarts"}
+    assert summary["skipped_steps"] == 0 and summary["model_state_bytes_rank0"]["optimizer"] == 0  # workers keep none
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank_0.log", "rank_1.log", "rank_2.log"]
+    assert not (out / "checkpoints").exists()  # parameter-server runs write none
     assert (out / "loss.png").exists()
 
 
