@@ -183,9 +183,9 @@ class Engine:
         scale = self.scaler.scale if self.scaler else 1.0
         count = len(micro_batches)
         if self.pipeline:
-            batches = [(self._input(x), self._input(y)) for x, y in micro_batches]
+            batches = [self._model_inputs(x, y) for x, y in micro_batches]
             loss_sum, tokens = run_pipeline(
-                self._chunks, batches, self.ctx, self.ctx.config.pp_schedule, self.timeline,
+                self._chunks, batches, self.ctx, self.ctx.config.pp_schedule, self.timeline, loss_scale=scale,
             )
         else:
             loss_sum, tokens = self._forward_backward(micro_batches, scale)
@@ -388,7 +388,7 @@ class Engine:
         padding = self._fsdp_eval_padding(batches)
         for (x, y), weight in [*((batch, 1) for batch in batches), *((batch, 0) for batch in padding)]:
             if self.pipeline:
-                loss, count = eval_pipeline(self._chunks, [(self._input(x), self._input(y))], self.ctx)
+                loss, count = eval_pipeline(self._chunks, [self._model_inputs(x, y)], self.ctx)
             else:
                 inputs = self._model_inputs(x, y)
                 loss, count = self._loss(inputs), inputs[1].numel()

@@ -77,12 +77,15 @@ class LlamaStage(nn.Module):
     def head(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         return self._seams.head(self, x, targets)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation, or on
         the last stage the loss (the logits without targets). The sequence length is the targets'
-        when given (activations may be sequence shards)."""
+        when given (activations may be sequence shards); `positions` [T/cp] are a context-parallel
+        shard's global positions (default 0..T−1)."""
         seq = (x if targets is None else targets).shape[1]
-        cos, sin = self.rotary(torch.arange(seq, device=x.device))
+        cos, sin = self.rotary(torch.arange(seq, device=x.device) if positions is None else positions)
         if self.first:
             x = self.embed(x)
         for layer in self.layers.values():
@@ -101,7 +104,10 @@ class SequentialStage(nn.Module):
         self.loss_fn = loss_fn
         self.tied = None
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None:
+            raise UserError("context parallel with a pipeline of a sequential model is not supported (its blocks "
+                            "take no positions): use cp=1, or the built-in Llama or a Hugging Face model")
         for block in self.layers.values():
             x = block(x)
         return self.loss_fn(x, targets) if self.loss_fn is not None else x

@@ -1,0 +1,81 @@
+"""Layouts that compose strategies refused before: pipeline × context parallel (ring attention
+inside each stage, sequence shards flowing between stages), interleaved stages with ZeRO-1 and with
+mixed precision, fp16 with pipeline parallel (the loss scaler's inf/NaN check over the whole world).
+
+One spawn of 4 processes runs every layout in turn (as tests/test_engine_layouts.py, whose model,
+batches, optimizer and single-process reference this reuses): parameters after several AdamW steps
+with clipping equal the single-process run (float64, relative error ≤ 1e-5), as do the loss curve,
+the evaluation loss and the token count. Mixed-precision layouts compare the loss curve only
+(bf16/fp16 rounding: test_precision's 2% bound). The fp16 overflow is forced on the first pipeline
+stage only (an inf gradient hook), so only a world-wide check makes the last stage skip too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from ndtrain.config import ParallelConfig
+from ndtrain.engine import Engine
+from ndtrain.mesh import init
+from ndtrain.models.llama import build_model
+from ndtrain.parallel.precision import LossScaler
+from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
+from tests.distributed import init_method, run_distributed
+from tests.parity import assert_close_params
+from tests.test_engine_layouts import (
+    BF16_LOSS_TOLERANCE, DTYPE, GLOBAL_BATCH, MAX_NORM, MODEL, SEQ, STEPS, State, adamw, batch, reference,
+)
+
+# (name, layout, micro-batches per rank per step); dtype float64 unless the name says bf16/fp16
+LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
+    ("pp2-cp2-1f1b", dict(dp=1, pp=2, cp=2, pp_schedule="1f1b"), 2),
+    ("pp2-cp2-zb-zero1", dict(dp=1, pp=2, cp=2, pp_schedule="zb", zero=1), 2),
+]
+LOW_PRECISION = ("bf16", "fp16")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _train(name: str, layout: dict[str, Any], accumulation: int) -> dict[str, Any]:
+    ctx = init(ParallelConfig(**layout), init_method=init_method())
+    dtype = torch.float32 if layout.get("precision", "fp32") in LOW_PRECISION else DTYPE
+    engine = Engine(lambda: build_model(MODEL, seed=0).to(dtype), adamw, ctx, group_fn=no_decay_for_vectors,
+                    grad_clip=MAX_NORM)
+    dp, rank = ctx.size("dp"), ctx.coord("dp")
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
+        result = engine.train_step(list(zip(x.chunk(accumulation), y.chunk(accumulation))))
+        assert not result.skipped, (name, step)
+        losses.append(result.loss)
+    x, y = batch(STEPS)
+    val, tokens = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
+    return {"losses": losses, "val": val, "tokens": tokens, "state": engine.full_state_dict()}
+
+
+def _suite() -> dict[str, Any]:
+    return {name: _train(name, layout, accumulation) for name, layout, accumulation in LAYOUTS}
+
+
+def test_composed_layouts_train_like_one_process() -> None:
+    ref_state, ref_losses, ref_val = reference()
+    results = run_distributed(_suite, 4, timeout=300)
+    worst: dict[str, float] = {}
+    for name, _, _ in LAYOUTS:
+        low = any(p in name for p in LOW_PRECISION)
+        tolerance = BF16_LOSS_TOLERANCE if low else 1e-5
+        merged: State = {}
+        for rank_result in results:
+            run = rank_result[name]
+            assert run["losses"] == pytest.approx(ref_losses, rel=tolerance), name
+            assert run["val"] == pytest.approx(ref_val, rel=tolerance), name
+            assert run["tokens"] == GLOBAL_BATCH * SEQ, name
+            merged.update(run["state"])
+        assert merged.keys() == ref_state.keys(), name
+        if not low:
+            worst[name] = assert_close_params(merged, ref_state, 1e-5, name)
+    print("max relative error:", {k: f"{v:.1e}" for k, v in worst.items()})
