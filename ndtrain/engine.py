@@ -289,7 +289,7 @@ class Engine:
                 if p.grad is not None:
                     squares += placement_of(p).norm_weight(tp) * at_least_fp32(p.grad.detach()).pow(2).sum()
             self.ctx.comm.all_reduce(squares, self.ctx.group("mp"))
-            return squares
+            return squares / self.scaler.scale**2 if self.scaler else squares  # fp16: model grads still scaled
         if self.fsdp is not None:
             squares = at_least_fp32(self.fsdp.local_grad_squares())
             self.ctx.comm.all_reduce(squares, self.ctx.group("dp_cp"))

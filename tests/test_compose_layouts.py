@@ -34,7 +34,9 @@ from tests.test_engine_layouts import (
 LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
     ("pp2-cp2-1f1b", dict(dp=1, pp=2, cp=2, pp_schedule="1f1b"), 2),
     ("pp2-cp2-zb-zero1", dict(dp=1, pp=2, cp=2, pp_schedule="zb", zero=1), 2),
+    ("dp2-pp2-fp16", dict(dp=2, pp=2, precision="fp16"), 2),
 ]
+OVERFLOW_STEP = 2
 LOW_PRECISION = ("bf16", "fp16")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,25 +47,56 @@ def _train(name: str, layout: dict[str, Any], accumulation: int) -> dict[str, An
     engine = Engine(lambda: build_model(MODEL, seed=0).to(dtype), adamw, ctx, group_fn=no_decay_for_vectors,
                     grad_clip=MAX_NORM)
     dp, rank = ctx.size("dp"), ctx.coord("dp")
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
         result = engine.train_step(list(zip(x.chunk(accumulation), y.chunk(accumulation))))
         assert not result.skipped, (name, step)
         losses.append(result.loss)
+        norms.append(result.grad_norm)
     x, y = batch(STEPS)
     val, tokens = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
-    return {"losses": losses, "val": val, "tokens": tokens, "state": engine.full_state_dict()}
+    return {"losses": losses, "norms": norms, "val": val, "tokens": tokens, "state": engine.full_state_dict()}
+
+
+def _overflow() -> dict[str, Any]:
+    """fp16, dp=2 × pp=2, ZeRO-1: step OVERFLOW_STEP's gradients are made inf on the first stage only."""
+    ctx = init(ParallelConfig(dp=2, pp=2, precision="fp16", zero=1), init_method=init_method())
+    engine = Engine(lambda: build_model(MODEL, seed=0), adamw, ctx, group_fn=no_decay_for_vectors, grad_clip=MAX_NORM,
+                    loss_scaler=LossScaler(ctx, init_scale=2.0**10, growth_interval=2))
+    gain = [1.0]
+    if ctx.coord("pp") == 0:
+        engine.model.tok_embeddings.weight.register_hook(lambda g: g * gain[0])
+    out: dict[str, Any] = {"skipped": [], "scale": [], "unchanged": [], "finite_norm": []}
+    dp, rank = ctx.size("dp"), ctx.coord("dp")
+    for step in range(4):
+        gain[0] = math.inf if step == OVERFLOW_STEP else 1.0
+        x, y = batch(step)
+        before = engine.full_state_dict()
+        result = engine.train_step(list(zip(x.chunk(dp)[rank].chunk(2), y.chunk(dp)[rank].chunk(2))))
+        after = engine.full_state_dict()
+        out["skipped"].append(result.skipped)
+        out["scale"].append(result.loss_scale)
+        out["finite_norm"].append(math.isfinite(result.grad_norm))
+        out["unchanged"].append(all(torch.equal(before[k], after[k]) for k in before))
+    return out
 
 
 def _suite() -> dict[str, Any]:
-    return {name: _train(name, layout, accumulation) for name, layout, accumulation in LAYOUTS}
+    runs = {name: _train(name, layout, accumulation) for name, layout, accumulation in LAYOUTS}
+    return {**runs, "overflow": _overflow()}
 
 
-def test_composed_layouts_train_like_one_process() -> None:
+@pytest.fixture(scope="module")
+def layout_results() -> list[dict[str, Any]]:
+    """Every rank's results of the one spawn (shared by the tests of this module)."""
+    return run_distributed(_suite, 4, timeout=300)
+
+
+def test_composed_layouts_train_like_one_process(layout_results: list[dict[str, Any]]) -> None:
     ref_state, ref_losses, ref_val = reference()
-    results = run_distributed(_suite, 4, timeout=300)
+    results = layout_results
     worst: dict[str, float] = {}
     for name, _, _ in LAYOUTS:
         low = any(p in name for p in LOW_PRECISION)
@@ -72,6 +105,8 @@ def test_composed_layouts_train_like_one_process() -> None:
         for rank_result in results:
             run = rank_result[name]
             assert run["losses"] == pytest.approx(ref_losses, rel=tolerance), name
+            # the global gradient norm (each parameter once; fp16: unscaled) equals the float64 layout's
+            assert run["norms"] == pytest.approx(results[0][LAYOUTS[0][0]]["norms"], rel=tolerance), name
             assert run["val"] == pytest.approx(ref_val, rel=tolerance), name
             assert run["tokens"] == GLOBAL_BATCH * SEQ, name
             merged.update(run["state"])
@@ -79,3 +114,15 @@ def test_composed_layouts_train_like_one_process() -> None:
         if not low:
             worst[name] = assert_close_params(merged, ref_state, 1e-5, name)
     print("max relative error:", {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+def test_fp16_pipeline_skips_an_overflow_on_every_rank(layout_results: list[dict[str, Any]]) -> None:
+    """The overflow is on stage 0's gradients only; stage 1's are finite, yet every rank skips the
+    step, keeps its weights, and halves the scale (2 good steps had doubled it)."""
+    for rank, result in enumerate(layout_results):
+        r = result["overflow"]
+        expected = [step == OVERFLOW_STEP for step in range(4)]
+        assert r["skipped"] == expected, (rank, r)
+        assert r["unchanged"] == expected, (rank, r)
+        assert r["finite_norm"] == [not e for e in expected], (rank, r)  # the norm reads unscaled gradients
+        assert r["scale"] == [2.0**10, 2.0**10, 2.0**11, 2.0**10], (rank, r)

@@ -22,8 +22,9 @@ positions (`shard_sequence`), which every stage passes to its rotary tables; act
 boundary are [b, T/cp, d], and each stage's attention runs its ring over the cp group (all members
 of a cp group hold the same stage and run the same action list, so their ring exchanges match).
 
-Loss and gradients: micro-batch i's loss is scaled by 1/m before its backward, so the gradients
-accumulated into `.grad` (never zeroed here) are those of the mean loss over micro-batches, as in
+Loss and gradients: micro-batch i's loss is scaled by 1/m (and by fp16's loss scale S: applied on
+the last stage, it reaches every stage through the gradients sent back) before its backward, so
+the gradients accumulated into `.grad` (never zeroed here) are those of the mean loss over micro-batches, as in
 single-process gradient accumulation. A micro-batch's activations are dropped at its backward
 (its weight pass W under zb), so the live count follows the schedule: m for gpipe, ≤ p for 1f1b.
 
