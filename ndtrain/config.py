@@ -219,8 +219,6 @@ class ParallelConfig:
             "parallel.sequence_parallel=true needs tp > 1": self.sequence_parallel and self.tp == 1,
             f"parallel.zero={self.zero} with tp/pp > 1 is not supported: use zero=0 or 1 with model parallelism":
                 self.zero >= 2 and self.tp * self.pp > 1,
-            "pp_virtual > 1 needs zero=0 and precision=fp32 (one optimizer over several stage chunks)":
-                self.pp_virtual > 1 and (self.zero > 0 or self.precision != "fp32"),
             "dp_mode=single-process with tp/pp/cp > 1 is not supported": self.dp_mode != "ddp" and self.tp * self.pp * self.cp > 1,
         }
         for message, bad in refused.items():

@@ -54,6 +54,7 @@ from ndtrain.parallel.context_parallel import shard_sequence
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
 from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
+from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES, LossScaler, at_least_fp32, master_dtype
 from ndtrain.parallel.single_process_dp import SingleProcessDataParallel
 from ndtrain.parallel.zero1_optimizer import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
@@ -153,8 +154,8 @@ class Engine:
             if self.stage == 2:
                 self.wrapped = Zero2DataParallel(self.model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype)
             elif isinstance(self.model, nn.ModuleList):  # interleaved pipeline: one DDP per stage chunk
-                self.wrapped = nn.ModuleList(
-                    DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in self.model
+                self.wrapped = DataParallelChunks(
+                    [DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in self.model]
                 )
             else:
                 module = self.model  # dp_mode=single-process: replicas on threads inside this process
