@@ -282,7 +282,7 @@ class Engine:
         copy not at all) and summed over "mp". Otherwise sharded over dp_cp (stages 1–3, each
         rank's shard, padding excluded): summed over dp_cp; replicated (stage 0): local."""
         device = self.ctx.device
-        if self.model_parallel:  # zero 0/1 only (config validation): every rank holds whole, reduced gradients
+        if self.model_parallel and self.fsdp is None:  # zero 0/1: every rank holds whole, reduced gradients
             tp = self.ctx.group("tp").size
             dtype = master_dtype(next(self.model.parameters()).dtype)  # fp32, float64 for a float64 model
             squares = torch.zeros((), dtype=dtype, device=device)
@@ -291,9 +291,9 @@ class Engine:
                     squares += placement_of(p).norm_weight(tp) * at_least_fp32(p.grad.detach()).pow(2).sum()
             self.ctx.comm.all_reduce(squares, self.ctx.group("mp"))
             return squares / self.scaler.scale**2 if self.scaler else squares  # fp16: model grads still scaled
-        if self.fsdp is not None:
+        if self.fsdp is not None:  # shards over dp_cp of each pipeline stage's parameters (tp = 1): over the world
             squares = at_least_fp32(self.fsdp.local_grad_squares())
-            self.ctx.comm.all_reduce(squares, self.ctx.group("dp_cp"))
+            self.ctx.comm.all_reduce(squares, self.ctx.group("world"))
             return squares
         if isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.sharded:
             grads = self.optimizer.prepare_grads()

@@ -39,6 +39,9 @@ LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
     ("pp2-cp2-vpp2-zero1", dict(dp=1, pp=2, cp=2, pp_schedule="interleaved", pp_virtual=2, zero=1), 2),
     ("dp2-pp2-vpp2-bf16", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, precision="bf16"), 2),
     ("dp2-pp2-vpp2-zero1-fp16", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, zero=1, precision="fp16"), 2),
+    ("dp2-pp2-1f1b-zero3", dict(dp=2, pp=2, pp_schedule="1f1b", zero=3), 2),
+    ("dp2-pp2-gpipe-zero3-keep", dict(dp=2, pp=2, pp_schedule="gpipe", zero=3, reshard_after_forward=False), 4),
+    ("cp2-pp2-1f1b-zero3", dict(dp=1, cp=2, pp=2, pp_schedule="1f1b", zero=3), 2),
 ]
 OVERFLOW_STEP = 2
 LOW_PRECISION = ("bf16", "fp16")
@@ -55,13 +58,20 @@ def _train(name: str, layout: dict[str, Any], accumulation: int) -> dict[str, An
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
+        before = _reduce_scatters(ctx)
         result = engine.train_step(list(zip(x.chunk(accumulation), y.chunk(accumulation))))
         assert not result.skipped, (name, step)
         losses.append(result.loss)
         norms.append(result.grad_norm)
     x, y = batch(STEPS)
     val, tokens = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
-    return {"losses": losses, "norms": norms, "val": val, "tokens": tokens, "state": engine.full_state_dict()}
+    return {"losses": losses, "norms": norms, "val": val, "tokens": tokens, "state": engine.full_state_dict(),
+            "units": len(engine.fsdp.units) if engine.fsdp is not None else 0,
+            "reduce_scatters": _reduce_scatters(ctx) - before}  # in the last step
+
+
+def _reduce_scatters(ctx: Any) -> int:
+    return sum(c["calls"] for op, c in ctx.comm.stats.snapshot().items() if op.startswith("reduce_scatter"))
 
 
 def _overflow() -> dict[str, Any]:
@@ -102,7 +112,7 @@ def test_composed_layouts_train_like_one_process(layout_results: list[dict[str, 
     ref_state, ref_losses, ref_val = reference()
     results = layout_results
     worst: dict[str, float] = {}  # parameters' max relative error (float64), the loss curve's and norms' (bf16/fp16)
-    for name, _, _ in LAYOUTS:
+    for name, _, accumulation in LAYOUTS:
         low = any(p in name for p in LOW_PRECISION)
         tolerance = BF16_LOSS_TOLERANCE if low else 1e-5
         merged: State = {}
@@ -113,6 +123,8 @@ def test_composed_layouts_train_like_one_process(layout_results: list[dict[str, 
             assert run["norms"] == pytest.approx(results[0][LAYOUTS[0][0]]["norms"], rel=tolerance), name
             assert run["val"] == pytest.approx(ref_val, rel=tolerance), name
             assert run["tokens"] == GLOBAL_BATCH * SEQ, name
+            if "zero3" in name:  # one unit per block of the stage besides its root; reduced every micro-batch
+                assert run["units"] >= 2 and run["reduce_scatters"] == run["units"] * accumulation, (name, run["units"])
             merged.update(run["state"])
         assert merged.keys() == ref_state.keys(), name
         if low:

@@ -37,6 +37,10 @@ Data parallel: stages wrapped in `DistributedDataParallel` synchronise only in t
 action of each stage (the others run under `no_sync()`): the usual 2(N−1)/N·G per step, once,
 overlapped with that last backward only. A tied embedding/head weight with data parallel: each
 copy is averaged over dp first, then the two are summed across the pipeline (linear, so exact).
+ZeRO-3 stages (`FullyShardedDataParallel`, `reduce_every_micro_batch`) never run under `no_sync()`:
+each micro-batch's backward reduce-scatters its gradient into the shard, so the gradients stay
+sharded while several forwards wait for their backwards (FSDP pairs each backward with the oldest
+waiting forward: every schedule but zb runs a chunk's backwards in its forwards' order).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import torch
 from torch import nn
 
 from ndtrain.comm import Pending
+from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.pipeline.schedules import Action, build, forward_actions, place, stage_of, with_communication
 from ndtrain.parallel.pipeline.split_backward import WeightPasses
@@ -207,7 +212,7 @@ class _Step:
                 self.weight_passes[key] = passes
                 self._hand_over("B", mb, chunk, gx)
             return
-        ddp = hasattr(stage, "no_sync")
+        ddp = hasattr(stage, "no_sync") and not getattr(stage, "reduce_every_micro_batch", False)  # ZeRO-3: always
         final = self.final[chunk] == index
         with stage.no_sync() if ddp and not final else contextlib.nullcontext():
             passes = self.weight_passes.pop(key, None)
@@ -266,6 +271,9 @@ def run_pipeline(
     plans = build(schedule, p, len(micro_batches), len(stages))  # validates (p, m, v) first
     step = _Step(stages, micro_batches, ctx, plans, timeline, loss_scale=loss_scale)
     tied = _tied_weight(stages) if step.p > 1 else None
+    if tied is not None and any(getattr(stage, "reduce_every_micro_batch", False) for stage in stages):
+        raise UserError("zero=3 with pipeline parallel and a tied embedding/head is not supported (its copies' "
+                        "gradients are sharded): set model.tie_embeddings=false, or use zero <= 1")
     stash = None
     if tied is not None and tied.grad is not None:
         stash = tied.grad.clone()
