@@ -282,14 +282,17 @@ class Engine:
         copy not at all) and summed over "mp". Otherwise sharded over dp_cp (stages 1–3, each
         rank's shard, padding excluded): summed over dp_cp; replicated (stage 0): local."""
         device = self.ctx.device
-        if self.model_parallel and self.fsdp is None:  # zero 0/1: every rank holds whole, reduced gradients
+        if self.model_parallel and self.fsdp is None:  # zero 0/1: whole reduced gradients; zero 2: shards
             tp = self.ctx.group("tp").size
             dtype = master_dtype(next(self.model.parameters()).dtype)  # fp32, float64 for a float64 model
             squares = torch.zeros((), dtype=dtype, device=device)
+            zero2 = isinstance(self.wrapped, Zero2DataParallel)  # its shards, summed over the world below
+            if zero2:
+                squares += self.wrapped.local_grad_squares(lambda p: placement_of(p).norm_weight(tp))
             for p in self.model.parameters():
                 if p.grad is not None:
                     squares += placement_of(p).norm_weight(tp) * at_least_fp32(p.grad.detach()).pow(2).sum()
-            self.ctx.comm.all_reduce(squares, self.ctx.group("mp"))
+            self.ctx.comm.all_reduce(squares, self.ctx.group("world" if zero2 else "mp"))
             return squares / self.scaler.scale**2 if self.scaler else squares  # fp16: model grads still scaled
         if self.fsdp is not None:  # shards over dp_cp of each pipeline stage's parameters (tp = 1): over the world
             squares = at_least_fp32(self.fsdp.local_grad_squares())

@@ -23,8 +23,12 @@ What is communicated, and when:
   gradients, divided by N), memory stays 4Ψ/N, at the price of k reduce-scatters for k
   micro-batches: k·(N−1)/N·G bytes per step instead of one. (Accumulating locally first would
   need the full 4Ψ gradient between micro-batches: ZeRO-2's memory saving gone.)
-- The gradient norm (`local_grad_squares`, summed by the caller over dp_cp) and the parameter
-  all-gather after the step belong to `ZeroOptimizer`.
+- The gradient norm: `ZeroOptimizer`'s segments (dp × cp only), or under tp/pp
+  `local_grad_squares` weighted per parameter, summed by the caller over the world. The parameter
+  all-gather after the step belongs to `ZeroOptimizer`.
+- Under tp, a tp-replicated parameter's partial gradient is summed over tp by its tensor hook
+  before accumulation (tensor.py), so the shards hold complete gradients; under pp each stage is
+  one wrapper, reduce-scattering every micro-batch's backward (the runner never uses `no_sync`).
 
 Cost, Ψ trainable elements, G = Ψ · comm itemsize, N ranks, k micro-batches, ring algorithms:
 each rank sends k·(N−1)/N·G (reduce-scatter) + (N−1)/N·Ψ'·param itemsize (all-gather) per step,
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -144,6 +148,18 @@ class Zero2DataParallel(nn.Module):
     def reduce_scatter_bytes(self) -> int:
         """Payload of one backward's reduce-scatters (padded buckets in the comm dtype)."""
         return sum(b.size * self.group.size * b.comm_dtype.itemsize for b in self._buckets)
+
+    @torch.no_grad()
+    def local_grad_squares(self, weight: Callable[[nn.Parameter], float]) -> torch.Tensor:
+        """Σ weight(p)·g² over this rank's gradient shards, padding excluded (master-dtype scalar). With
+        tp/pp the weight is `Placement.norm_weight` and the caller all-reduces over the whole world."""
+        total = torch.zeros((), dtype=self._buckets[0].shard.dtype, device=self._buckets[0].shard.device)
+        for b in self._buckets:
+            for p, a in zip(b.params, b.offsets):
+                lo, hi = max(a, b.lo), min(a + p.numel(), b.lo + b.size)
+                if lo < hi:
+                    total += weight(p) * b.shard[lo - b.lo : hi - b.lo].pow(2).sum()
+        return total
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradient shards (they are kept allocated; `set_to_none` is accepted and ignored)."""

@@ -110,7 +110,7 @@ def _call(owner: weakref.ref, method: str, *args: Any) -> Any:
 class FullyShardedDataParallel(nn.Module):
     """Shard `module` over `ctx.group("dp_cp")` (ZeRO-3); see the module docstring."""
 
-    reduce_every_micro_batch = True  # a pipeline runs it outside no_sync: gradients stay sharded
+    gradients_sharded = True  # a pipeline runs it outside no_sync: every micro-batch is reduce-scattered
 
     def __init__(
         self, module: nn.Module, ctx: ParallelContext, *, wrap: Sequence[str] | str = "auto",

@@ -37,10 +37,11 @@ Data parallel: stages wrapped in `DistributedDataParallel` synchronise only in t
 action of each stage (the others run under `no_sync()`): the usual 2(N−1)/N·G per step, once,
 overlapped with that last backward only. A tied embedding/head weight with data parallel: each
 copy is averaged over dp first, then the two are summed across the pipeline (linear, so exact).
-ZeRO-3 stages (`FullyShardedDataParallel`, `reduce_every_micro_batch`) never run under `no_sync()`:
-each micro-batch's backward reduce-scatters its gradient into the shard, so the gradients stay
-sharded while several forwards wait for their backwards (FSDP pairs each backward with the oldest
-waiting forward: every schedule but zb runs a chunk's backwards in its forwards' order).
+Stages whose gradients are sharded (`gradients_sharded`: ZeRO-2's `Zero2DataParallel`, ZeRO-3's
+`FullyShardedDataParallel`) never run under `no_sync()`: each micro-batch's backward reduce-scatters
+its gradient into the shard, so the gradients stay sharded while several forwards wait for their
+backwards (FSDP pairs each backward with the oldest waiting forward: every schedule but zb runs a
+chunk's backwards in its forwards' order; zb's split backward is refused with them).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class _Step:
                 self.weight_passes[key] = passes
                 self._hand_over("B", mb, chunk, gx)
             return
-        ddp = hasattr(stage, "no_sync") and not getattr(stage, "reduce_every_micro_batch", False)  # ZeRO-3: always
+        ddp = hasattr(stage, "no_sync") and not getattr(stage, "gradients_sharded", False)  # ZeRO-3: always syncs
         final = self.final[chunk] == index
         with stage.no_sync() if ddp and not final else contextlib.nullcontext():
             passes = self.weight_passes.pop(key, None)
@@ -271,8 +272,8 @@ def run_pipeline(
     plans = build(schedule, p, len(micro_batches), len(stages))  # validates (p, m, v) first
     step = _Step(stages, micro_batches, ctx, plans, timeline, loss_scale=loss_scale)
     tied = _tied_weight(stages) if step.p > 1 else None
-    if tied is not None and any(getattr(stage, "reduce_every_micro_batch", False) for stage in stages):
-        raise UserError("zero=3 with pipeline parallel and a tied embedding/head is not supported (its copies' "
+    if tied is not None and any(getattr(stage, "gradients_sharded", False) for stage in stages):
+        raise UserError("zero >= 2 with pipeline parallel and a tied embedding/head is not supported (its copies' "
                         "gradients are sharded): set model.tie_embeddings=false, or use zero <= 1")
     stash = None
     if tied is not None and tied.grad is not None:
