@@ -1,13 +1,16 @@
 """Layouts that compose strategies refused before: pipeline × context parallel (ring attention
-inside each stage, sequence shards flowing between stages), interleaved stages with ZeRO-1 and with
-mixed precision, fp16 with pipeline parallel (the loss scaler's inf/NaN check over the whole world).
+inside each stage, sequence shards flowing between stages), fp16 with pipeline parallel (the loss
+scaler's inf/NaN check over the whole world), interleaved stages with ZeRO-1 and mixed precision,
+ZeRO-3 per pipeline stage, ZeRO-2 with tensor and pipeline parallel.
 
-One spawn of 4 processes runs every layout in turn (as tests/test_engine_layouts.py, whose model,
-batches, optimizer and single-process reference this reuses): parameters after several AdamW steps
-with clipping equal the single-process run (float64, relative error ≤ 1e-5), as do the loss curve,
-the evaluation loss and the token count. Mixed-precision layouts compare the loss curve only
-(bf16/fp16 rounding: test_precision's 2% bound). The fp16 overflow is forced on the first pipeline
-stage only (an inf gradient hook), so only a world-wide check makes the last stage skip too.
+One spawn of 4 processes runs the FAST layouts in turn (one per lifted refusal; SLOW, the rest,
+is a second spawn marked slow), with the model, batches and optimizer of tests/test_engine_layouts.py:
+parameters after several AdamW steps with clipping equal the single-process run (float64, relative
+error ≤ 1e-5), as do the loss curve, the global gradient norm, the evaluation loss and the token
+count; sharded-gradient layouts reduce-scatter every unit or bucket once per micro-batch.
+Mixed-precision layouts compare the loss curve and norms only (bf16/fp16 rounding: test_precision's
+2% bound). The fp16 overflow is forced on the first pipeline stage only (an inf gradient hook), so
+only a world-wide check makes the last stage skip too.
 """
 
 from __future__ import annotations
@@ -26,23 +29,24 @@ from ndtrain.parallel.precision import LossScaler
 from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
 from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
-from tests.test_engine_layouts import (
-    BF16_LOSS_TOLERANCE, DTYPE, GLOBAL_BATCH, MAX_NORM, MODEL, SEQ, STEPS, State, adamw, batch, reference,
-)
+from tests.test_engine_layouts import BF16_LOSS_TOLERANCE, DTYPE, GLOBAL_BATCH, MAX_NORM, MODEL, SEQ, STEPS, State, adamw, batch
 
-# (name, layout, micro-batches per rank per step); dtype float64 unless the name says bf16/fp16
-LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
+Layout = tuple[str, dict[str, Any], int]  # (name, layout, micro-batches per rank per step)
+# float64 unless the name says bf16/fp16; one layout per lifted refusal runs in CI, the rest is slow
+FAST: list[Layout] = [
     ("pp2-cp2-1f1b", dict(dp=1, pp=2, cp=2, pp_schedule="1f1b"), 2),
-    ("pp2-cp2-zb-zero1", dict(dp=1, pp=2, cp=2, pp_schedule="zb", zero=1), 2),
     ("dp2-pp2-fp16", dict(dp=2, pp=2, precision="fp16"), 2),
     ("dp2-pp2-vpp2-zero1", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, zero=1), 2),
+    ("dp2-pp2-1f1b-zero3", dict(dp=2, pp=2, pp_schedule="1f1b", zero=3), 2),
+    ("dp2-tp2-sp-zero2", dict(dp=2, tp=2, sequence_parallel=True, zero=2), 2),
+]
+SLOW: list[Layout] = [
+    ("pp2-cp2-zb-zero1", dict(dp=1, pp=2, cp=2, pp_schedule="zb", zero=1), 2),
     ("pp2-cp2-vpp2-zero1", dict(dp=1, pp=2, cp=2, pp_schedule="interleaved", pp_virtual=2, zero=1), 2),
     ("dp2-pp2-vpp2-bf16", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, precision="bf16"), 2),
     ("dp2-pp2-vpp2-zero1-fp16", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, zero=1, precision="fp16"), 2),
-    ("dp2-pp2-1f1b-zero3", dict(dp=2, pp=2, pp_schedule="1f1b", zero=3), 2),
     ("dp2-pp2-gpipe-zero3-keep", dict(dp=2, pp=2, pp_schedule="gpipe", zero=3, reshard_after_forward=False), 4),
     ("cp2-pp2-1f1b-zero3", dict(dp=1, cp=2, pp=2, pp_schedule="1f1b", zero=3), 2),
-    ("dp2-tp2-sp-zero2", dict(dp=2, tp=2, sequence_parallel=True, zero=2), 2),
     ("dp2-pp2-1f1b-zero2", dict(dp=2, pp=2, pp_schedule="1f1b", zero=2), 2),
     ("tp2-pp2-gpipe-zero2", dict(dp=1, tp=2, pp=2, pp_schedule="gpipe", zero=2), 2),
 ]
@@ -101,30 +105,59 @@ def _overflow() -> dict[str, Any]:
     return out
 
 
-def _suite() -> dict[str, Any]:
-    runs = {name: _train(name, layout, accumulation) for name, layout, accumulation in LAYOUTS}
-    return {**runs, "overflow": _overflow()}
+def _suite(layouts: list[Layout], overflow: bool) -> dict[str, Any]:
+    runs = {name: _train(name, layout, accumulation) for name, layout, accumulation in layouts}
+    return {**runs, "overflow": _overflow()} if overflow else runs
+
+
+def reference() -> tuple[State, list[float], list[float], float]:
+    """The single-process float64 run: parameters, losses, gradient norms (before clipping), validation loss."""
+    model = build_model(MODEL, seed=0).to(DTYPE)
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2]},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    opt = adamw(groups)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        x, y = batch(STEPS)
+        val = model(x, y).item()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms, val
 
 
 @pytest.fixture(scope="module")
-def layout_results() -> list[dict[str, Any]]:
-    """Every rank's results of the one spawn (shared by the tests of this module)."""
-    return run_distributed(_suite, 4, timeout=300)
+def fast_results() -> list[dict[str, Any]]:
+    """Every rank's results of the one spawn running FAST and the overflow (shared by two tests)."""
+    return run_distributed(_suite, 4, FAST, True, timeout=300)
 
 
-def test_composed_layouts_train_like_one_process(layout_results: list[dict[str, Any]]) -> None:
-    ref_state, ref_losses, ref_val = reference()
-    results = layout_results
+def test_composed_layouts_train_like_one_process(fast_results: list[dict[str, Any]]) -> None:
+    _check(FAST, fast_results)
+
+
+@pytest.mark.slow
+def test_more_composed_layouts_train_like_one_process() -> None:
+    _check(SLOW, run_distributed(_suite, 4, SLOW, False, timeout=600))
+
+
+def _check(layouts: list[Layout], results: list[dict[str, Any]]) -> None:
+    ref_state, ref_losses, ref_norms, ref_val = reference()
     worst: dict[str, float] = {}  # parameters' max relative error (float64), the loss curve's and norms' (bf16/fp16)
-    for name, layout, accumulation in LAYOUTS:
+    for name, layout, accumulation in layouts:
         low = any(p in name for p in LOW_PRECISION)
         tolerance = BF16_LOSS_TOLERANCE if low else 1e-5
         merged: State = {}
         for rank_result in results:
             run = rank_result[name]
             assert run["losses"] == pytest.approx(ref_losses, rel=tolerance), name
-            # the global gradient norm (each parameter once; fp16: unscaled) equals the float64 layout's
-            assert run["norms"] == pytest.approx(results[0][LAYOUTS[0][0]]["norms"], rel=tolerance), name
+            # the global gradient norm (each parameter once; fp16: unscaled) equals the single process's
+            assert run["norms"] == pytest.approx(ref_norms, rel=tolerance), name
             assert run["val"] == pytest.approx(ref_val, rel=tolerance), name
             assert run["tokens"] == GLOBAL_BATCH * SEQ, name
             if "zero3" in name or "zero2" in name:  # every unit (ZeRO-3: a block or the root) or bucket (ZeRO-2)
@@ -136,18 +169,18 @@ def test_composed_layouts_train_like_one_process(layout_results: list[dict[str, 
             merged.update(run["state"])
         assert merged.keys() == ref_state.keys(), name
         if low:
-            run, exact = results[0][name], results[0][LAYOUTS[0][0]]
-            assert run["losses"] != ref_losses and run["norms"] != exact["norms"], name  # really in bf16/fp16
-            worst[name] = max(abs(a - b) / b for a, b in zip(run["losses"] + run["norms"], ref_losses + exact["norms"]))
+            run = results[0][name]
+            assert run["losses"] != ref_losses and run["norms"] != ref_norms, name  # really in bf16/fp16
+            worst[name] = max(abs(a - b) / b for a, b in zip(run["losses"] + run["norms"], ref_losses + ref_norms))
         else:
             worst[name] = assert_close_params(merged, ref_state, 1e-5, name)
     print("max relative error:", {k: f"{v:.1e}" for k, v in worst.items()})
 
 
-def test_fp16_pipeline_skips_an_overflow_on_every_rank(layout_results: list[dict[str, Any]]) -> None:
+def test_fp16_pipeline_skips_an_overflow_on_every_rank(fast_results: list[dict[str, Any]]) -> None:
     """The overflow is on stage 0's gradients only; stage 1's are finite, yet every rank skips the
     step, keeps its weights, and halves the scale (2 good steps had doubled it)."""
-    for rank, result in enumerate(layout_results):
+    for rank, result in enumerate(fast_results):
         r = result["overflow"]
         expected = [step == OVERFLOW_STEP for step in range(4)]
         assert r["skipped"] == expected, (rank, r)
