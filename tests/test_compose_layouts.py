@@ -105,9 +105,39 @@ def _overflow() -> dict[str, Any]:
     return out
 
 
-def _suite(layouts: list[Layout], overflow: bool) -> dict[str, Any]:
+def _resume(layout: dict[str, Any], directory: str) -> bool:
+    """Same-layout resume: 2 steps, save, 1 step; a new engine loading the save and taking the 3rd step
+    ends with bit-identical parameters."""
+    ctx = init(ParallelConfig(**layout), init_method=init_method())
+    dp, rank = ctx.size("dp"), ctx.coord("dp")
+
+    def step(engine: Engine, k: int) -> None:
+        x, y = batch(k)
+        engine.train_step(list(zip(x.chunk(dp)[rank].chunk(2), y.chunk(dp)[rank].chunk(2))))
+
+    def build() -> Engine:
+        return Engine(lambda: build_model(MODEL, seed=0).to(DTYPE), adamw, ctx, group_fn=no_decay_for_vectors,
+                      grad_clip=MAX_NORM)
+
+    engine = build()
+    step(engine, 0)
+    step(engine, 1)
+    engine.save(directory)
+    step(engine, 2)
+    resumed = build()
+    resumed.load(directory)
+    step(resumed, 2)
+    a, b = engine.full_state_dict(), resumed.full_state_dict()
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _suite(layouts: list[Layout], directory: str | None) -> dict[str, Any]:
+    """Every layout's run; with a (shared) `directory` also the fp16 overflow and the resume checks."""
     runs = {name: _train(name, layout, accumulation) for name, layout, accumulation in layouts}
-    return {**runs, "overflow": _overflow()} if overflow else runs
+    if directory is None:
+        return runs
+    resumes = {name: _resume(layout, f"{directory}/{name}") for name, layout, _ in FAST if "zero" in name}
+    return {**runs, "overflow": _overflow(), "resumes": resumes}
 
 
 def reference() -> tuple[State, list[float], list[float], float]:
@@ -132,9 +162,9 @@ def reference() -> tuple[State, list[float], list[float], float]:
 
 
 @pytest.fixture(scope="module")
-def fast_results() -> list[dict[str, Any]]:
-    """Every rank's results of the one spawn running FAST and the overflow (shared by two tests)."""
-    return run_distributed(_suite, 4, FAST, True, timeout=300)
+def fast_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every rank's results of the one spawn running FAST, the overflow and the resumes (shared by the tests)."""
+    return run_distributed(_suite, 4, FAST, str(tmp_path_factory.mktemp("checkpoints")), timeout=300)
 
 
 def test_composed_layouts_train_like_one_process(fast_results: list[dict[str, Any]]) -> None:
@@ -143,7 +173,7 @@ def test_composed_layouts_train_like_one_process(fast_results: list[dict[str, An
 
 @pytest.mark.slow
 def test_more_composed_layouts_train_like_one_process() -> None:
-    _check(SLOW, run_distributed(_suite, 4, SLOW, False, timeout=600))
+    _check(SLOW, run_distributed(_suite, 4, SLOW, None, timeout=600))
 
 
 def _check(layouts: list[Layout], results: list[dict[str, Any]]) -> None:
@@ -187,3 +217,9 @@ def test_fp16_pipeline_skips_an_overflow_on_every_rank(fast_results: list[dict[s
         assert r["unchanged"] == expected, (rank, r)
         assert r["finite_norm"] == [not e for e in expected], (rank, r)  # the norm reads unscaled gradients
         assert r["scale"] == [2.0**10, 2.0**10, 2.0**11, 2.0**10], (rank, r)
+
+
+def test_sharded_compositions_resume_bit_identically(fast_results: list[dict[str, Any]]) -> None:
+    """ZeRO-1 × interleaved pp, ZeRO-3 × pp, ZeRO-2 × tp: a same-layout resume continues exactly."""
+    for result in fast_results:
+        assert result["resumes"] == {name: True for name, _, _ in FAST if "zero" in name}
