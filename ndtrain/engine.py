@@ -279,8 +279,10 @@ class Engine:
 
         Model parallel (tp/pp, stages 0–1, gradients reduced over dp): each rank's Σg² weighted by
         `Placement.norm_weight` (tp shards once, tp-replicated parameters 1/tp each, a pipeline-tied
-        copy not at all) and summed over "mp". Otherwise sharded over dp_cp (stages 1–3, each
-        rank's shard, padding excluded): summed over dp_cp; replicated (stage 0): local."""
+        copy not at all) and summed over "mp" (stage 2: its gradient shards, weighted alike, summed over
+        the world; fp16: the loss scale divided out). Otherwise sharded over dp_cp (stages 1–3, each
+        rank's shard, padding excluded; stage 3 also under pp): summed over the world; replicated
+        (stage 0): local."""
         device = self.ctx.device
         if self.model_parallel and self.fsdp is None:  # zero 0/1: whole reduced gradients; zero 2: shards
             tp = self.ctx.group("tp").size
