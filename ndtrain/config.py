@@ -204,14 +204,11 @@ class ParallelConfig:
         """Refuse the layouts the engine does not support (no test covers them)."""
         refused = {
             "parallel.sequence_parallel=true needs tp > 1": self.sequence_parallel and self.tp == 1,
-            f"parallel.zero={self.zero} with tp/pp > 1 is not supported: use zero=0 or 1 with model parallelism":
-                self.zero >= 2 and self.tp * self.pp > 1,
-            "pipeline with context parallel (pp > 1 and cp > 1) is not supported: use one of them":
-                self.pp > 1 and self.cp > 1,
-            "precision=fp16 with pp > 1 is not supported (the loss scale cannot reach every stage's "
-            "micro-batches): use precision=bf16": self.precision == "fp16" and self.pp > 1,
-            "pp_virtual > 1 needs zero=0 and precision=fp32 (one optimizer over several stage chunks)":
-                self.pp_virtual > 1 and (self.zero > 0 or self.precision != "fp32"),
+            "parallel.zero=3 with tp > 1 is not supported: use zero <= 2 with tensor parallel": self.zero == 3 and self.tp > 1,
+            f"parallel.zero={self.zero} with pp_virtual > 1 is not supported (one sharded wrapper per rank's stage): "
+            "use pp_virtual=1 or zero <= 1": self.zero >= 2 and self.pp_virtual > 1,
+            f"parallel.zero={self.zero} with pp_schedule=zb is not supported (its split backward bypasses the "
+            "gradient-sharding hooks): use pp_schedule=1f1b": self.zero >= 2 and self.pp > 1 and self.pp_schedule == "zb",
             "dp_mode=single-process with tp/pp/cp > 1 is not supported": self.dp_mode != "ddp" and self.tp * self.pp * self.cp > 1,
         }
         for message, bad in refused.items():

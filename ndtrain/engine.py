@@ -54,6 +54,7 @@ from ndtrain.parallel.context_parallel import shard_sequence
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
 from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
+from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES, LossScaler, at_least_fp32, master_dtype
 from ndtrain.parallel.single_process_dp import SingleProcessDataParallel
 from ndtrain.parallel.zero1_optimizer import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
@@ -153,8 +154,8 @@ class Engine:
             if self.stage == 2:
                 self.wrapped = Zero2DataParallel(self.model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype)
             elif isinstance(self.model, nn.ModuleList):  # interleaved pipeline: one DDP per stage chunk
-                self.wrapped = nn.ModuleList(
-                    DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in self.model
+                self.wrapped = DataParallelChunks(
+                    [DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in self.model]
                 )
             else:
                 module = self.model  # dp_mode=single-process: replicas on threads inside this process
@@ -183,9 +184,9 @@ class Engine:
         scale = self.scaler.scale if self.scaler else 1.0
         count = len(micro_batches)
         if self.pipeline:
-            batches = [(self._input(x), self._input(y)) for x, y in micro_batches]
+            batches = [self._model_inputs(x, y) for x, y in micro_batches]
             loss_sum, tokens = run_pipeline(
-                self._chunks, batches, self.ctx, self.ctx.config.pp_schedule, self.timeline,
+                self._chunks, batches, self.ctx, self.ctx.config.pp_schedule, self.timeline, loss_scale=scale,
             )
         else:
             loss_sum, tokens = self._forward_backward(micro_batches, scale)
@@ -278,21 +279,26 @@ class Engine:
 
         Model parallel (tp/pp, stages 0–1, gradients reduced over dp): each rank's Σg² weighted by
         `Placement.norm_weight` (tp shards once, tp-replicated parameters 1/tp each, a pipeline-tied
-        copy not at all) and summed over "mp". Otherwise sharded over dp_cp (stages 1–3, each
-        rank's shard, padding excluded): summed over dp_cp; replicated (stage 0): local."""
+        copy not at all) and summed over "mp" (stage 2: its gradient shards, weighted alike, summed over
+        the world; fp16: the loss scale divided out). Otherwise sharded over dp_cp (stages 1–3, each
+        rank's shard, padding excluded; stage 3 also under pp): summed over the world; replicated
+        (stage 0): local."""
         device = self.ctx.device
-        if self.model_parallel:  # zero 0/1 only (config validation): every rank holds whole, reduced gradients
+        if self.model_parallel and self.fsdp is None:  # zero 0/1: whole reduced gradients; zero 2: shards
             tp = self.ctx.group("tp").size
             dtype = master_dtype(next(self.model.parameters()).dtype)  # fp32, float64 for a float64 model
             squares = torch.zeros((), dtype=dtype, device=device)
+            zero2 = isinstance(self.wrapped, Zero2DataParallel)  # its shards, summed over the world below
+            if zero2:
+                squares += self.wrapped.local_grad_squares(lambda placement: placement.norm_weight(tp))
             for p in self.model.parameters():
                 if p.grad is not None:
                     squares += placement_of(p).norm_weight(tp) * at_least_fp32(p.grad.detach()).pow(2).sum()
-            self.ctx.comm.all_reduce(squares, self.ctx.group("mp"))
-            return squares
-        if self.fsdp is not None:
+            self.ctx.comm.all_reduce(squares, self.ctx.group("world" if zero2 else "mp"))
+            return squares / self.scaler.scale**2 if self.scaler else squares  # fp16: model grads still scaled
+        if self.fsdp is not None:  # shards over dp_cp of each pipeline stage's parameters (tp = 1): over the world
             squares = at_least_fp32(self.fsdp.local_grad_squares())
-            self.ctx.comm.all_reduce(squares, self.ctx.group("dp_cp"))
+            self.ctx.comm.all_reduce(squares, self.ctx.group("world"))
             return squares
         if isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.sharded:
             grads = self.optimizer.prepare_grads()
@@ -388,7 +394,7 @@ class Engine:
         padding = self._fsdp_eval_padding(batches)
         for (x, y), weight in [*((batch, 1) for batch in batches), *((batch, 0) for batch in padding)]:
             if self.pipeline:
-                loss, count = eval_pipeline(self._chunks, [(self._input(x), self._input(y))], self.ctx)
+                loss, count = eval_pipeline(self._chunks, [self._model_inputs(x, y)], self.ctx)
             else:
                 inputs = self._model_inputs(x, y)
                 loss, count = self._loss(inputs), inputs[1].numel()

@@ -27,7 +27,7 @@ from ndtrain.parallel.context_parallel import (
 )
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.recompute import SavedActivations, apply_recompute
-from ndtrain.parallel.tensor import is_tensor_parallel
+from ndtrain.parallel.placement import is_tensor_parallel
 from ndtrain.parallel.tp_plan import parallelize
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
 from tests.distributed import init_method, run_distributed

@@ -30,7 +30,8 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, is_tensor_parallel
+from ndtrain.parallel.placement import is_tensor_parallel
+from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from ndtrain.parallel.tp_plan import parallelize, resolve_plan
 from ndtrain.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer

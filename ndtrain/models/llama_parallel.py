@@ -159,12 +159,15 @@ class LlamaStage(nn.Module):
     def head(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         return self._seams.head(self, x, targets)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation, or on
         the last stage the loss (the logits without targets). The sequence length is the targets'
-        when given (activations may be sequence shards)."""
+        when given (activations may be sequence shards); `positions` [T/cp] are a context-parallel
+        shard's global positions (default 0..T−1)."""
         seq = (x if targets is None else targets).shape[1]
-        cos, sin = self.rotary(torch.arange(seq, device=x.device))
+        cos, sin = self.rotary(torch.arange(seq, device=x.device) if positions is None else positions)
         if self.first:
             x = self.embed(x)
         for layer in self.layers.values():

@@ -12,8 +12,10 @@ below what it is unless bf16 reduction is asked for.
 fp16's narrow exponent range needs loss scaling. `LossScaler` multiplies the loss by S before
 backward; afterwards `unscale_and_check` multiplies the gradients the optimizer will read (fp32)
 by 1/S and looks for inf/NaN. The verdict is all-reduced (MAX, one 4-byte collective over the
-world) so every rank skips the same steps: on overflow the step is skipped and S halves; after
-`growth_interval` consecutive good steps S doubles. Cost: one element-wise pass over this rank's
+whole world: every pipeline stage, tp and cp rank too) so every rank skips the same steps: on
+overflow the step is skipped and S halves; after `growth_interval` consecutive good steps S
+doubles. Under pp the last stage scales the loss (pipeline/runner.py); the gradients sent back
+carry S to every stage. Cost: one element-wise pass over this rank's
 optimizer-visible gradients and 4 bytes of all-reduce per step.
 """
 

@@ -33,7 +33,6 @@ full size): what `is_tensor_parallel` reads, and what a checkpoint needs to plac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ from torch import nn
 
 from ndtrain.comm import Communicator, Group
 from ndtrain.errors import UserError
-from ndtrain.parallel.placement import Shard, carry_placement, is_tensor_parallel
+from ndtrain.parallel.placement import Shard, carry_placement
 
 SEQ_DIM = 1
 

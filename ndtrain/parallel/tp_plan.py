@@ -40,8 +40,9 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.parallel_spec import Heads, parallel_spec
 from ndtrain.options import TP_STYLES as STYLES
+from ndtrain.parallel.placement import is_tensor_parallel
 from ndtrain.parallel.tensor import (
-    ColumnParallelLinear, InputOp, ReplicatedHeadsLinear, RowParallelLinear, SplitSequence, is_tensor_parallel,
+    ColumnParallelLinear, InputOp, ReplicatedHeadsLinear, RowParallelLinear, SplitSequence,
     sum_gradient_over,
 )
 from ndtrain.parallel.vocab import VocabParallelEmbedding, padded_vocab

@@ -33,6 +33,11 @@ with resharding, 1.5× DDP's all-reduce. Memory per rank: 4Ψ'/N master + 4Ψ'/N
 AdamW state, plus, while running, the gathered root and at most two gathered units with their
 gradients (and reduce-scatter buffers).
 
+Several forwards may precede their backwards (a pipeline stage under 1F1B or GPipe): each forward
+with grad queues its units, and each backward takes the oldest forward's (backwards must run in
+their forwards' order), reducing every micro-batch's gradient into the shards. A pipeline stage's
+blocks (an nn.ModuleDict of identical blocks) are its units under `wrap="auto"`.
+
 Limitations: a parameter must belong to one unit (tied weights inside one unit are fine); every
 parameter must require grad; a unit's forward runs once per model forward; buffers are neither
 sharded nor synchronised; ranks must run the same graph (units finish backward in the same order).
@@ -45,6 +50,7 @@ import contextlib
 import fnmatch
 import functools
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,9 +72,18 @@ def wrap_patterns(module: nn.Module, wrap: Sequence[str] | str) -> list[str]:
     if isinstance(wrap, str):
         if wrap.strip() == "auto":
             found = decoder_layers(module)
-            return [] if found is None else [f"{found[0]}.*"]
+            name = found[0] if found is not None else _stage_layers(module)
+            return [] if name is None else [f"{name}.*"]
         return [p.strip() for p in wrap.split(",") if p.strip()]
     return list(wrap)
+
+
+def _stage_layers(module: nn.Module) -> str | None:
+    """The name of a pipeline stage's blocks (an nn.ModuleDict keyed by their index in the whole model)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleDict) and len(sub) and len({type(child) for child in sub.values()}) == 1:
+            return name
+    return None
 
 
 def select_units(module: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module]]:
@@ -96,6 +111,8 @@ def _call(owner: weakref.ref, method: str, *args: Any) -> Any:
 
 class FullyShardedDataParallel(nn.Module):
     """Shard `module` over `ctx.group("dp_cp")` (ZeRO-3); see the module docstring."""
+
+    gradients_sharded = True  # a pipeline runs it outside no_sync: every micro-batch is reduce-scattered
 
     def __init__(
         self, module: nn.Module, ctx: ParallelContext, *, wrap: Sequence[str] | str = "auto",
@@ -147,7 +164,8 @@ class FullyShardedDataParallel(nn.Module):
         self._sync = SyncSwitch()
         self._callback_queued = False
         self._in_backward: set[int] = set()  # ids of units whose pre-backward ran
-        self._awaiting: list[FlatUnit] = []  # units forwarded with grad, not yet reduced, in order
+        self._forwards: deque[list[FlatUnit]] = deque()  # per forward with grad not yet backward: its units
+        self._awaiting: list[FlatUnit] = []  # the running backward's units not yet reduced, in order
         self._reducing: FlatUnit | None = None
         self._peak = 0
 
@@ -162,16 +180,20 @@ class FullyShardedDataParallel(nn.Module):
             self._order[0].gather()
         self._track()
         grad = torch.is_grad_enabled()
-        self._awaiting = [self.root] if self.root is not None and grad else []
+        if grad:
+            self._forwards.append([self.root] if self.root is not None else [])
         out = self.module(*args, **kwargs)
         self._order_known = True
         if grad and self._register_pre_backward(out, None):
+            return out
+        if grad:
+            self._forwards.pop()
+        if self._forwards:  # earlier forwards still wait for their backward
             return out
         if self.root is not None:  # no backward will come: release what the backward would have
             self.root.free()
         for block in self.blocks:
             block.free()
-        self._awaiting = []
         return out
 
     def _pre_forward(self, block: FlatUnit, module: nn.Module, args: Any) -> None:
@@ -186,8 +208,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def _post_forward(self, block: FlatUnit, module: nn.Module, args: Any, out: Any) -> None:
         wants_backward = torch.is_grad_enabled() and self._register_pre_backward(out, block)
-        if wants_backward:
-            self._awaiting.append(block)
+        if wants_backward:  # a recomputing forward runs inside the backward it serves
+            (self._awaiting if self._callback_queued or not self._forwards else self._forwards[-1]).append(block)
         if self.reshard_after_forward or not wants_backward:
             block.free()
 
@@ -208,6 +230,7 @@ class FullyShardedDataParallel(nn.Module):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_call, weakref.ref(self), "_end_backward"))
             self._callback_queued = True
+            self._awaiting = self._forwards.popleft() if self._forwards else []  # backwards follow their forwards' order
         unit = self.root if block is None else block
         if unit is not None:
             unit.wait()
@@ -258,6 +281,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = False) -> None:  # type: ignore[override]
         """Zero the shards' gradients (they stay the segments' `.grad`) and drop unreduced full gradients."""
+        self._forwards.clear()
         for u in self.units:
             u.shard_grad.zero_()
             u.drop_grads()

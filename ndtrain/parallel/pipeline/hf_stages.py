@@ -93,13 +93,16 @@ class HFStage(nn.Module):
             for kind in set(self._layer_types)
         }
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation, or on the
         last stage the loss (the logits without targets). The sequence length is the targets' when
-        given (under tensor parallel's sequence parallelism activations are sequence shards)."""
+        given (under tensor parallel's sequence parallelism activations are sequence shards);
+        `positions` [T/cp] are a context-parallel shard's global positions (default 0..T−1)."""
         family = self._family
         seq = (x if targets is None else targets).shape[1]
-        position_ids = torch.arange(seq, device=x.device).unsqueeze(0)
+        position_ids = (torch.arange(seq, device=x.device) if positions is None else positions).unsqueeze(0)
         if self.first:
             x = self.get_submodule(family.embeddings[0])(x)
             if family.positions is not None:

@@ -52,7 +52,10 @@ class SequentialStage(nn.Module):
         self.loss_fn = loss_fn
         self.tied = None
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None:
+            raise UserError("context parallel with a pipeline of a sequential model is not supported (its blocks "
+                            "take no positions): use cp=1, or the built-in Llama or a Hugging Face model")
         for block in self.layers.values():
             x = block(x)
         return self.loss_fn(x, targets) if self.loss_fn is not None else x

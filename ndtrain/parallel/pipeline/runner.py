@@ -17,8 +17,14 @@ What is communicated, and when (all through `ctx.comm.batch_send_recv` on the pp
 - After the schedule: the tied embedding/head gradient is exchanged between the first and last
   stage (V·d elements each way) and the loss is broadcast from the last stage (one scalar).
 
-Loss and gradients: micro-batch i's loss is scaled by 1/m before its backward, so the gradients
-accumulated into `.grad` (never zeroed here) are those of the mean loss over micro-batches, as in
+Context parallel (cp > 1): the micro-batches are this cp rank's sequence shards with their global
+positions (`shard_sequence`), which every stage passes to its rotary tables; activations crossing a
+boundary are [b, T/cp, d], and each stage's attention runs its ring over the cp group (all members
+of a cp group hold the same stage and run the same action list, so their ring exchanges match).
+
+Loss and gradients: micro-batch i's loss is scaled by 1/m (and by fp16's loss scale S: applied on
+the last stage, it reaches every stage through the gradients sent back) before its backward, so
+the gradients accumulated into `.grad` (never zeroed here) are those of the mean loss over micro-batches, as in
 single-process gradient accumulation. A micro-batch's activations are dropped at its backward
 (its weight pass W under zb), so the live count follows the schedule: m for gpipe, ≤ p for 1f1b.
 
@@ -31,6 +37,11 @@ Data parallel: stages wrapped in `DistributedDataParallel` synchronise only in t
 action of each stage (the others run under `no_sync()`): the usual 2(N−1)/N·G per step, once,
 overlapped with that last backward only. A tied embedding/head weight with data parallel: each
 copy is averaged over dp first, then the two are summed across the pipeline (linear, so exact).
+Stages whose gradients are sharded (`gradients_sharded`: ZeRO-2's `Zero2DataParallel`, ZeRO-3's
+`FullyShardedDataParallel`) never run under `no_sync()`: each micro-batch's backward reduce-scatters
+its gradient into the shard, so the gradients stay sharded while several forwards wait for their
+backwards (FSDP pairs each backward with the oldest waiting forward: every schedule but zb runs a
+chunk's backwards in its forwards' order; zb's split backward is refused with them).
 """
 
 from __future__ import annotations
@@ -42,11 +53,13 @@ import torch
 from torch import nn
 
 from ndtrain.comm import Pending
+from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.pipeline.schedules import Action, build, forward_actions, place, stage_of, with_communication
 from ndtrain.parallel.pipeline.split_backward import WeightPasses
 from ndtrain.parallel.pipeline.timeline import Timeline
 
+MicroBatch = tuple[torch.Tensor, ...]  # (tokens, targets) or (tokens, targets, positions) of a cp shard
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 _HEADER = 10
 
@@ -58,10 +71,11 @@ def _unwrap(stage: nn.Module) -> nn.Module:
 class _Step:
     """The state of one `run_pipeline` call on one rank."""
 
-    def __init__(self, stages: list[nn.Module], micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, stages: list[nn.Module], micro_batches: list[MicroBatch],
                  ctx: ParallelContext, plans: list[list[Action]], timeline: Timeline | None,
-                 forward_only: bool = False) -> None:
+                 forward_only: bool = False, loss_scale: float = 1.0) -> None:
         self.stages, self.micro_batches, self.ctx, self.timeline = stages, micro_batches, ctx, timeline
+        self.loss_scale = loss_scale
         self.group = ctx.group("pp")
         self.p, self.rank, self.v, self.m = self.group.size, self.group.rank, len(stages), len(micro_batches)
         self.last = self.p * self.v - 1
@@ -163,12 +177,12 @@ class _Step:
     # ------------------------------------------------------------------ compute
     def forward(self, mb: int, chunk: int) -> None:
         s = stage_of(self.rank, chunk, self.p)
-        tokens, targets = self.micro_batches[mb]
+        tokens, targets, *positions = self.micro_batches[mb]  # positions: a context-parallel shard's
         x = tokens if s == 0 else self._receive("F", mb, chunk).requires_grad_()
-        out = self.stages[chunk](x, targets)
+        out = self.stages[chunk](x, targets, *positions)
         if s == self.last:
             self.loss_sum += out.detach().float()
-            out = out / self.m
+            out = out * self.loss_scale / self.m
         else:
             self.out_meta[chunk] = (out.dtype, out.shape)
             self._hand_over("F", mb, chunk, out.detach())
@@ -199,7 +213,7 @@ class _Step:
                 self.weight_passes[key] = passes
                 self._hand_over("B", mb, chunk, gx)
             return
-        ddp = hasattr(stage, "no_sync")
+        ddp = hasattr(stage, "no_sync") and not getattr(stage, "gradients_sharded", False)  # ZeRO-3: always syncs
         final = self.final[chunk] == index
         with stage.no_sync() if ddp and not final else contextlib.nullcontext():
             passes = self.weight_passes.pop(key, None)
@@ -244,18 +258,23 @@ def _tied_weight(stages: list[nn.Module]) -> nn.Parameter | None:
 
 
 def run_pipeline(
-    stages: list[nn.Module], micro_batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: ParallelContext,
-    schedule: str, timeline: Timeline | None = None,
+    stages: list[nn.Module], micro_batches: list[MicroBatch], ctx: ParallelContext,
+    schedule: str, timeline: Timeline | None = None, loss_scale: float = 1.0,
 ) -> tuple[torch.Tensor, int]:
-    """Forward and backward of all micro-batches `(inputs, targets)` (the same list on every pp
-    rank) through this rank's `stages` (from `split_model`, optionally each in `DistributedDataParallel`).
+    """Forward and backward of all micro-batches `(inputs, targets[, positions])` (the same list on
+    every pp rank; under context parallel this cp rank's sequence shards and their global positions)
+    through this rank's `stages` (from `split_model`, optionally each in `DistributedDataParallel`).
 
     Returns (Σ over micro-batches of the micro-batch mean loss, on every pp rank; target count).
-    Gradients of the mean loss over micro-batches are accumulated into `.grad`."""
+    Gradients of the mean loss over micro-batches, times `loss_scale` (fp16: applied on the last
+    stage, so every stage's gradients carry it), are accumulated into `.grad`."""
     p = ctx.group("pp").size
     plans = build(schedule, p, len(micro_batches), len(stages))  # validates (p, m, v) first
-    step = _Step(stages, micro_batches, ctx, plans, timeline)
+    step = _Step(stages, micro_batches, ctx, plans, timeline, loss_scale=loss_scale)
     tied = _tied_weight(stages) if step.p > 1 else None
+    if tied is not None and any(getattr(stage, "gradients_sharded", False) for stage in stages):
+        raise UserError("zero >= 2 with pipeline parallel and a tied embedding/head is not supported (its copies' "
+                        "gradients are sharded): set model.tie_embeddings=false, or use zero <= 1")
     stash = None
     if tied is not None and tied.grad is not None:
         stash = tied.grad.clone()
@@ -272,12 +291,12 @@ def run_pipeline(
             tied.grad.add_(stash)
     loss = step.loss_sum
     ctx.comm.broadcast(loss, step.group, src=place(step.last, step.p)[0])
-    return loss, sum(int(targets.numel()) for _, targets in micro_batches)
+    return loss, sum(int(batch[1].numel()) for batch in micro_batches)
 
 
 @torch.no_grad()
 def eval_pipeline(
-    stages: list[nn.Module], micro_batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: ParallelContext,
+    stages: list[nn.Module], micro_batches: list[MicroBatch], ctx: ParallelContext,
 ) -> tuple[torch.Tensor, int]:
     """Forward only (GPipe's forward order, nothing kept for backward): (Σ over micro-batches of the
     micro-batch mean loss, on every pp rank; target count)."""
@@ -286,4 +305,4 @@ def eval_pipeline(
     step.run()
     loss = step.loss_sum
     ctx.comm.broadcast(loss, step.group, src=place(step.last, step.p)[0])
-    return loss, sum(int(targets.numel()) for _, targets in micro_batches)
+    return loss, sum(int(batch[1].numel()) for batch in micro_batches)
