@@ -39,6 +39,7 @@ to them); the parameters must keep being the views `ZeroOptimizer` makes of its 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import Any
@@ -50,7 +51,8 @@ from torch.utils.hooks import RemovableHandle
 from ndtrain.comm import Pending
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import MB, broadcast_state, pack
-from ndtrain.parallel.precision import master_dtype, reduction_dtype
+from ndtrain.parallel.precision import DTYPES, master_dtype, reduction_dtype
+from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, ZeroOptimizer, ZeroStrategy, compute_copies
 
 MAX_IN_FLIGHT = 2  # reduce-scatters in flight during backward (bounds the staging memory)
 
@@ -199,3 +201,14 @@ class Zero2DataParallel(nn.Module):
             bucket.waiting = len(bucket.params)
         self._next_launch = 0
         self._callback_queued = False
+
+
+# ----------------------------------------------------------------------------- data-parallel strategy
+def build_zero2(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> ZeroStrategy:
+    """ZeRO-2: `Zero2DataParallel` gradient shards with `ZeroOptimizer`. Every micro-batch's backward
+    reduce-scatters into the shard (no `no_sync`), keeping the gradient memory sharded."""
+    cfg = ctx.config
+    masters = compute_copies(model, DTYPES[cfg.precision])
+    wrapper = Zero2DataParallel(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype])
+    optimizer = ZeroOptimizer(wrapper, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=True)
+    return ZeroStrategy(wrapper, optimizer, no_sync=contextlib.nullcontext, gradient_bytes=lambda: wrapper.gradient_bytes)
