@@ -23,7 +23,7 @@ What is communicated, and when:
   gradients, divided by N), memory stays 4Ψ/N, at the price of k reduce-scatters for k
   micro-batches: k·(N−1)/N·G bytes per step instead of one. (Accumulating locally first would
   need the full 4Ψ gradient between micro-batches: ZeRO-2's memory saving gone.)
-- The gradient norm (`local_grad_squares`, summed by the caller over dp_cp) and the parameter
+- The gradient norm (grad_norm.py, over `ZeroOptimizer`'s segments, summed over dp_cp) and the parameter
   all-gather after the step belong to `ZeroOptimizer`.
 
 Cost, Ψ trainable elements, G = Ψ · comm itemsize, N ranks, k micro-batches, ring algorithms:
