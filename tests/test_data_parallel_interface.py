@@ -4,6 +4,7 @@ gradient norm reads each parameter's placement once (grad_norm.py). Single proce
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -25,6 +26,7 @@ from ndtrain.parallel.grad_norm import (
 )
 from ndtrain.parallel.placement import Shard, place
 from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, parameter_groups
+from tests.distributed import init_method, run_distributed
 from tests.parity import assert_close_params
 
 MODEL = ModelConfig(preset="tiny", dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, seq_len=8)
@@ -154,3 +156,24 @@ def test_one_norm_and_one_clip_match_torch() -> None:
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=0)
     assert clip_coefficient(torch.tensor(0.5), 1.0).item() == 1.0
     assert clip_coefficient(torch.tensor(4.0), 1.0).item() == pytest.approx(1.0 / (4.0 + 1e-6))
+
+
+def _norms_under_tp(precisions: tuple[str, ...]) -> list[tuple[float, bool]]:
+    ctx = init(ParallelConfig(tp=2), init_method=init_method())
+    out = []
+    for precision in precisions:
+        config = dataclasses.replace(ctx.config, precision=precision)
+        engine = Engine(lambda: build_model(MODEL, seed=0), sgd, dataclasses.replace(ctx, config=config), grad_clip=MAX_NORM)
+        result = engine.train_step(batches(0))
+        out.append((result.grad_norm, result.skipped))
+    return out
+
+
+@pytest.mark.slow
+def test_fp16_norm_under_tensor_parallel_is_the_unscaled_one() -> None:
+    """fp16 × tp: the norm is taken over the unscaled fp32 gradients the optimizer reads (it was the
+    loss-scaled compute gradients', 2^16 times too large, before grad_norm.py)."""
+    for rank in run_distributed(_norms_under_tp, 2, ("fp32", "fp16"), timeout=300):
+        (fp32, _), (fp16, skipped) = rank
+        assert not skipped and fp32 > MAX_NORM
+        assert abs(fp16 - fp32) <= 2e-2 * fp32, (fp16, fp32)
