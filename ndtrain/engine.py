@@ -1,7 +1,9 @@
 """`Engine`: one model + optimizer trained under a `ParallelContext`.
 
-The engine places the model on the context's device and wraps it for data parallelism over dp×cp
-according to `parallel.zero`:
+The engine places the model on the context's device, applies model parallelism (compose.py: tp →
+recompute → cp → pipeline cut) and hands the result to exactly one data-parallel strategy over
+dp×cp, chosen by `parallel.dp_mode` and `parallel.zero` from the registry of data_parallel.py, which
+it drives only through the `DataParallelStrategy` interface (it never asks which one it holds):
 
 | zero | wrapper (gradients)                              | optimizer                                   |
 |------|--------------------------------------------------|---------------------------------------------|
@@ -14,6 +16,7 @@ With `parallel.precision` bf16/fp16 the model computes in that dtype and the opt
 masters: stages 0–2 cast the module and hand the fp32 initial weights to `ZeroOptimizer` (which
 for stage 0 keeps the whole master, `sharded=False`); stage 3 gives FSDP `param_dtype`. fp16 adds
 the `LossScaler` (precision.py): a step with inf/NaN gradients is skipped (`StepResult.skipped`).
+The global gradient norm and its clipping are grad_norm.py's, over the strategy's `grad_pieces()`.
 In fp32/bf16 the non-finite guard reads the step's loss and global gradient norm (both already
 reduced, so identical on every rank) before the optimizer step: a NaN/inf in either raises
 `NonFiniteError` on every rank with nothing updated, or, with `skip_nonfinite`, skips the step
@@ -24,7 +27,8 @@ last, via `no_sync`; stages 2/3 reduce-scatter every micro-batch into the shard,
 sharded), the loss-scale check, the global gradient norm and clipping, the optimizer and LR
 schedule steps. Per step, Ψ fp32 parameters, N = dp×cp, k micro-batches, each rank sends:
 stage 0 2(N−1)/N·4Ψ; stage 1 + (N−1)/N·4Ψ (all-gather); stage 2 k·(N−1)/N·4Ψ + (N−1)/N·4Ψ;
-stage 3 see zero3_parameters.py; plus a 4-byte all-reduce of the norm's squares (stages 1–3), a 4-byte flag
+stage 3 see zero3_parameters.py; plus a 4-byte all-reduce of the norm's squares (over dp_cp for
+stages 1–3, over mp under model parallelism, over the world for both), a 4-byte flag
 (fp16) and one 8-byte all-reduce of the loss and token count for reporting.
 """
 
@@ -44,21 +48,18 @@ from torch import nn
 from ndtrain.checkpoint import PROGRESS, load_checkpoint, load_model_weights, save_checkpoint, select_checkpoint
 from ndtrain.checkpoint_manifest import MANIFEST, verify
 from ndtrain.errors import UserError
-from ndtrain.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
+from ndtrain.memory import peak_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import hf_config
 from ndtrain.models.llama import count_parameters
 from ndtrain.parallel.compose import ModelParallelState, prepare_model
-from ndtrain.parallel.placement import name_parameters, placement_of
+from ndtrain.parallel.placement import name_parameters
 from ndtrain.parallel.context_parallel import shard_sequence
-from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
+from ndtrain.parallel.data_parallel import ShardedModel, build_data_parallel
+from ndtrain.parallel.grad_norm import clip_, global_grad_norm
 from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
-from ndtrain.parallel.pipeline.chunks import DataParallelChunks
-from ndtrain.parallel.precision import DTYPES, LossScaler, at_least_fp32, master_dtype
-from ndtrain.parallel.single_process_dp import SingleProcessDataParallel
-from ndtrain.parallel.zero1_optimizer import GroupFn, ZeroOptimizer, no_decay_for_vectors, parameter_groups
-from ndtrain.parallel.zero2_gradients import Zero2DataParallel
+from ndtrain.parallel.precision import DTYPES, LossScaler
+from ndtrain.parallel.zero1_optimizer import GroupFn, no_decay_for_vectors
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
 
@@ -120,13 +121,11 @@ class Engine:
         pattern → style, tp_plan.py) splits the model over tp; None: the plan shipped for the model."""
         cfg = ctx.config
         self.ctx = ctx
-        self.stage = cfg.zero
         self.grad_clip = grad_clip
         self.skip_nonfinite = skip_nonfinite
         self.nonfinite_skips = 0
         self._steps = 0  # train_step calls, numbering steps when there is no LR schedule
         self.compute_dtype = DTYPES[cfg.precision]
-        comm_dtype = DTYPES[cfg.comm_dtype]
         full = model_fn().to(ctx.device)
         name_parameters(full)
         self.parameter_count = count_parameters(full)
@@ -138,39 +137,9 @@ class Engine:
         self.mp_state = ModelParallelState(self.model, ctx, full_shapes) if self.model_parallel else None
         self.pipeline = cfg.pp > 1
         self.timeline: Timeline | None = None  # set one to record the next steps' pipeline actions
-        self.fsdp: FullyShardedDataParallel | None = None
-        if self.stage == 3:
-            self.fsdp = FullyShardedDataParallel(
-                self.model, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
-                param_dtype=self.compute_dtype, reduce_dtype=comm_dtype,
-            )
-            self.wrapped: nn.Module = self.fsdp
-            self.optimizer: torch.optim.Optimizer = optimizer_fn(self.fsdp.parameter_groups(group_fn))
-        else:
-            masters = None
-            if self.compute_dtype != torch.float32:
-                masters = {id(p): p.detach().clone() for p in self.model.parameters()}
-                self.model.to(self.compute_dtype)
-            if self.stage == 2:
-                self.wrapped = Zero2DataParallel(self.model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype)
-            elif isinstance(self.model, nn.ModuleList):  # interleaved pipeline: one DDP per stage chunk
-                self.wrapped = DataParallelChunks(
-                    [DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in self.model]
-                )
-            else:
-                module = self.model  # dp_mode=single-process: replicas on threads inside this process
-                if cfg.dp_mode == "single-process":
-                    module = SingleProcessDataParallel(self.model, [ctx.device] * cfg.replicas)
-                self.wrapped = DistributedDataParallel(
-                    module, ctx,
-                    bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype, allow_unused=cfg.allow_unused_params,
-                )
-            if self.stage >= 1 or masters is not None:
-                self.optimizer = ZeroOptimizer(
-                    self.wrapped, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=self.stage >= 1,
-                )
-            else:
-                self.optimizer = optimizer_fn(parameter_groups(self.model, group_fn))
+        self.dp = build_data_parallel(self.model, ctx, optimizer_fn, group_fn)  # casts to compute_dtype
+        self.wrapped: nn.Module = self.dp.module
+        self.optimizer: torch.optim.Optimizer = self.dp.optimizer
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
         self.scaler = loss_scaler or (LossScaler(ctx) if cfg.precision == "fp16" else None)
 
@@ -179,18 +148,18 @@ class Engine:
         """One optimizer step over this rank's micro-batches (equal sizes, full-length samples)."""
         comm_before = self.ctx.comm.stats.total_wire_bytes()
         self.model.train()
-        self._zero_grad()
+        self.dp.zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]
         scale = self.scaler.scale if self.scaler else 1.0
         count = len(micro_batches)
         if self.pipeline:
             batches = [self._model_inputs(x, y) for x, y in micro_batches]
             loss_sum, tokens = run_pipeline(
-                self._chunks, batches, self.ctx, self.ctx.config.pp_schedule, self.timeline, loss_scale=scale,
+                self.dp.chunks, batches, self.ctx, self.ctx.config.pp_schedule, self.timeline, loss_scale=scale,
             )
         else:
             loss_sum, tokens = self._forward_backward(micro_batches, scale)
-        found_inf = self.scaler.unscale_and_check(self._optimizer_grads()) if self.scaler else False
+        found_inf = self.scaler.unscale_and_check(self.dp.optimizer_grads()) if self.scaler else False
         grad_norm = self.clip_gradients()
         totals = torch.stack([loss_sum / count, torch.tensor(float(tokens), device=self.ctx.device)])
         self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))
@@ -230,8 +199,7 @@ class Engine:
         loss_sum = torch.zeros((), device=self.ctx.device)
         tokens = 0
         for i, (x, y) in enumerate(micro_batches):
-            local = i < count - 1 and self.stage < 2  # stages 2/3 reduce-scatter every micro-batch
-            with self.wrapped.no_sync() if local else contextlib.nullcontext():
+            with self.dp.no_sync() if i < count - 1 else contextlib.nullcontext():
                 loss = self._loss(self._model_inputs(x, y))
                 (loss * (scale / count)).backward()
             loss_sum += loss.detach().float()
@@ -251,76 +219,17 @@ class Engine:
         x, y = self._input(x), self._input(y)
         return shard_sequence(x, y, self.ctx) if self.ctx.config.cp > 1 else (x, y)
 
-    @property
-    def _chunks(self) -> list[nn.Module]:
-        """The wrapped model as a list: one module, or an interleaved pipeline's stage chunks."""
-        return list(self.wrapped) if isinstance(self.wrapped, nn.ModuleList) else [self.wrapped]
-
-    def _zero_grad(self) -> None:
-        if isinstance(self.optimizer, ZeroOptimizer):
-            self.optimizer.zero_grad()
-        else:
-            for chunk in self._chunks:
-                chunk.zero_grad()
-
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         """On the device; floating-point inputs in the compute dtype (token ids stay integers)."""
         t = t.to(self.ctx.device)
         return t.to(self.compute_dtype) if t.is_floating_point() else t
 
-    def _optimizer_grads(self) -> list[torch.Tensor]:
-        """The gradient tensors the optimizer will read (fp32; shards under ZeRO), to unscale or clip in place."""
-        if isinstance(self.optimizer, ZeroOptimizer):
-            return self.optimizer.prepare_grads()
-        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-    def _grad_squares(self) -> torch.Tensor:
-        """Σ g² of the whole model's gradient, identical on every rank.
-
-        Model parallel (tp/pp, stages 0–1, gradients reduced over dp): each rank's Σg² weighted by
-        `Placement.norm_weight` (tp shards once, tp-replicated parameters 1/tp each, a pipeline-tied
-        copy not at all) and summed over "mp" (stage 2: its gradient shards, weighted alike, summed over
-        the world; fp16: the loss scale divided out). Otherwise sharded over dp_cp (stages 1–3, each
-        rank's shard, padding excluded; stage 3 also under pp): summed over the world; replicated
-        (stage 0): local."""
-        device = self.ctx.device
-        if self.model_parallel and self.fsdp is None:  # zero 0/1: whole reduced gradients; zero 2: shards
-            tp = self.ctx.group("tp").size
-            dtype = master_dtype(next(self.model.parameters()).dtype)  # fp32, float64 for a float64 model
-            squares = torch.zeros((), dtype=dtype, device=device)
-            zero2 = isinstance(self.wrapped, Zero2DataParallel)  # its shards, summed over the world below
-            if zero2:
-                squares += self.wrapped.local_grad_squares(lambda placement: placement.norm_weight(tp))
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    squares += placement_of(p).norm_weight(tp) * at_least_fp32(p.grad.detach()).pow(2).sum()
-            self.ctx.comm.all_reduce(squares, self.ctx.group("world" if zero2 else "mp"))
-            return squares / self.scaler.scale**2 if self.scaler else squares  # fp16: model grads still scaled
-        if self.fsdp is not None:  # shards over dp_cp of each pipeline stage's parameters (tp = 1): over the world
-            squares = at_least_fp32(self.fsdp.local_grad_squares())
-            self.ctx.comm.all_reduce(squares, self.ctx.group("world"))
-            return squares
-        if isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.sharded:
-            grads = self.optimizer.prepare_grads()
-            squares = torch.stack([at_least_fp32(g).pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
-            self.ctx.comm.all_reduce(squares, self.ctx.group("dp_cp"))
-            return squares
-        if isinstance(self.optimizer, ZeroOptimizer):  # stage 0 with fp32 masters: one unsharded "shard"
-            grads = self.optimizer.prepare_grads()
-            return torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return torch.stack([at_least_fp32(g.detach()).pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
-
     def clip_gradients(self) -> float:
-        """Global L2 norm of the gradient the optimizer will use; clip it if `grad_clip` > 0.
-
-        Same formula as `torch.nn.utils.clip_grad_norm_`: scale by max_norm / (norm + 1e-6) when < 1.
-        """
-        norm = self._grad_squares().sqrt()
+        """Global L2 norm of the gradient the optimizer will use, each parameter counted once over the
+        whole world (grad_norm.py); clip it if `grad_clip` > 0 (torch's clip_grad_norm_ formula)."""
+        norm = global_grad_norm(self.dp.grad_pieces(), self.ctx, sharded=self.dp.grads_sharded)
         if self.grad_clip > 0:
-            grads = self._optimizer_grads()
-            if grads:
-                torch._foreach_mul_(grads, torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0))
+            clip_(self.dp.optimizer_grads(), norm, self.grad_clip)
         return norm.item()
 
     # ----------------------------------------------------------------------------- inspection
@@ -328,23 +237,7 @@ class Engine:
         """Bytes this rank holds for parameters (compute copies; under FSDP the fp32 shards plus
         whatever unit is gathered now), gradients (buckets, comm-dtype copies, shards) and optimizer
         state (AdamW's appears after the first step; fp32 masters of mixed precision included)."""
-        optimizer = optimizer_state_bytes(self.optimizer)
-        if self.fsdp is not None:
-            held = self.fsdp.state_bytes()
-            return {"parameters": held["parameters"], "gradients": held["gradients"], "optimizer": optimizer}
-        if isinstance(self.optimizer, ZeroOptimizer):
-            parameters = sum(tensor_bytes(s.flat) for s in self.optimizer._shards)
-            optimizer += self.optimizer.master_bytes
-        else:
-            parameters = sum(tensor_bytes(p) for p in self.model.parameters())
-        if isinstance(self.wrapped, Zero2DataParallel):
-            gradients = self.wrapped.gradient_bytes
-        else:
-            gradients = sum(
-                tensor_bytes(b.flat) + (tensor_bytes(b.comm) if b.comm is not b.flat else 0)
-                for chunk in self._chunks for b in chunk.buckets
-            )
-        return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer}
+        return self.dp.state_bytes()
 
     def memory_bytes(self) -> dict[str, int]:
         """`model_state_bytes()` plus "peak": this process's peak memory since the last `memory.reset_peak`."""
@@ -353,13 +246,13 @@ class Engine:
     @property
     def sharded_optimizer(self) -> bool:
         """True when each rank checkpoints its own optimizer state (ZeRO shards, fp32 masters, tp/pp parts)."""
-        return isinstance(self.optimizer, ZeroOptimizer) or self.fsdp is not None or self.model_parallel
+        return self.dp.shards_optimizer or self.model_parallel
 
     @property
-    def sharded_model(self) -> FullyShardedDataParallel | ModelParallelState | None:
+    def sharded_model(self) -> ShardedModel | None:
         """What each rank checkpoints as its own part of the model (zero=3: FSDP shards; tp/pp: its
         slices and stages), else None (the model is whole on every rank)."""
-        return self.fsdp if self.fsdp is not None else self.mp_state
+        return self.dp.sharded_model if self.dp.sharded_model is not None else self.mp_state
 
     def extra_state(self) -> dict[str, Any]:
         """Engine state outside model and optimizer (fp16 loss scaler, guard's skips), JSON-serialisable."""
@@ -391,10 +284,10 @@ class Engine:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         batches = list(batches)
-        padding = self._fsdp_eval_padding(batches)
+        padding = self._eval_padding(batches)
         for (x, y), weight in [*((batch, 1) for batch in batches), *((batch, 0) for batch in padding)]:
             if self.pipeline:
-                loss, count = eval_pipeline(self._chunks, [self._model_inputs(x, y)], self.ctx)
+                loss, count = eval_pipeline(self.dp.chunks, [self._model_inputs(x, y)], self.ctx)
             else:
                 inputs = self._model_inputs(x, y)
                 loss, count = self._loss(inputs), inputs[1].numel()
@@ -404,9 +297,10 @@ class Engine:
         tokens = int(totals[1].item())
         return (totals[0].item() / tokens if tokens else float("nan")), tokens
 
-    def _fsdp_eval_padding(self, batches: list[Batch]) -> list[Batch]:
-        """The batches this rank forwards only to match the others' all-gathers (ZeRO-3; none otherwise)."""
-        if self.fsdp is None or self.ctx.group("dp_cp").size == 1:
+    def _eval_padding(self, batches: list[Batch]) -> list[Batch]:
+        """The batches this rank forwards only to match the others' collectives (ZeRO-3's all-gathers;
+        none when the strategy's forwards do not communicate)."""
+        if not self.dp.forward_communicates or self.ctx.group("dp_cp").size == 1:
             return []
         shape = torch.tensor([len(batches), batches[0][0].shape[-1] if batches else 0], device=self.ctx.device)
         self.ctx.comm.all_reduce(shape, self.ctx.group("dp_cp"), op=torch.distributed.ReduceOp.MAX)
@@ -461,7 +355,7 @@ class Engine:
                 f"checkpoint {str(checkpoint)!r} was written by layout {saved}, this engine is {here}: its optimizer "
                 "state loads only under that layout; load the weights alone with engine.load(path, optimizer=False)"
             )
-        whole = self.sharded_model is None and not (isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.master_bytes)
+        whole = self.sharded_model is None and self.dp.weights_are_masters
         if not whole:
             raise UserError(
                 f"engine.load(optimizer=False) into layout {here} needs the model whole on every rank in fp32 "

@@ -34,6 +34,7 @@ gradients in float64 (`reduction_dtype`), so a float64 model is never narrowed.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +44,10 @@ from torch import nn
 from ndtrain.comm import Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
+from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.parallel.buckets import MB, AllReduceBucket, GradientBuckets, broadcast_state
+from ndtrain.parallel.grad_norm import GradPiece, optimizer_param_grads, whole_pieces
+from ndtrain.parallel.precision import DTYPES
 
 
 class DistributedDataParallel(nn.Module):
@@ -150,3 +154,65 @@ class DistributedDataParallel(nn.Module):
             f"parameters received no gradient: {', '.join(reversed(unused))}; "
             "set parallel.allow_unused_params=true if that is intended"
         )
+
+
+# ----------------------------------------------------------------------------- data-parallel strategy (ZeRO-0)
+def ddp_chunks(model: nn.Module, ctx: ParallelContext) -> list[DistributedDataParallel]:
+    """`model` wrapped in DDP as configured (`ctx.config`): one wrapper, or one per chunk of an
+    interleaved pipeline (a ModuleList of stage chunks, each with its own buckets)."""
+    cfg = ctx.config
+    comm_dtype = DTYPES[cfg.comm_dtype]
+    if isinstance(model, nn.ModuleList):
+        return [DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in model]
+    return [DistributedDataParallel(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype,
+                                    allow_unused=cfg.allow_unused_params)]
+
+
+@contextlib.contextmanager
+def all_no_sync(chunks: Sequence[DistributedDataParallel]) -> Iterator[None]:
+    """Every chunk's `no_sync` at once (an interleaved pipeline's chunks each have their own buckets)."""
+    with contextlib.ExitStack() as stack:
+        for chunk in chunks:
+            stack.enter_context(chunk.no_sync())
+        yield
+
+
+def held_gradient_bytes(chunks: Sequence[DistributedDataParallel]) -> int:
+    """Bytes of gradient the wrappers hold: their buckets, plus the comm-dtype copies."""
+    return sum(tensor_bytes(b.flat) + (tensor_bytes(b.comm) if b.comm is not b.flat else 0)
+               for chunk in chunks for b in chunk.buckets)
+
+
+class DDPStrategy:
+    """ZeRO-0 in fp32 (`data_parallel.DataParallelStrategy`): DDP wrappers (one, or one per interleaved
+    pipeline chunk) and the caller's optimizer over the whole model. Gradients are replicated, so the
+    norm's pieces are whole `.grad`s, summed over mp only; checkpoints need no per-rank optimizer state."""
+
+    grads_sharded = False
+    shards_optimizer = False
+    sharded_model = None
+    weights_are_masters = True
+    forward_communicates = False
+
+    def __init__(self, chunks: list[DistributedDataParallel], optimizer: torch.optim.Optimizer, ctx: ParallelContext) -> None:
+        self.chunks: list[nn.Module] = list(chunks)
+        self.module: nn.Module = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+        self.optimizer = optimizer
+        self._tp = ctx.group("tp").size
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return all_no_sync(self.chunks)
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad()
+
+    def optimizer_grads(self) -> list[torch.Tensor]:
+        return optimizer_param_grads(self.optimizer)
+
+    def grad_pieces(self) -> list[GradPiece]:
+        return whole_pieces((p for g in self.optimizer.param_groups for p in g["params"]), self._tp)
+
+    def state_bytes(self) -> dict[str, int]:
+        return {"parameters": sum(tensor_bytes(p) for p in self.module.parameters()),
+                "gradients": held_gradient_bytes(self.chunks), "optimizer": optimizer_state_bytes(self.optimizer)}

@@ -45,12 +45,18 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from ndtrain.errors import UserError
+from ndtrain.mesh import ParallelContext
+from ndtrain.parallel import zero1_optimizer
+from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn
+
+if TYPE_CHECKING:
+    from ndtrain.parallel.data_parallel import DataParallelStrategy
 
 __all__ = ["SingleProcessDataParallel", "ReplicaError", "chunk_sizes"]
 
@@ -232,3 +238,19 @@ def _parallel_run(replicas: list[nn.Module], inputs: list[Any], devices: list[to
         if e is not None:
             raise ReplicaError(f"replica {i} on device {devices[i]} failed: {type(e).__name__}: {e}") from e
     return results
+
+
+# ----------------------------------------------------------------------------- data-parallel strategy
+def _replicas(ctx: ParallelContext) -> Callable[[nn.Module], nn.Module]:
+    """Wraps a module in `SingleProcessDataParallel` over `parallel.replicas` copies on this rank's device."""
+    return lambda module: SingleProcessDataParallel(module, [ctx.device] * ctx.config.replicas)
+
+
+def build_replicated(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> DataParallelStrategy:
+    """dp_mode=single-process, zero=0: replicas on threads inside each process, DDP across processes."""
+    return zero1_optimizer.build_replicated(model, ctx, optimizer_fn, group_fn, wrap=_replicas(ctx))
+
+
+def build_zero1(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> DataParallelStrategy:
+    """dp_mode=single-process, zero=1: as `build_replicated` with the optimizer state sharded over dp_cp."""
+    return zero1_optimizer.build_zero1(model, ctx, optimizer_fn, group_fn, wrap=_replicas(ctx))

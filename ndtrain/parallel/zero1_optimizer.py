@@ -46,18 +46,25 @@ flat buffers must keep backing the parameters: do not move the model (`.to()`) o
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 
 from ndtrain.errors import UserError
-from ndtrain.memory import optimizer_state_bytes
+from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.ddp import DDPStrategy, DistributedDataParallel, all_no_sync, ddp_chunks, held_gradient_bytes
 from ndtrain.parallel.flat_layout import FlatLayout, Segment
-from ndtrain.parallel.precision import at_least_fp32
+from ndtrain.parallel.grad_norm import (
+    GradPiece, clip_, flat_placements, global_grad_norm, segment_pieces, segment_spans,
+)
+from ndtrain.parallel.pipeline.chunks import DataParallelChunks
+from ndtrain.parallel.precision import DTYPES
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -262,20 +269,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Call after backward, before `step()`. Replicated gradients (DDP): the local norm is the
         global one and nothing is communicated. Sharded gradients (ZeRO-2): the squares of this
-        rank's shard (padding excluded) are summed with one 4-byte all-reduce over dp_cp.
-        Returns the norm before clipping.
+        rank's shard (padding excluded) are summed with one 4-byte all-reduce over dp_cp. Each
+        parameter's squares are weighted by its placement and summed over mp too under model
+        parallelism (`grad_norm.global_grad_norm`). Returns the norm before clipping.
         """
         grads = self.prepare_grads()
+        tp = self.ctx.group("tp").size
         if self.model.gradients_sharded:
-            squares = torch.stack([at_least_fp32(g).pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-            self.ctx.comm.all_reduce(squares, self.group)
-            norm = squares.sqrt()
+            pieces = shard_grad_pieces(self, grads, tp)
         else:
-            flats = [b.flat for b in self.model.buckets]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(at_least_fp32(f)) for f in flats]))
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
+            pieces = [piece for b in self.model.buckets
+                      for piece in segment_pieces(b.flat, segment_spans(0, b.flat.numel(), flat_placements(b.params), tp))]
+        norm = global_grad_norm(pieces, self.ctx, sharded=self.model.gradients_sharded)
+        clip_(grads, norm, max_norm)
         return norm
 
     # ----------------------------------------------------------------------------- inspection, state
@@ -335,3 +341,101 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for shard, master in zip([s for s in self._shards if s.master is not None], state_dict.get("masters", [])):
                 shard.master.copy_(master)
+
+
+# ----------------------------------------------------------------------------- data-parallel strategy (ZeRO-0 masters, 1, 2)
+def compute_copies(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor] | None:
+    """Cast `model` to the compute `dtype` (bf16/fp16) and return its fp32 initial weights by
+    `id(param)`, for `ZeroOptimizer(masters=...)`; None (nothing cast) in fp32."""
+    if dtype == torch.float32:
+        return None
+    masters = {id(p): p.detach().clone() for p in model.parameters()}
+    model.to(dtype)
+    return masters
+
+
+def shard_grad_pieces(optimizer: ZeroOptimizer, grads: Sequence[torch.Tensor], tp: int) -> list[GradPiece]:
+    """The norm's pieces of `grads` (`prepare_grads()`, in segment order): each segment cut where the
+    placement weight of the parameters under it changes (bucket k's parameters lie end to end)."""
+    pieces: list[GradPiece] = []
+    grad = iter(grads)
+    for shard, bucket in zip(optimizer._shards, optimizer.model.buckets):
+        layout = flat_placements(bucket.params)
+        for a, b, *_ in shard.segments:
+            pieces += segment_pieces(next(grad), segment_spans(a, b, layout, tp))
+    return pieces
+
+
+class ZeroStrategy:
+    """`data_parallel.DataParallelStrategy` of a bucketed gradient wrapper with `ZeroOptimizer`:
+    DistributedDataParallel for ZeRO-1 (and for ZeRO-0 in bf16/fp16, unsharded, for the fp32
+    masters), Zero2DataParallel for ZeRO-2. The optimizer reads this rank's gradient segments, so
+    the norm's pieces are those segments (summed over dp_cp when sharded); each rank checkpoints
+    its own optimizer state."""
+
+    shards_optimizer = True
+    sharded_model = None
+    forward_communicates = False
+
+    def __init__(
+        self, gradients: GradientSource, optimizer: ZeroOptimizer, *,
+        no_sync: Callable[[], AbstractContextManager[None]], gradient_bytes: Callable[[], int],
+        chunks: Sequence[nn.Module] | None = None,
+    ) -> None:
+        """`no_sync()`: the context of a micro-batch whose gradient need not be synchronised yet;
+        `gradient_bytes()`: bytes of gradient `gradients` holds; `chunks`: the modules to run (an
+        interleaved pipeline's wrapped chunks; default `gradients` itself)."""
+        self.module: nn.Module = gradients  # type: ignore[assignment]
+        self.chunks: list[nn.Module] = list(chunks) if chunks is not None else [self.module]
+        self.optimizer = optimizer
+        self.no_sync = no_sync
+        self._gradient_bytes = gradient_bytes
+        self._tp = optimizer.ctx.group("tp").size
+
+    @property
+    def grads_sharded(self) -> bool:
+        return self.optimizer.sharded
+
+    @property
+    def weights_are_masters(self) -> bool:
+        return self.optimizer.master_bytes == 0
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def optimizer_grads(self) -> list[torch.Tensor]:
+        return self.optimizer.prepare_grads()
+
+    def grad_pieces(self) -> list[GradPiece]:
+        return shard_grad_pieces(self.optimizer, self.optimizer.prepare_grads(), self._tp)
+
+    def state_bytes(self) -> dict[str, int]:
+        return {"parameters": sum(tensor_bytes(s.flat) for s in self.optimizer._shards),
+                "gradients": self._gradient_bytes(),
+                "optimizer": optimizer_state_bytes(self.optimizer) + self.optimizer.master_bytes}
+
+
+def build_replicated(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
+                     wrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> DDPStrategy | ZeroStrategy:
+    """ZeRO-0: DDP (over `wrap(model)`) with the caller's optimizer over the whole model, or, in
+    bf16/fp16, an unsharded `ZeroOptimizer` holding the fp32 masters."""
+    masters = compute_copies(model, DTYPES[ctx.config.precision])
+    if masters is None:
+        return DDPStrategy(ddp_chunks(wrap(model), ctx), optimizer_fn(parameter_groups(model, group_fn)), ctx)
+    return _with_ddp(wrap(model), ctx, optimizer_fn, group_fn, masters=masters, sharded=False)
+
+
+def build_zero1(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
+                wrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> ZeroStrategy:
+    """ZeRO-1: DDP (over `wrap(model)`) with the optimizer state sharded over dp_cp."""
+    masters = compute_copies(model, DTYPES[ctx.config.precision])
+    return _with_ddp(wrap(model), ctx, optimizer_fn, group_fn, masters=masters, sharded=True)
+
+
+def _with_ddp(module: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
+              masters: dict[int, torch.Tensor] | None, sharded: bool) -> ZeroStrategy:
+    chunks = ddp_chunks(module, ctx)  # an interleaved pipeline's chunks: one bucket sequence over all of them
+    source = chunks[0] if len(chunks) == 1 else DataParallelChunks(chunks)
+    optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=sharded)
+    return ZeroStrategy(source, optimizer, no_sync=functools.partial(all_no_sync, chunks),
+                        gradient_bytes=lambda: held_gradient_bytes(chunks), chunks=chunks)

@@ -45,6 +45,7 @@ to them); the parameters must keep being the views `ZeroOptimizer` makes of its 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -54,6 +55,8 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.buckets import MB, GradientBuckets, ReduceScatterBucket, broadcast_state
 from ndtrain.parallel.flat_layout import Segment
 from ndtrain.parallel.placement import Placement
+from ndtrain.parallel.precision import DTYPES
+from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, ZeroOptimizer, ZeroStrategy, compute_copies
 
 MAX_IN_FLIGHT = 2  # reduce-scatters in flight during backward (bounds the staging memory)
 
@@ -128,3 +131,14 @@ class Zero2DataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradient shards (they are kept allocated; `set_to_none` is accepted and ignored)."""
         self._grads.zero_grad()
+
+
+# ----------------------------------------------------------------------------- data-parallel strategy
+def build_zero2(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> ZeroStrategy:
+    """ZeRO-2: `Zero2DataParallel` gradient shards with `ZeroOptimizer`. Every micro-batch's backward
+    reduce-scatters into the shard (no `no_sync`), keeping the gradient memory sharded."""
+    cfg = ctx.config
+    masters = compute_copies(model, DTYPES[cfg.precision])
+    wrapper = Zero2DataParallel(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype])
+    optimizer = ZeroOptimizer(wrapper, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=True)
+    return ZeroStrategy(wrapper, optimizer, no_sync=contextlib.nullcontext, gradient_bytes=lambda: wrapper.gradient_bytes)

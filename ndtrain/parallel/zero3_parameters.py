@@ -59,12 +59,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ndtrain.errors import UserError
+from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import decoder_layers
 from ndtrain.parallel.flat_layout import Segment
 from ndtrain.parallel.sync_switch import SyncSwitch
+from ndtrain.parallel.grad_norm import (
+    GradPiece, flat_placements, local_squares, optimizer_param_grads, segment_pieces, segment_spans,
+)
+from ndtrain.parallel.precision import DTYPES
 from ndtrain.parallel.zero3_unit import FlatUnit
-from ndtrain.parallel.zero1_optimizer import GroupFn, _group_keys, _one_group
+from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, _group_keys, _one_group
 
 
 def wrap_patterns(module: nn.Module, wrap: Sequence[str] | str) -> list[str]:
@@ -300,9 +305,9 @@ class FullyShardedDataParallel(nn.Module):
         return groups
 
     def local_grad_squares(self) -> torch.Tensor:
-        """Σ g² over this rank's gradient shards, padding excluded (master-dtype scalar; all-reduce it over dp_cp)."""
-        parts = [u.shard_grad[: u.real].pow(2).sum() for u in self.units]
-        return torch.stack(parts).sum()
+        """Σ g² over this rank's gradient shards, padding excluded, each parameter weighted by its
+        placement (grad_norm.py; master-dtype scalar: all-reduce it over dp_cp)."""
+        return local_squares(unit_grad_pieces(self.units, self.ctx.group("tp").size), self.units[0].shard.device)
 
     def segments(self, grad: bool = False) -> list[Segment]:
         """Each parameter piece of this rank's shards, unit by unit: its placement, local shape,
@@ -355,3 +360,59 @@ class FullyShardedDataParallel(nn.Module):
     def _track(self) -> None:
         held = self.state_bytes()
         self._peak = max(self._peak, held["parameters"] + held["gradients"])
+
+
+# ----------------------------------------------------------------------------- data-parallel strategy
+def unit_grad_pieces(units: Sequence[FlatUnit], tp: int) -> list[GradPiece]:
+    """The norm's pieces of this rank's gradient shards: each unit's `shard_grad` cut where the
+    placement weight of the parameters under it changes, padding left out."""
+    pieces: list[GradPiece] = []
+    for u in units:
+        layout = flat_placements(u.params, u.offsets)
+        pieces += segment_pieces(u.shard_grad, segment_spans(u.lo, u.lo + u.size, layout, tp))
+    return pieces
+
+
+class FSDPStrategy:
+    """ZeRO-3 as a `data_parallel.DataParallelStrategy`: `FullyShardedDataParallel` and the caller's
+    optimizer over its fp32 shards. Every micro-batch's backward reduce-scatters (no `no_sync`: the
+    gradient memory stays sharded); forwards all-gather, so evaluation pads ranks with fewer batches;
+    each rank checkpoints its own shards (`sharded_model`) and optimizer state."""
+
+    grads_sharded = True
+    shards_optimizer = True
+    weights_are_masters = False
+    forward_communicates = True
+
+    def __init__(self, fsdp: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        self.module: nn.Module = fsdp
+        self.chunks: list[nn.Module] = [fsdp]
+        self.sharded_model = fsdp
+        self.optimizer = optimizer
+        self._tp = fsdp.ctx.group("tp").size
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def zero_grad(self) -> None:
+        self.sharded_model.zero_grad()
+
+    def optimizer_grads(self) -> list[torch.Tensor]:
+        return optimizer_param_grads(self.optimizer)
+
+    def grad_pieces(self) -> list[GradPiece]:
+        return unit_grad_pieces(self.sharded_model.units, self._tp)
+
+    def state_bytes(self) -> dict[str, int]:
+        return {**self.sharded_model.state_bytes(), "optimizer": optimizer_state_bytes(self.optimizer)}
+
+
+def build_zero3(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> FSDPStrategy:
+    """ZeRO-3: the model cut into FSDP units as configured (`fsdp_wrap`, `reshard_after_forward`),
+    computing in the configured precision over fp32 shards."""
+    cfg = ctx.config
+    fsdp = FullyShardedDataParallel(
+        model, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
+        param_dtype=DTYPES[cfg.precision], reduce_dtype=DTYPES[cfg.comm_dtype],
+    )
+    return FSDPStrategy(fsdp, optimizer_fn(fsdp.parameter_groups(group_fn)))

@@ -1,0 +1,122 @@
+"""The one interface the engine drives every data-parallel strategy through, and their registry.
+
+`Engine` composes model parallelism (compose.py), then hands the resulting module to exactly one
+data-parallel strategy, chosen by `STRATEGIES[(parallel.dp_mode, parallel.zero)]`, and from then on
+only calls the methods below: it never asks which strategy it holds. A strategy wraps the module
+(taking over its gradient synchronisation) and builds the optimizer over whatever it shards.
+Adding a strategy is its own file (the wrapper, and an adapter class plus a builder appended at
+its end) and one line in `STRATEGIES`.
+
+| key                      | builder (file)                                  | adapter        |
+|--------------------------|-------------------------------------------------|----------------|
+| ("ddp", 0)               | `build_replicated` (zero1_optimizer.py)         | `DDPStrategy` (fp32), `ZeroStrategy` (bf16/fp16: unsharded fp32 masters) |
+| ("ddp", 1)               | `build_zero1` (zero1_optimizer.py)              | `ZeroStrategy` over DDP |
+| ("ddp", 2)               | `build_zero2` (zero2_gradients.py)              | `ZeroStrategy` over Zero2DataParallel |
+| ("ddp", 3)               | `build_zero3` (zero3_parameters.py)             | `FSDPStrategy` |
+| ("single-process", 0/1)  | `build_replicated` / `build_zero1` (single_process_dp.py) | as ("ddp", 0/1), over SingleProcessDataParallel |
+
+Building communicates what the strategy's constructor does (broadcast or sharding of the initial
+weights, see each file); the per-step costs are the strategies' own, given in their docstrings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ndtrain.errors import UserError
+from ndtrain.mesh import ParallelContext
+from ndtrain.parallel import single_process_dp, zero1_optimizer, zero2_gradients, zero3_parameters
+from ndtrain.parallel.grad_norm import GradPiece
+from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn
+
+
+class ShardedModel(Protocol):
+    """What a checkpoint writes for a model each rank holds only part of (see checkpoint.py)."""
+
+    def sharded_state_dict(self) -> dict[str, Any]: ...
+
+    def load_sharded_state_dict(self, saved: dict[str, Any]) -> None: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+
+class DataParallelStrategy(Protocol):
+    """One data-parallel strategy around this rank's part of the model.
+
+    Attributes:
+    - `module`: what a forward runs (the wrapper; for an interleaved pipeline a ModuleList of them).
+    - `chunks`: the wrapped modules the pipeline runs, one per stage chunk (one without pipeline).
+    - `optimizer`: the optimizer the engine steps (and LR schedules and checkpoints see).
+    - `grads_sharded`: `grad_pieces()` are this rank's shard of a gradient sharded over dp_cp, so the
+      norm sums them over dp_cp (one 4-byte all-reduce); False: replicated, nothing to sum.
+    - `shards_optimizer`: each rank checkpoints its own optimizer state (shards, fp32 masters).
+    - `sharded_model`: what each rank checkpoints as its own part of the model (ZeRO-3), or None.
+    - `weights_are_masters`: the module's parameters are the weights the optimizer updates (no
+      separate fp32 masters, no shards), so loading weights alone restores the model.
+    - `forward_communicates`: a forward issues collectives (ZeRO-3's all-gathers), so every rank
+      must run as many forwards (evaluation pads the ranks with fewer batches).
+    """
+
+    module: nn.Module
+    chunks: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    grads_sharded: bool
+    shards_optimizer: bool
+    sharded_model: ShardedModel | None
+    weights_are_masters: bool
+    forward_communicates: bool
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """The context of a backward that is not the step's last: a strategy that accumulates locally
+        defers its gradient sync (free); one that keeps gradients sharded reduces anyway (a no-op)."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Zero the gradients the next backward accumulates into (in place; no communication)."""
+        ...
+
+    def optimizer_grads(self) -> list[torch.Tensor]:
+        """The fp32 (or float64) gradient tensors the optimizer's step reads, after backward: unscaling
+        or clipping them in place is what the step applies. No communication."""
+        ...
+
+    def grad_pieces(self) -> list[GradPiece]:
+        """This rank's pieces of the gradient the optimizer reads, each weighted by its parameter's
+        placement (grad_norm.py), for the global norm. No communication."""
+        ...
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now: "parameters", "gradients", "optimizer" (state and fp32 masters)."""
+        ...
+
+
+Builder = Callable[[nn.Module, ParallelContext, OptimizerFn, GroupFn], DataParallelStrategy]
+
+STRATEGIES: dict[tuple[str, int], Builder] = {
+    ("ddp", 0): zero1_optimizer.build_replicated,
+    ("ddp", 1): zero1_optimizer.build_zero1,
+    ("ddp", 2): zero2_gradients.build_zero2,
+    ("ddp", 3): zero3_parameters.build_zero3,
+    ("single-process", 0): single_process_dp.build_replicated,
+    ("single-process", 1): single_process_dp.build_zero1,
+}
+
+
+def build_data_parallel(
+    model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn,
+) -> DataParallelStrategy:
+    """The strategy `ctx.config` asks for (dp_mode, zero) around `model`, with its optimizer built by
+    `optimizer_fn(groups)` from the parameter groups `group_fn` defines."""
+    key = (ctx.config.dp_mode, ctx.config.zero)
+    builder = STRATEGIES.get(key)
+    if builder is None:
+        raise UserError(
+            f"no data-parallel strategy for parallel.dp_mode={key[0]!r} with parallel.zero={key[1]}: "
+            f"choose one of {sorted(STRATEGIES)}"
+        )
+    return builder(model, ctx, optimizer_fn, group_fn)
