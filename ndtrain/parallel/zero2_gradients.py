@@ -25,9 +25,9 @@ What is communicated, and when:
   gradients, divided by N), memory stays 4Ψ/N, at the price of k reduce-scatters for k
   micro-batches: k·(N−1)/N·G bytes per step instead of one. (Accumulating locally first would
   need the full 4Ψ gradient between micro-batches: ZeRO-2's memory saving gone.)
-- The gradient norm: `ZeroOptimizer`'s segments (dp × cp only), or under tp/pp
-  `local_grad_squares` weighted per parameter, summed by the caller over the world. The parameter
-  all-gather after the step belongs to `ZeroOptimizer`.
+- The gradient norm (grad_norm.py: `ZeroOptimizer`'s segments, each parameter weighted by its
+  placement; summed over dp_cp, or over the world under tp/pp). The parameter all-gather after the
+  step belongs to `ZeroOptimizer`.
 - Under tp, a tp-replicated parameter's partial gradient is summed over tp by its tensor hook
   before accumulation (tensor.py), so the shards hold complete gradients; under pp each stage is
   one wrapper, reduce-scattering every micro-batch's backward (the runner never uses `no_sync`).
@@ -46,7 +46,7 @@ to them); the parameters must keep being the views `ZeroOptimizer` makes of its 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +54,6 @@ from torch import nn
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.buckets import MB, GradientBuckets, ReduceScatterBucket, broadcast_state
 from ndtrain.parallel.flat_layout import Segment
-from ndtrain.parallel.placement import Placement
 from ndtrain.parallel.precision import DTYPES
 from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, ZeroOptimizer, ZeroStrategy, compute_copies
 
@@ -117,16 +116,6 @@ class Zero2DataParallel(nn.Module):
     def reduce_scatter_bytes(self) -> int:
         """Payload of one backward's reduce-scatters (padded buckets in the comm dtype)."""
         return sum(b.comm_bytes for b in self._buckets)
-
-    @torch.no_grad()
-    def local_grad_squares(self, weight: Callable[[Placement], float]) -> torch.Tensor:
-        """Σ weight(placement)·g² over this rank's gradient shards, padding excluded (master-dtype
-        scalar). With tp/pp the weight is `Placement.norm_weight` and the caller all-reduces over the
-        whole world."""
-        total = torch.zeros((), dtype=self._buckets[0].shard.dtype, device=self._buckets[0].shard.device)
-        for segment in self.segments():
-            total += weight(segment.placement) * segment.flat_view.pow(2).sum()
-        return total
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradient shards (they are kept allocated; `set_to_none` is accepted and ignored)."""
