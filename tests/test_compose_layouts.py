@@ -73,7 +73,7 @@ def _train(name: str, layout: dict[str, Any], accumulation: int) -> dict[str, An
     x, y = batch(STEPS)
     val, tokens = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
     return {"losses": losses, "norms": norms, "val": val, "tokens": tokens, "state": engine.full_state_dict(),
-            "units": len(engine.fsdp.units) if engine.fsdp is not None else len(getattr(engine.wrapped, "buckets", ())),
+            "units": len(getattr(engine.wrapped, "units", None) or getattr(engine.wrapped, "buckets", ())),
             "reduce_scatters": _reduce_scatters(ctx) - before}  # in the last step
 
 

@@ -368,8 +368,9 @@ def unit_grad_pieces(units: Sequence[FlatUnit], tp: int) -> list[GradPiece]:
     placement weight of the parameters under it changes, padding left out."""
     pieces: list[GradPiece] = []
     for u in units:
-        layout = flat_placements(u.params, u.offsets)
-        pieces += segment_pieces(u.shard_grad, segment_spans(u.lo, u.lo + u.size, layout, tp))
+        flat = u.flat_layout
+        layout = flat_placements(u.params, flat.offsets)
+        pieces += segment_pieces(u.shard_grad, segment_spans(flat.lo, flat.hi, layout, tp))
     return pieces
 
 
