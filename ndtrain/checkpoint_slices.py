@@ -15,8 +15,10 @@ tensor the optimizer updates and keys its state by, from element `at` on:
 
 `boxes` turns a run into at most 2·ndim − 1 rectangular pieces of the global tensor (global
 offsets, sizes, and a view of any owner-shaped tensor), cutting tp padding away. `Run.writes`
-says whether this rank writes the run: each element of the global model is written by exactly
-one rank (replicas over dp/cp or tp, and the pipeline's duplicate of a tied weight, are not).
+says whether this rank offers the run for writing: not the pipeline's duplicate of a tied weight,
+not a tp-replicated parameter on tp ranks other than 0 (their flat layouts may differ); replicas
+over dp/cp (zero 0, unsharded fp32 masters) all offer identical boxes and DCP's deduplication
+keeps one of each, spreading the writes over the replicas.
 `compute_copies` lists the module parameters that are not owners and must be refilled whole on
 load (ZeRO-1/2: the replicated flat buffers, in the compute dtype). Nothing here communicates.
 """
@@ -112,20 +114,16 @@ def boxes(run: Run) -> list[Box]:
 
 def runs(engine: Any) -> list[Run]:
     """Every run this rank holds (see the module docstring), in a deterministic order."""
-    ctx = engine.ctx
-    first_replica = ctx.group("dp_cp").rank == 0
-    tp_first = ctx.coord("tp") == 0
+    tp_first = engine.ctx.coord("tp") == 0
     if engine.fsdp is not None:
         out = [run for unit in engine.fsdp.units for run in _fsdp_runs(unit, tp_first)]
     elif isinstance(engine.optimizer, ZeroOptimizer):
-        sharded = engine.optimizer.sharded
         out = [run for shard, bucket in zip(engine.optimizer._shards, engine.optimizer.model.buckets)
-               for run in _zero_runs(shard, bucket.params, tp_first, sharded or first_replica)]
+               for run in _zero_runs(shard, bucket.params, tp_first)]
     else:
         out = []
     covered = _covered(engine)  # the rest (zero 0, or frozen parameters ZeRO-1/2 leave out): whole
-    out += [_run(p, 0, p.numel(), p, 0, tp_first, first_replica)
-            for p in _module_params(engine.model) if id(p) not in covered]
+    out += [_run(p, 0, p.numel(), p, 0, tp_first) for p in _module_params(engine.model) if id(p) not in covered]
     return out
 
 
@@ -134,7 +132,7 @@ def compute_copies(engine: Any) -> list[Run]:
     buffers, in the compute dtype), each as one run held in the parameter itself."""
     if engine.fsdp is None and isinstance(engine.optimizer, ZeroOptimizer):
         covered = _covered(engine)
-        return [_run(p, 0, p.numel(), p, 0, True, False) for p in _module_params(engine.model) if id(p) in covered]
+        return [_run(p, 0, p.numel(), p, 0, True) for p in _module_params(engine.model) if id(p) in covered]
     return []
 
 
@@ -158,16 +156,15 @@ def _module_params(model: nn.Module) -> list[nn.Parameter]:
     return list(model.parameters())
 
 
-def _run(param: torch.Tensor, start: int, end: int, owner: torch.Tensor, at: int, tp_first: bool,
-         replica_writes: bool) -> Run:
+def _run(param: torch.Tensor, start: int, end: int, owner: torch.Tensor, at: int, tp_first: bool) -> Run:
     placement: Placement = placement_of(param)
     if placement.name is None or placement.shape is None:
         raise RuntimeError("a parameter without a Placement name: Engine names the whole model's parameters")
-    writes = replica_writes and not placement.pipeline_duplicate and (placement.tp is not None or tp_first)
+    writes = not placement.pipeline_duplicate and (placement.tp is not None or tp_first)
     return Run(placement.name, placement.shape, placement.tp, tuple(param.shape), start, end, owner, at, writes)
 
 
-def _zero_runs(shard: Any, params: list[nn.Parameter], tp_first: bool, writes: bool) -> list[Run]:
+def _zero_runs(shard: Any, params: list[nn.Parameter], tp_first: bool) -> list[Run]:
     """A ZeroOptimizer bucket: each segment (a, b) of the flat buffer cut at parameter boundaries."""
     out = []
     for a, b, _, segment, _ in shard.segments:
@@ -175,7 +172,7 @@ def _zero_runs(shard: Any, params: list[nn.Parameter], tp_first: bool, writes: b
         for p in params:
             lo, hi = max(a, offset), min(b, offset + p.numel())
             if lo < hi:
-                out.append(_run(p, lo - offset, hi - offset, segment, lo - a, tp_first, writes))
+                out.append(_run(p, lo - offset, hi - offset, segment, lo - a, tp_first))
             offset += p.numel()
     return out
 
@@ -187,5 +184,5 @@ def _fsdp_runs(unit: Any, tp_first: bool) -> list[Run]:
         for p, offset in zip(unit.params, unit.offsets):
             lo, hi = max(unit.lo + a, offset), min(unit.lo + b, offset + p.numel())
             if lo < hi:
-                out.append(_run(p, lo - offset, hi - offset, segment, lo - unit.lo - a, tp_first, True))
+                out.append(_run(p, lo - offset, hi - offset, segment, lo - unit.lo - a, tp_first))
     return out
