@@ -26,6 +26,7 @@ import torch
 from ndtrain import cli
 from ndtrain.checkpoint import load_model_weights
 from ndtrain.checkpoint_format import MODEL as MODEL_KEY, problems
+from ndtrain.checkpoint_manifest import write_manifest
 from ndtrain.config import ModelConfig, ParallelConfig, load_config
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
@@ -245,3 +246,18 @@ def test_train_resumes_under_another_layout_and_refuses_bad_input_in_one_line(tm
         assert status == 2 and len(lines) == 1 and lines[0].startswith("ndtrain: error: "), err
         assert fragment in lines[0], lines[0]
     assert files(resumed / "checkpoints") == before  # nothing overwritten
+
+
+def test_a_checkpoint_of_the_old_per_layout_format_is_refused_in_one_line(
+    tmp_path: Path, resharded: tuple[Path, list[dict[str, State]]]
+) -> None:
+    root, _ = resharded
+    copy = tmp_path / "old"
+    shutil.copytree(root / "dp2-tp2-z1", copy)
+    step = next(copy.glob("step_*"))
+    progress = json.loads((step / "progress.json").read_text())
+    del progress["checkpoint_format"]
+    (step / "progress.json").write_text(json.dumps(progress))
+    write_manifest(step, K, {})
+    with pytest.raises(UserError, match=r"per-layout format .* \(model.init_from\)"):
+        make_engine(init(ParallelConfig(dp=1))).load(copy)
