@@ -87,10 +87,12 @@ def problems(engine: Any, metadata: Metadata, path: str) -> str | None:
         if tuple(found.size) != run.shape:
             return (f"checkpoint {path!r} holds {run.name!r} with shape {list(found.size)}, this model's is "
                     f"{list(run.shape)}: it was written for another model; {fix}")
-        for box in boxes(run):
-            missing = _uncovered(found, box.offsets, box.sizes)
+        state = [v for k, v in saved.items() if k.startswith(f"{OPTIM}{run.name}.") and isinstance(v, TensorStorageMetadata)
+                 and len(v.size) > 0]
+        for key, tensor in [(run.name, found)] + [(f"the optimizer state of {run.name}", v) for v in state]:
+            missing = sum(_uncovered(tensor, box.offsets, box.sizes) for box in boxes(run))
             if missing:
-                return (f"checkpoint {path!r} lacks {missing} of the elements of {run.name!r} this rank needs "
+                return (f"checkpoint {path!r} lacks {missing} of the elements of {key!r} this rank needs "
                         "(a rank's slices are missing): restore the checkpoint from a copy, or resume from another")
     total = sum(math.prod(v.size) for v in model_keys.values() if isinstance(v, TensorStorageMetadata))
     if total != engine.parameter_count:

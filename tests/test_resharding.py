@@ -201,8 +201,13 @@ def test_a_missing_slice_is_named(tmp_path: Path, resharded: tuple[Path, list[di
         engine.load(copy)
     metadata = SafeReader(root / "dp2-cp2-z3" / step.name).read_metadata()
     split = [v for k, v in metadata.state_dict_metadata.items() if k.startswith(MODEL_KEY) and len(v.chunks) > 1]
+    assert problems(engine, metadata, "X") is None
     split[0].chunks = split[0].chunks[:1]  # as if the rank writing the other chunks had not written them
     assert "(a rank's slices are missing)" in (problems(engine, metadata, "X") or "")
+    metadata = SafeReader(root / "dp2-cp2-z3" / step.name).read_metadata()
+    moments = [v for k, v in metadata.state_dict_metadata.items() if k.endswith(".exp_avg_sq") and len(v.chunks) > 1]
+    moments[0].chunks = moments[0].chunks[1:]
+    assert "lacks" in (problems(engine, metadata, "X") or "") and "the optimizer state of" in problems(engine, metadata, "X")
 
 
 # ---- the command line: `ndtrain train` resumes under another layout; bad input is one line, exit 2 ----
