@@ -1,8 +1,9 @@
 """Checkpoints with `torch.distributed.checkpoint` (DCP): layout-agnostic, atomic, verified.
 
 Layout of RUN_DIR/checkpoints:
-    step_00000050/          one DCP checkpoint of model and optimizer state
-        progress.json       trainer progress and LR schedule (JSON, written by rank 0)
+    step_00000050/          one DCP checkpoint of model and optimizer state (`checkpoint_format`)
+        .metadata, *.distcp every tensor under the unsharded model's names with global shapes
+        progress.json       trainer progress, LR schedule, optimizer hyperparameters (JSON, rank 0)
         rng/rank00000.pt    each rank's RNG states (written by that rank only)
         manifest.json       every file's size and SHA-256, step, layout, versions (written last)
     latest                  name of the newest complete checkpoint
@@ -11,17 +12,13 @@ A checkpoint is written into `step_XXXXXXXX.partial`; after every rank has finis
 writes the manifest (`checkpoint_manifest`), renames the directory and replaces `latest`
 (os.replace), so a crash mid-save never damages the previous checkpoint. Resuming uses the
 newest checkpoint that verifies against its manifest, naming each damaged one; rotation keeps the
-newest `keep` verified checkpoints. Model and optimizer state go through DCP's `get_state_dict`,
-keyed by parameter name, so a checkpoint can be loaded under another layout. DCP writes each
-replicated tensor once (deduplicated across ranks); cost: Ψ·(4 + 8) bytes for fp32 AdamW on disk.
-Nothing is unpickled with arbitrary classes (`safe_pickle`).
-
-Sharded runs resume only under the same layout: with a sharded optimizer (ZeRO 1/2, mixed
-precision's fp32 masters) each rank writes its own optimizer state to `optim/rankNNNNN.pt`; with
-a sharded model (ZeRO-3, an object with `sharded_state_dict`/`load_sharded_state_dict`/
-`full_state_dict`) each rank also writes its parameter shards to `model/rankNNNNN.pt`, which is
-what resuming reads; the gathered full model still goes through DCP (written once, by
-deduplication), so `load_model_weights` (generate, eval, export) reads any checkpoint.
+newest `keep` verified checkpoints. Each rank writes only the slices of parameters and optimizer
+state it owns and reads only the slices it holds (`checkpoint_slices`), so a checkpoint written
+under one layout (dp × cp × pp × tp, ZeRO 0–3, precision) loads under any other; nothing is
+gathered. Cost on disk: Ψ·(4 + 8) bytes for fp32 AdamW (fp32 masters under bf16/fp16).
+Nothing is unpickled with arbitrary classes (`safe_pickle`). Checkpoints of the earlier
+per-layout format (no "checkpoint_format" in progress.json) are refused in one line; their
+weights still load with `load_model_weights` (generate, export, model.init_from).
 """
 
 from __future__ import annotations
@@ -40,8 +37,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ndtrain.checkpoint_format import FORMAT, SliceLoadPlanner, SliceSavePlanner, load_pieces, problems, save_pieces
 from ndtrain.checkpoint_manifest import PARTIAL, Choice, choose, obsolete, step_of, write_manifest
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
@@ -126,34 +123,23 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(
-    directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-    extra: dict[str, Any], ctx: ParallelContext, keep: int, sharded_optimizer: bool = False,
-    sharded_model: Any = None,
-) -> Path:
-    """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep` verified.
-
-    With `sharded_optimizer` (ZeRO) each rank writes its own optimizer shard to
-    `optim/rankNNNNN.pt`; such a checkpoint resumes only under the same dp×cp size.
-    """
+def save_checkpoint(directory: Path, step: int, engine: Any, extra: dict[str, Any], keep: int) -> Path:
+    """Write checkpoint `step` of `engine` (an `Engine`; collective: every rank calls it) and keep the
+    newest `keep` verified. Each rank writes the slices it owns (`checkpoint_format`); rank 0 adds
+    `extra` (JSON) with the format number and the optimizer's scalar hyperparameters."""
+    ctx = engine.ctx
     final = directory / checkpoint_name(step)
     partial = directory / (checkpoint_name(step) + PARTIAL)
     if ctx.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     ctx.comm.barrier(ctx.group("world"))
-    state = {"model": sharded_model.full_state_dict()} if sharded_model is not None else _dcp_state(
-        model, optimizer, sharded_optimizer)
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=partial)
-    if sharded_model is not None:
-        (partial / "model").mkdir(exist_ok=True)
-        torch.save(sharded_model.sharded_state_dict(), partial / "model" / f"rank{ctx.rank:05d}.pt")
-    if sharded_optimizer:
-        (partial / "optim").mkdir(exist_ok=True)
-        torch.save(optimizer.state_dict(), partial / "optim" / f"rank{ctx.rank:05d}.pt")
+        dcp.save({}, checkpoint_id=partial, planner=SliceSavePlanner(save_pieces(engine)))
     if ctx.is_main:
-        (partial / PROGRESS).write_text(json.dumps(extra, indent=1))
+        groups = [{k: v for k, v in g.items() if _scalar(v)} for g in engine.optimizer.param_groups]
+        record = {**extra, "checkpoint_format": FORMAT, "optimizer_groups": groups}
+        (partial / PROGRESS).write_text(json.dumps(record, indent=1))
     rng_dir = partial / "rng"
     rng_dir.mkdir(exist_ok=True)
     torch.save(_rng_state(), rng_dir / f"rank{ctx.rank:05d}.pt")
@@ -172,48 +158,72 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
-    sharded_optimizer: bool = False, sharded_model: Any = None,
-) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG from the verified checkpoint `path`; return the saved progress.
+def _scalar(value: Any) -> bool:
+    """An optimizer hyperparameter kept in progress.json (lr, weight_decay, ...; not tuples or flags)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    Collective: when any rank fails (a refused pickle, another model's shapes, another layout's
-    shards), every rank raises a UserError carrying the first failing rank's message, so no rank
-    goes on training alone.
+
+def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
+    """Restore `engine` (an `Engine`, under any layout) from the verified checkpoint `path`: model,
+    optimizer state and hyperparameters, LR schedule, engine state and this rank's RNG; return the
+    saved progress.
+
+    Collective: when any rank fails (another model's names or shapes, a missing slice, a refused
+    pickle, a checkpoint of the old per-layout format), every rank raises a UserError carrying the
+    first failing rank's message before anything is read, so no rank goes on training alone.
     """
-    error, extra = None, {}
+    ctx = engine.ctx
+    error, extra, metadata = None, {}, None
     try:
-        extra = _load(path, model, optimizer, ctx, sharded_optimizer, sharded_model)
+        extra = json.loads((path / PROGRESS).read_text())
+        if extra.get("checkpoint_format") != FORMAT:
+            raise UserError(
+                f"checkpoint {str(path)!r} is in the per-layout format of ndtrain before layout-agnostic checkpoints: "
+                "resume it with the version that wrote it, or start a new run from its weights (model.init_from)"
+            )
+        metadata = SafeReader(path).read_metadata()
+        error = problems(engine, metadata, str(path))
     except UserError as e:
         error = str(e)
-    except (Exception, CheckpointException) as e:  # refused pickles and shape mismatches come in many forms
-        error = (f"cannot load checkpoint {str(path)!r} ({_reason(e)}): it was written for another model or "
-                 f"holds objects other than tensors; use a fresh --out directory")
+    except (Exception, CheckpointException) as e:  # refused pickles come in many forms
+        error = f"cannot load checkpoint {str(path)!r} ({_reason(e)}): restore it from a copy, or use a fresh --out directory"
+    _agree(error, ctx)
+    try:
+        with _single_process_quiet():
+            dcp.load({}, storage_reader=SafeReader(path), planner=SliceLoadPlanner(load_pieces(engine, metadata)))
+        if engine.scheduler is not None and extra.get("scheduler") is not None:
+            engine.scheduler.load_state_dict(extra["scheduler"])
+        _restore_groups(engine.optimizer, engine.scheduler, extra.get("optimizer_groups", []))
+        engine.load_extra_state(extra.get("engine", {}))
+        rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
+        if rng_file.exists():  # a rank beyond the saved world keeps its own RNG
+            _set_rng_state(load_tensors(rng_file))
+    except UserError as e:
+        error = str(e)
+    except (Exception, CheckpointException) as e:
+        error = f"cannot load checkpoint {str(path)!r} ({_reason(e)}): restore it from a copy, or resume from another"
     _agree(error, ctx)
     return extra
 
 
-def _load(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext,
-    sharded_optimizer: bool, sharded_model: Any,
-) -> dict[str, Any]:
-    extra = json.loads((path / PROGRESS).read_text())
-    state = _dcp_state(model, optimizer, sharded_optimizer)
-    if sharded_model is not None:
-        sharded_model.load_sharded_state_dict(load_tensors(path / "model" / f"rank{ctx.rank:05d}.pt"))
-    else:
-        _dcp_load(state, path)
-    if sharded_optimizer:
-        if sharded_model is None:
-            model.load_state_dict(state["model"])
-        optimizer.load_state_dict(load_tensors(path / "optim" / f"rank{ctx.rank:05d}.pt"))
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
-    if rng_file.exists():
-        _set_rng_state(load_tensors(rng_file))
-    return extra
+_SCHEDULED = ("lr", "initial_lr")  # the hyperparameters an LR schedule changes; the rest come from the config
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, scheduler: Any, saved: list[dict[str, Any]]) -> None:
+    """Put back each parameter group's scheduled lr from the saved group with the same other
+    hyperparameters (the order of groups differs between layouts: a pipeline stage's first
+    parameter decides it), else the saved groups' common lr; the schedule's base lrs follow."""
+    common = {tuple(values.get(k) for k in _SCHEDULED) for values in saved}
+    for group in optimizer.param_groups:
+        same = {tuple(values.get(k) for k in _SCHEDULED) for values in saved
+                if all(group.get(k) == v for k, v in values.items() if k not in _SCHEDULED)}
+        found = same if len(same) == 1 else common
+        if len(found) != 1:
+            raise UserError("cannot tell which saved learning rate belongs to which optimizer parameter group: "
+                            "resume with the parameter groups (optim settings) of the run that wrote the checkpoint")
+        group.update({k: v for k, v in zip(_SCHEDULED, next(iter(found))) if v is not None})
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [g.get("initial_lr", base) for g, base in zip(optimizer.param_groups, scheduler.base_lrs)]
 
 
 _MESSAGE_BYTES = 1024
@@ -262,38 +272,10 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:160]}" if text else type(error).__name__
 
 
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded_optimizer: bool) -> dict[str, Any]:
-    """What goes through DCP: the model, and the optimizer unless each rank keeps its own shard."""
-    if sharded_optimizer:
-        return {"model": model.state_dict()}
-    model_state, optim_state = _state_templates(model, optimizer)
-    return {"model": model_state, "optim": optim_state}
-
-
-def _state_templates(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """DCP state dicts to load into, with the optimizer's state tensors allocated.
-
-    DCP materialises a fresh optimizer's state only when no parameter has a gradient; our
-    data-parallel wrapper keeps gradients as views into its buckets, so they are set aside
-    for the call and put back afterwards.
-    """
-    params = [p for p in model.parameters()]
-    grads = [p.grad for p in params]
-    if not optimizer.state:
-        for p in params:
-            p.grad = None
-    try:
-        return get_state_dict(model, optimizer)
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-
-
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load only the model weights of a checkpoint into a single-process model (no process group)."""
-    state = {"model": model.state_dict()}
+    state = {"model": {name: p.detach() for name, p in model.named_parameters()}}  # a tied weight once
     try:
-        _dcp_load(state, path, no_dist=not dist.is_initialized())
+        _dcp_load(state, path, no_dist=not dist.is_initialized())  # in place, into the parameters
     except (Exception, CheckpointException) as e:
         raise UserError(f"cannot load model weights from {str(path)!r}: {_reason(e)}") from None
-    model.load_state_dict(state["model"])

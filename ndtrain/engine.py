@@ -35,7 +35,6 @@ stages 1–3, over mp under model parallelism, over the world for both), a 4-byt
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -45,7 +44,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ndtrain.checkpoint import PROGRESS, load_checkpoint, load_model_weights, save_checkpoint, select_checkpoint
+from ndtrain.checkpoint import load_checkpoint, save_checkpoint, select_checkpoint
 from ndtrain.checkpoint_manifest import MANIFEST, verify
 from ndtrain.errors import UserError
 from ndtrain.memory import peak_bytes
@@ -244,14 +243,9 @@ class Engine:
         return {**self.model_state_bytes(), "peak": peak_bytes(self.ctx.device)}
 
     @property
-    def sharded_optimizer(self) -> bool:
-        """True when each rank checkpoints its own optimizer state (ZeRO shards, fp32 masters, tp/pp parts)."""
-        return self.dp.shards_optimizer or self.model_parallel
-
-    @property
     def sharded_model(self) -> ShardedModel | None:
-        """What each rank checkpoints as its own part of the model (zero=3: FSDP shards; tp/pp: its
-        slices and stages), else None (the model is whole on every rank)."""
+        """What gathers the whole model for `full_state_dict` (zero=3: FSDP shards; tp/pp: its slices
+        and stages), else None (the model is whole on every rank)."""
         return self.dp.sharded_model if self.dp.sharded_model is not None else self.mp_state
 
     def extra_state(self) -> dict[str, Any]:
@@ -314,52 +308,25 @@ class Engine:
         """Write a verified checkpoint of model, optimizer, LR schedule and engine state into the
         folder `path` (as `path/step_N`, N = `step`, by default the number of `train_step` calls;
         `path/latest` names it) and keep the newest `keep` there. Collective: every rank calls it;
-        each writes its own shards (ZeRO, FSDP, tp/pp) through `checkpoint.save_checkpoint`.
+        each writes the slices it owns under the unsharded names (`checkpoint.save_checkpoint`).
         `progress`: more JSON to store."""
         step = self._steps if step is None else step
         state = {**(progress or {}), "step": step, "world_size": self.ctx.world_size,
                  "engine": self.extra_state(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
-        return save_checkpoint(
-            Path(path), step, self.model, self.optimizer, state, self.ctx, keep=keep,
-            sharded_optimizer=self.sharded_optimizer, sharded_model=self.sharded_model,
-        )
+        return save_checkpoint(Path(path), step, self, state, keep=keep)
 
-    def load(self, path: str | Path, *, optimizer: bool = True) -> dict[str, Any]:
-        """Restore the newest verified checkpoint of the folder `path` (or the checkpoint `path`);
-        return its progress. Collective.
-
-        Under the layout that wrote it (or when neither side shards: zero=0, fp32, no tp/pp) it
-        restores everything. Under another layout, optimizer state cannot be re-sharded:
-        `optimizer=False` then loads the weights only (the model must be whole on every rank here:
-        zero 0–2 in fp32 without tp/pp) and the optimizer and step start fresh."""
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore the newest verified checkpoint of the folder `path` (or the checkpoint `path`),
+        written under any layout: model, optimizer state, LR schedule, engine state; return its
+        progress. Collective. Under the layout that wrote it, continuing is bit-identical to never
+        stopping; under another, equal within floating-point reassociation."""
         path = Path(path)
         checkpoint = path if (path / MANIFEST).is_file() else select_checkpoint(path, self.ctx, start_over=False)
         if checkpoint is None:
             raise UserError(f"no checkpoint in {str(path)!r}: give a folder Engine.save wrote")
         if checkpoint == path and (problem := verify(path)) is not None:
             raise UserError(f"checkpoint {str(path)!r} does not verify ({problem}): load another one")
-        saved = json.loads((checkpoint / MANIFEST).read_text()).get("layout")
-        here = {axis: self.ctx.size(axis) for axis in ("dp", "cp", "pp", "tp")} | {"zero": self.ctx.config.zero}
-        portable = not self.sharded_optimizer and not (checkpoint / "optim").exists() and self.sharded_model is None
-        if saved == here or portable:
-            progress = load_checkpoint(checkpoint, self.model, self.optimizer, self.ctx,
-                                       sharded_optimizer=self.sharded_optimizer, sharded_model=self.sharded_model)
-            if self.scheduler is not None and progress.get("scheduler") is not None:
-                self.scheduler.load_state_dict(progress["scheduler"])
-            self.load_extra_state(progress.get("engine", {}))
-            self._steps = int(progress.get("step", 0))
-            return progress
-        if optimizer:
-            raise UserError(
-                f"checkpoint {str(checkpoint)!r} was written by layout {saved}, this engine is {here}: its optimizer "
-                "state loads only under that layout; load the weights alone with engine.load(path, optimizer=False)"
-            )
-        whole = self.sharded_model is None and self.dp.weights_are_masters
-        if not whole:
-            raise UserError(
-                f"engine.load(optimizer=False) into layout {here} needs the model whole on every rank in fp32 "
-                "(zero 0-2, no tp/pp, precision fp32): start from the weights instead (model.init_from)"
-            )
-        load_model_weights(checkpoint, self.model)  # in place: ZeRO's flat buffers keep backing the parameters
-        return json.loads((checkpoint / PROGRESS).read_text())
+        progress = load_checkpoint(checkpoint, self)
+        self._steps = int(progress.get("step", 0))
+        return progress

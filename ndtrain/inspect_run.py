@@ -46,7 +46,7 @@ def _layout(checkpoint: Path) -> str:
 
 def _parameters(tensors: dict[str, tuple[tuple[int, ...], str]]) -> str:
     total = sum(math.prod(shape) for shape, _ in tensors.values())
-    return f"{total:,} elements in {len(tensors)} tensors (tied weights listed under each name)"
+    return f"{total:,} elements in {len(tensors)} tensors (a tied weight under its first name)"
 
 
 def inspect_run(run_dir: Path) -> str:

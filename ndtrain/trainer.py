@@ -189,18 +189,17 @@ class Trainer:
             if self.cfg.checkpoint.resume:
                 raise UserError(f"--resume: no checkpoint in {str(self.checkpoints)!r}; drop --resume to start a new run")
             return 0
-        progress = load_checkpoint(
-            path, self.engine.model, self.engine.optimizer, self.ctx, sharded_optimizer=self.engine.sharded_optimizer,
-            sharded_model=self.engine.sharded_model,
-        )
-        self.engine.scheduler.load_state_dict(progress["scheduler"])
-        self.engine.load_extra_state(progress.get("engine", {}))
+        progress = load_checkpoint(path, self.engine)  # any layout: the data position is in global batches
+        saved_batch = progress.get("global_batch", self.cfg.schedule.global_batch)
+        if saved_batch != self.cfg.schedule.global_batch:
+            raise UserError(f"checkpoint {str(path)!r} was trained with schedule.global_batch = {saved_batch}, this run "
+                            f"has {self.cfg.schedule.global_batch}: resume with the same global batch (any layout)")
         self.tokens_total = int(progress.get("tokens", 0))
         return int(progress["step"])
 
     def save(self, step: int) -> None:
         self.engine.save(self.checkpoints, step=step, keep=self.cfg.checkpoint.keep,
-                         progress={"tokens": self.tokens_total})
+                         progress={"tokens": self.tokens_total, "global_batch": self.cfg.schedule.global_batch})
 
     def run(self) -> dict[str, Any]:
         """Train to `schedule.steps`; on SIGTERM/SIGINT stop after the current step with a checkpoint (Preempted)."""

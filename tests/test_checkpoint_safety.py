@@ -70,7 +70,7 @@ def test_tensor_files_and_dcp_bytes_load_weights_only(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def zero1_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A 2-process ZeRO-1 run (so it has optim/rank*.pt besides .metadata and rng/) with a checkpoint at step 2."""
+    """A 2-process ZeRO-1 run (each rank's slices in __N_0.distcp, besides .metadata and rng/) with a checkpoint at step 2."""
     root = tmp_path_factory.mktemp("zero1")
     data = corpus_file(root)
     proc = train(root / "run", data, 2, "--zero", "1")
@@ -81,8 +81,7 @@ def zero1_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 CRAFTS = {
     "metadata": lambda c, m: (c / ".metadata").write_bytes(pickle.dumps(CreatesFile(m))),
     "rng": lambda c, m: torch.save({"torch": CreatesFile(m)}, c / "rng" / "rank00000.pt"),
-    "optim": lambda c, m: torch.save({"optimizer": CreatesFile(m), "layout": {}, "masters": []},
-                                     c / "optim" / "rank00001.pt"),
+    "distcp": lambda c, m: torch.save({"tensor": CreatesFile(m)}, c / "__1_0.distcp"),
 }
 
 

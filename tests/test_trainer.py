@@ -136,7 +136,8 @@ def _zero1_worker(data: str, root: str) -> tuple[dict, dict, dict, list[int]]:
     full = train(tiny_config(data, f"{root}/full", **{"schedule.steps": 10, **zero}))
     train(tiny_config(data, f"{root}/split", **{"schedule.steps": 10, "checkpoint.exit_after": 5, **zero}))
     resumed = train(tiny_config(data, f"{root}/split", **{"schedule.steps": 10, **zero}))
-    shards = sorted(p.name for p in Path(f"{root}/split/checkpoints/step_00000010/optim").iterdir())
+    step = Path(f"{root}/split/checkpoints/step_00000010")
+    shards = sorted(p.name for p in step.glob("*.distcp") if p.stat().st_size > 0)
     return sharded, full, resumed, shards
 
 
@@ -147,7 +148,7 @@ def test_zero1_training_equals_single_process_and_resumes_exactly(tmp_path: Path
     assert max_relative_error(sharded, reference) <= 1e-5
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
-    assert shards == ["rank00000.pt", "rank00001.pt"]  # each rank wrote its own optimizer shard
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own slices
 
 
 def _state_bytes_worker(data: str, out: str, zero: int) -> dict[str, int]:
@@ -195,7 +196,7 @@ def _sharded_resume_worker(data: str, root: str) -> dict[str, dict[str, object]]
         run(f"{root}/{name}/split", parallel, **{"checkpoint.exit_after": 2})
         resumed = run(f"{root}/{name}/split", parallel)
         step = Path(f"{root}/{name}/split/checkpoints/step_00000004")
-        files = {d: sorted(p.name for p in (step / d).iterdir()) for d in ("optim", "model") if (step / d).is_dir()}
+        files = sorted(p.name for p in step.glob("*.distcp") if p.stat().st_size > 0)
         metrics = [json.loads(line) for line in Path(f"{root}/{name}/split/metrics.jsonl").read_text().splitlines()]
         results[name] = {"full": full, "resumed": resumed, "files": files, "metrics": metrics}
     return results
@@ -205,13 +206,12 @@ def test_sharded_runs_resume_exactly(tmp_path: Path) -> None:
     """zero=2, zero=3, zero=2 + fp16: save → resume equals uninterrupted training; each rank wrote its own shards."""
     data = corpus_file(tmp_path)
     out = run_distributed(_sharded_resume_worker, 2, data, str(tmp_path))
-    ranks = ["rank00000.pt", "rank00001.pt"]
-    for name, parallel in SHARDED_RUNS.items():
+    ranks = ["__0_0.distcp", "__1_0.distcp"]
+    for name in SHARDED_RUNS:
         for o in out:
             for key in o[name]["full"]:
                 assert torch.equal(o[name]["full"][key], o[name]["resumed"][key]), (name, key)
-        assert out[0][name]["files"] == ({"optim": ranks, "model": ranks} if parallel["parallel.zero"] == 3
-                                         else {"optim": ranks})
+        assert out[0][name]["files"] == ranks
         steps = [m for m in out[0][name]["metrics"] if "loss" in m]
         assert [m["step"] for m in steps] == [1, 2, 3, 4]
         assert all(m["skipped"] is False for m in steps)

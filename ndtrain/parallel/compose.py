@@ -8,21 +8,18 @@ Nothing here communicates while building; the strategies' own docstrings give th
 
 Also here, because they need to know every axis at once (the unsupported combinations are
 refused earlier, by `ParallelConfig.validate`):
-- `ModelParallelState`: what the checkpoint writes for a tp/pp run: each rank's own parameters
-  (same-layout resume), and the full model with the original parameter names (tp shards gathered
-  over tp, each pipeline stage contributing its own parameters), which any layout and
-  `ndtrain generate` can read.
+- `ModelParallelState`: the full model of a tp/pp run with the original parameter names (tp
+  shards gathered over tp, each pipeline stage contributing its own parameters), for
+  `Engine.full_state_dict` (checkpoints write slices instead: `checkpoint_slices`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
 
-from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.context_parallel import apply_context_parallel
 from ndtrain.parallel.pipeline import split_model
@@ -64,27 +61,13 @@ def _sample(model: nn.Module, ctx: ParallelContext) -> torch.Tensor | None:
 
 
 class ModelParallelState:
-    """Checkpoint state of a tp/pp model (the interface `checkpoint.py` uses for sharded models)."""
+    """The whole model of a tp/pp run, gathered (`full_state_dict`)."""
 
     def __init__(self, module: nn.Module, ctx: ParallelContext, full_shapes: dict[str, torch.Size]) -> None:
         """`full_shapes`: the unsharded model's parameter shapes by name (taken before `prepare_model`)."""
         self.module = module
         self.ctx = ctx
         self.full_shapes = full_shapes
-        cfg = ctx.config
-        self.layout = {"tp": cfg.tp, "pp": cfg.pp, "pp_virtual": cfg.pp_virtual, "tp_rank": ctx.coord("tp"),
-                       "pp_rank": ctx.coord("pp")}
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout, "state": {k: v.detach().clone() for k, v in self.module.state_dict().items()}}
-
-    def load_sharded_state_dict(self, saved: dict[str, Any]) -> None:
-        if saved.get("layout") != self.layout:
-            raise UserError(
-                f"this checkpoint was written by layout {saved.get('layout')}, not {self.layout}: "
-                "resume with the same tp/pp layout"
-            )
-        self.module.load_state_dict(saved["state"])
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
