@@ -84,6 +84,7 @@ from ndtrain.config import PSConfig
 from ndtrain.engine import NonFiniteError
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
+from ndtrain.parallel.grad_norm import clip_
 from ndtrain.parallel.zero1_optimizer import GroupFn, no_decay_for_vectors
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -346,9 +347,7 @@ class ParameterServer:
             self.skipped += 1
             return Outcome(norm, lr, SKIPPED)
         if self.grad_clip > 0:
-            scale = min(1.0, self.grad_clip / (norm + 1e-6))
-            if scale < 1.0:
-                self.grad.mul_(scale)
+            clip_([self.grad], torch.tensor(norm, dtype=self.grad.dtype, device=self.grad.device), self.grad_clip)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * multiplier
         self.optimizer.step()
