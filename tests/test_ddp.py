@@ -9,6 +9,7 @@ the batch (one process vs shards and an all-reduce, and the CPU's kernels) moved
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from contextlib import nullcontext
@@ -18,13 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ndtrain.config import ParallelConfig, config_from_dict
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
-from ndtrain.models.llama import build_model
 from ndtrain.parallel.ddp import DistributedDataParallel, pack
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
+from tests.helpers.models import make_llama
+from tests.helpers.parity import assert_params_close
+from tests.helpers.reference import train_reference
+from tests.helpers.runner import init_method, run_distributed
 
 STEPS = 5
 GLOBAL_BATCH = 16
@@ -80,18 +82,16 @@ def state(model: nn.Module) -> State:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@functools.cache
 def reference(world: int, extra: bool = False) -> State:
     """Single process, whole batch: the loss is the mean of the per-rank losses (equal shards)."""
     model = make_net(SEED, extra)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        shards = zip(x.chunk(world), y.chunk(world))
-        loss = sum(model(xs, ys, extra and spare_used_on(r)) for r, (xs, ys) in enumerate(shards)) / world
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return state(model)
+
+    def loss_fn(net: nn.Module, rank: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return net(x, y, extra and spare_used_on(rank))
+
+    batches = (global_batch(step) for step in range(STEPS))
+    return train_reference(model, torch.optim.AdamW(model.parameters(), lr=LR), batches, pieces=world, loss_fn=loss_fn).state
 
 
 def reference_gradients() -> State:
@@ -186,20 +186,16 @@ def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def _train_llama(ctx: ParallelContext | None, world: int = 2) -> State:
-    cfg = config_from_dict({"model": {"preset": "tiny"}}).model
-    model: nn.Module = build_model(cfg, seed=0, device="cpu").to(LLAMA_DTYPE)
-    if ctx is not None:
-        model = DistributedDataParallel(model, ctx, bucket_mb=0.02, comm_dtype=LLAMA_DTYPE)  # the buckets of 0.01 MB of fp32
+def _train_llama(ctx: ParallelContext, world: int = 2) -> State:
+    model = DistributedDataParallel(make_llama(LLAMA_DTYPE), ctx, bucket_mb=0.02, comm_dtype=LLAMA_DTYPE)  # the buckets of 0.01 MB of fp32
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for tokens, targets in _llama_batches():
-        if ctx is not None:
-            tokens, targets = tokens.chunk(world)[ctx.rank], targets.chunk(world)[ctx.rank]
+        tokens, targets = tokens.chunk(world)[ctx.rank], targets.chunk(world)[ctx.rank]
         loss = model(tokens, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return state(model.module if ctx is not None else model)
+    return state(model.module)
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -239,17 +235,17 @@ def _check_suite(out: list[dict[str, Any]], world: int) -> None:
     ref, ref_extra = reference(world), reference(world, extra=True)
     init_ref, grads = state(make_net(SEED)), reference_gradients()
     for rank, o in enumerate(out):
-        assert_close_params(o["init"], init_ref, 0.0, f"rank {rank} broadcast")
+        assert_params_close(o["init"], init_ref, 0.0, f"rank {rank} broadcast")
         for name in ("plain", "buckets"):
-            assert_close_params(o[name], ref, TOL, f"{name} rank {rank}")
+            assert_params_close(o[name], ref, TOL, f"{name} rank {rank}")
         assert o["plain_grads_in_buckets"]
         assert o["bucket_count"] >= 3
-        assert_close_params(o["accumulate"]["params"], ref, TOL, f"accumulate rank {rank}")
-        assert_close_params(o["allow_unused"], ref_extra, TOL, f"allow_unused rank {rank}")
+        assert_params_close(o["accumulate"]["params"], ref, TOL, f"accumulate rank {rank}")
+        assert_params_close(o["allow_unused"], ref_extra, TOL, f"allow_unused rank {rank}")
         assert o["never_grad_is_none"]
-        assert_close_params(o["grads"], grads, TOL, f"gradients rank {rank}")
-        assert assert_close_params(o["bf16_grads"], grads, BF16_GRAD_TOLERANCE, f"bf16 gradients rank {rank}") > 0.0
-        assert assert_close_params(o["bf16"], ref, BF16_PARAM_TOLERANCE, f"bf16 rank {rank}") > 0.0
+        assert_params_close(o["grads"], grads, TOL, f"gradients rank {rank}")
+        assert assert_params_close(o["bf16_grads"], grads, BF16_GRAD_TOLERANCE, f"bf16 gradients rank {rank}") > 0.0
+        assert assert_params_close(o["bf16"], ref, BF16_PARAM_TOLERANCE, f"bf16 rank {rank}") > 0.0
         unused = ("" if spare_used_on(rank) else "spare.weight, spare.bias, ") + "never.weight, never.bias"
         assert o["unused_error"] == (
             f"parameters received no gradient: {unused}; set parallel.allow_unused_params=true if that is intended"
@@ -266,10 +262,11 @@ def _check_suite(out: list[dict[str, Any]], world: int) -> None:
 def test_two_ranks_match_single_process() -> None:
     out = _run_suite(2, True)
     _check_suite(out, 2)
-    llama_ref = _train_llama(None)
+    llama = make_llama(LLAMA_DTYPE)
+    llama_ref = train_reference(llama, torch.optim.AdamW(llama.parameters(), lr=LR), _llama_batches()).state
     for rank, o in enumerate(out):
         assert all(v.dtype == LLAMA_DTYPE for v in o["llama"].values())
-        assert_close_params(o["llama"], llama_ref, TOL, f"llama rank {rank}")
+        assert_params_close(o["llama"], llama_ref, TOL, f"llama rank {rank}")
 
 
 def test_four_ranks_match_single_process() -> None:

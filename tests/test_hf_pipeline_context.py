@@ -1,6 +1,6 @@
 """Hugging Face models under pipeline (pp=2) and context parallel (cp=2): parity with one process.
 
-Tiny HF Llama, GPT-2 and Qwen2 (the builders of tests/test_hf_strategies.py; seeded, float64,
+Tiny HF Llama, GPT-2 and Qwen2 (the builders of tests/helpers/hf.py; seeded, float64,
 no downloads) behind the `CausalLM` adapter train 5 steps and must end at the parameters of
 single-process AdamW on the whole global batch (relative error ≤ 1e-5; see test_hf_strategies
 for why float64). Pipeline: stages cut from the model's decoder-layer list (hf_stages.py), two
@@ -25,9 +25,9 @@ from ndtrain.engine import Engine  # noqa: E402
 from ndtrain.errors import UserError  # noqa: E402
 from ndtrain.mesh import ParallelContext, init  # noqa: E402
 from ndtrain.models.causal_lm import CausalLM  # noqa: E402
-from tests.distributed import init_method, run_distributed  # noqa: E402
-from tests.parity import assert_close_params  # noqa: E402
-from tests.test_hf_strategies import DTYPE, STEPS, TOL, adamw, batch, cases_on, make_model, reference  # noqa: E402
+from tests.helpers.hf import DTYPE, STEPS, TOL, adamw, batch, cases_on, make_model, reference  # noqa: E402
+from tests.helpers.parity import assert_params_close  # noqa: E402
+from tests.helpers.runner import init_method, run_distributed  # noqa: E402
 
 MICRO = 2  # pipeline micro-batches
 
@@ -147,8 +147,8 @@ def test_matches_single_process(family: str, strategy: str, slow: bool, one_thre
     copies = {head: got[head] for head in tied}  # pipeline: the last stage's copy of the tied embedding
     got = {name: got[name] for name in names}
     assert {t.dtype for t in got.values()} == {DTYPE}
-    assert_close_params(got, ref, TOL, f"{family} {strategy}")
-    assert_close_params(copies, {head: ref[emb] for head, emb in tied.items()}, TOL, f"{family} {strategy} tied head")
+    assert_params_close(got, ref, TOL, f"{family} {strategy}")
+    assert_params_close(copies, {head: ref[emb] for head, emb in tied.items()}, TOL, f"{family} {strategy} tied head")
     assert all(out[family, strategy]["losses"] == run[0][family, strategy]["losses"] for out in run)
 
 

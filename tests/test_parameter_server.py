@@ -19,8 +19,9 @@ from ndtrain.parallel.parameter_server import (
 )
 from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors, parameter_groups
 from ndtrain.ps_trainer import check_ps_config
-from tests.distributed import init_method, run_distributed
-from tests.test_trainer import corpus_file
+from tests.helpers.reference import train_reference
+from tests.helpers.runner import init_method, run_distributed
+from tests.helpers.runs import corpus_file
 
 TOL = 1e-5
 STEPS, MICRO, SEQS, SEQ_LEN, CLIP, LR = 5, 2, 2, 16, 0.05, 3e-3  # LR: the default run's
@@ -49,15 +50,9 @@ def reference(workers: int) -> list[torch.Tensor]:
     model = tiny()
     opt = adamw(parameter_groups(model, no_decay_for_vectors))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    for step in range(STEPS):
-        batches = [b for w in range(workers) for b in micro_batches(w, step, model.cfg.vocab_size)]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        opt.zero_grad()
-        model(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-    return [p.detach().clone() for p in model.parameters()]
+    steps = [[b for w in range(workers) for b in micro_batches(w, step, model.cfg.vocab_size)] for step in range(STEPS)]
+    batches = [(torch.cat([b[0] for b in bs]), torch.cat([b[1] for b in bs])) for bs in steps]
+    return list(train_reference(model, opt, batches, clip=CLIP, scheduler=sched).params.values())
 
 
 def run_ps(ctx, ps: PSConfig, steps: int = STEPS) -> dict:

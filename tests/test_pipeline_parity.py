@@ -26,8 +26,8 @@ from ndtrain.models.llama import build_model
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.pipeline import eval_pipeline, is_pipeline_duplicate, run_pipeline, split_model
 from ndtrain.parallel.tp_plan import parallelize
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
+from tests.helpers.runner import init_method, run_distributed
+from tests.helpers.parity import assert_params_close
 
 SEED = 7
 TOLERANCE = 1e-5
@@ -242,7 +242,7 @@ def test_dp2_pp2_adamw_training_equals_single_process(world4: list[dict[str, Any
     want["output.weight"] = want["tok_embeddings.weight"]
     for rank, params in enumerate(results):
         assert {t.dtype for t in params.values()} == {TRAIN_DTYPE}
-        assert_close_params(params, {name: want[name].detach() for name in params}, TOLERANCE, f"dp×pp rank {rank}")
+        assert_params_close(params, {name: want[name].detach() for name in params}, TOLERANCE, f"dp×pp rank {rank}")
     assert set(results[0]) | set(results[1]) == set(want)
 
 
