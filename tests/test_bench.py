@@ -21,8 +21,8 @@ from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
-from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
 
 OPTIONS = BenchOptions(steps=2, warmup=1, repeats=2, bucket_mb=0.01, micro_batch=2, seq_len=16, preset="tiny")
 

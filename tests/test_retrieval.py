@@ -22,8 +22,8 @@ from ndtrain.mesh import init
 from ndtrain.models.digits import build_digits_model
 from ndtrain.tasks import build_task
 from ndtrain.trainer import Trainer, build_engine
-from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
 
 # ---------------------------------------------------------------------------------------- metrics
 

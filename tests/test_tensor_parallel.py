@@ -33,9 +33,9 @@ from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, is_
 from ndtrain.parallel.tp_plan import parallelize, resolve_plan
 from ndtrain.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
-from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.models import fake_tp_ctx
 from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
 
 TOL = 1e-5
 # vocab 255: padded to 256 at tp=2 and 4; 4 heads, 2 kv heads: split at tp=2, replicated at tp=4.

@@ -23,8 +23,8 @@ from ndtrain.comm import Group
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
-from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.processes import no_restarts, wait_for
+from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.runs import corpus_file
 
 WATCHDOG_S = 10
