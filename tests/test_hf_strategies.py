@@ -34,7 +34,7 @@ from ndtrain.models.causal_lm import CausalLM  # noqa: E402
 from tests.helpers.hf import DTYPE, STEPS, TOL, VOCAB, adamw, batch, cases_on, make_model, reference  # noqa: E402
 from tests.helpers.models import fake_tp_ctx  # noqa: E402
 from tests.helpers.parity import assert_params_close  # noqa: E402
-from tests.helpers.runner import init_method, run_distributed  # noqa: E402
+from tests.helpers.runner import Spawns, case_result, init_method, run_each  # noqa: E402
 
 STRATEGIES = {  # strategy → (layout, parallel config changes)
     "dp": ("dp", {}), "zero1": ("dp", {"zero": 1}), "zero2": ("dp", {"zero": 2}), "zero3": ("dp", {"zero": 3}),
@@ -73,10 +73,13 @@ def _train(ctx: ParallelContext, family: str, changes: dict[str, Any], plan: dic
     return {"params": engine.full_state_dict(), "ops": ops}
 
 
+def _case(ctx: ParallelContext, family: str, strategy: str) -> dict[str, Any]:
+    return _train(ctx, family, STRATEGIES[strategy][1], MLP_PLAN if strategy == "tp_given_plan" else None)
+
+
 def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
     ctx = init(ParallelConfig(**LAYOUTS[layout][0]), init_method=init_method())
-    out: dict[Any, Any] = {
-        (f, s): _train(ctx, f, STRATEGIES[s][1], MLP_PLAN if s == "tp_given_plan" else None) for f, s in cases}
+    out = run_each(lambda case: _case(ctx, *case), cases)
     if layout == "tp":  # gpt2 under tp: refused
         try:
             _train(ctx, "gpt2", {})
@@ -85,14 +88,15 @@ def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
     return out
 
 
-RUNS: dict[tuple[str, bool], list[dict]] = {}  # one spawn per (layout, slow), shared by its cases
+@pytest.fixture(scope="module")
+def spawns() -> Spawns:
+    """One spawn per (layout, fast or slow set), at its first case, shared by its cases."""
+    return Spawns(_suite, timeout=300)
 
 
-def runs(layout: str, slow: bool) -> list[dict]:
-    if (layout, slow) not in RUNS:
-        axes, world = LAYOUTS[layout]
-        RUNS[layout, slow] = run_distributed(_suite, world, layout, cases_on(layout, SLOW if slow else FAST, STRATEGIES), timeout=300)
-    return RUNS[layout, slow]
+def runs(spawns: Spawns, layout: str, slow: bool) -> list[dict]:
+    cases = cases_on(layout, SLOW if slow else FAST, STRATEGIES)
+    return spawns.get((layout, slow), LAYOUTS[layout][1], layout, cases)
 
 
 def _params() -> list[Any]:
@@ -101,15 +105,15 @@ def _params() -> list[Any]:
 
 
 @pytest.mark.parametrize(("family", "strategy", "slow"), _params())
-def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None) -> None:
+def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None, spawns: Spawns) -> None:
     layout = STRATEGIES[strategy][0]
-    run = runs(layout, slow)
+    run = runs(spawns, layout, slow)
     ref = reference(family, pieces=1 if layout == "tp" else 2)
-    for rank, out in enumerate(run):
-        got = params(out[family, strategy]["params"], make_model(family))
+    for rank, out in enumerate(case_result(run, (family, strategy))):
+        got = params(out["params"], make_model(family))
         assert {t.dtype for t in got.values()} == {DTYPE}
         assert_params_close(got, ref, TOL, f"{family} {strategy} rank {rank}")
-        ops = out[family, strategy]["ops"]
+        ops = out["ops"]
         if layout != "dp":  # sequence parallelism replaces the tp all-reduces by all-gather + reduce-scatter
             assert ("reduce_scatter/tp" in ops) == ("sp" in strategy), ops
             assert "all_reduce/tp" in ops or "sp" in strategy, ops
@@ -117,8 +121,8 @@ def test_matches_single_process(family: str, strategy: str, slow: bool, one_thre
             assert "all_gather/dp_cp" in ops, ops
 
 
-def test_gpt2_tensor_parallel_is_refused_in_one_line() -> None:
-    message = runs("tp", False)[0]["gpt2_tp_refusal"]
+def test_gpt2_tensor_parallel_is_refused_in_one_line(spawns: Spawns) -> None:
+    message = runs(spawns, "tp", False)[0]["gpt2_tp_refusal"]
     assert "\n" not in message and "not supported for gpt2" in message and "Conv1D" in message
 
 

@@ -20,11 +20,12 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable, TypeVar
 
 import torch
 
 DEFAULT_TIMEOUT_S = 120.0
+Case = TypeVar("Case", bound=Hashable)
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, results: Any, args: tuple) -> None:
@@ -120,13 +121,13 @@ class CaseError:
     traceback: str
 
 
-def run_each(fn: Callable[[str], Any], names: Iterable[str]) -> dict[str, Any]:
+def run_each(fn: Callable[[Case], Any], names: Iterable[Case]) -> dict[Case, Any]:
     """In a worker: `{name: fn(name)}` over the cases, an exception becoming that case's `CaseError`.
 
     A case that fails on every rank alike lets the next case run; one that fails on some ranks only
     can leave the others waiting in a collective, and the runner's timeout then fails every case.
     """
-    out: dict[str, Any] = {}
+    out: dict[Case, Any] = {}
     for name in names:
         try:
             out[name] = fn(name)
@@ -135,7 +136,7 @@ def run_each(fn: Callable[[str], Any], names: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def case_result(results: list[dict[str, Any]], name: str) -> list[Any]:
+def case_result(results: list[dict[Any, Any]], name: Hashable) -> list[Any]:
     """In the parent: case `name`'s result on each rank; fail with the worker's traceback if it raised."""
     for rank, result in enumerate(results):
         if isinstance(result[name], CaseError):
