@@ -23,6 +23,7 @@ from tests.helpers.runs import corpus_file
 
 T = TypeVar("T")
 TIMEOUT_S = 240.0
+# the reference runs: 20 steps of the tiny model, a checkpoint every step, in each layout below
 STEPS = 20
 RUN_ARGS = ["--model", "tiny", "--steps", str(STEPS), "--save-every", "1", "--set", "schedule.global_batch=16",
             "--set", "schedule.micro_batch=4", "--set", "log.progress=false", "--set", "data.eval_samples=8",
