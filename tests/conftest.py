@@ -1,4 +1,4 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures (shared functions are in tests/helpers/)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from typing import Iterator
 
 import pytest
 import torch
+
+from tests.helpers.processes import References
 
 
 @pytest.fixture(scope="module")
@@ -16,3 +18,9 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[References]:
+    """Uninterrupted launcher runs, one per layout, shared by the elastic-restart and preemption tests."""
+    yield References(tmp_path_factory.mktemp("references"))

@@ -21,8 +21,8 @@ from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
+from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
 
 OPTIONS = BenchOptions(steps=2, warmup=1, repeats=2, bucket_mb=0.01, micro_batch=2, seq_len=16, preset="tiny")
 
@@ -130,7 +130,7 @@ def test_limit_trains_each_rank_locally_without_communication() -> None:
     (params0, tokens0, counted0), (params1, _, counted1) = run_distributed(_limit_worker, 2)
     assert counted0 == counted1 == 0
     # Rank 0's model is exactly a single-process run on rank 0's batches: the same compute, nothing received.
-    # One thread, as the workers (tests/distributed.py): the same kernels reduce in the same order.
+    # One thread, as the workers (tests/helpers/runner.py): the same kernels reduce in the same order.
     model_config = config_from_dict({"model": {"preset": OPTIONS.preset, "seq_len": OPTIONS.seq_len}}).model
     model = build_model(model_config, OPTIONS.seed, "cpu")
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -142,7 +142,7 @@ def test_limit_trains_each_rank_locally_without_communication() -> None:
             step(i)
     finally:
         torch.set_num_threads(threads)
-    assert_close_params(params0, model.state_dict(), 1e-6, "limit rank 0 vs local run")
+    assert_params_close(params0, model.state_dict(), 1e-6, "limit rank 0 vs local run")
     # It trained, and the ranks were never synchronised: their different data left different weights.
     changed = [k for k in initial if not torch.equal(initial[k], params0[k])]
     differ = [k for k in params0 if not torch.equal(params0[k], params1[k])]

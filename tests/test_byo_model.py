@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer import corpus_file
+from tests.helpers.runs import corpus_file
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

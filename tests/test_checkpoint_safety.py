@@ -15,8 +15,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ndtrain.checkpoint_manifest import MANIFEST, verify, write_manifest
 from ndtrain.safe_pickle import SafePlanner, UnsafePickle, load_metadata, load_tensors
-from tests.test_checkpoint_verify import ndtrain, train
-from tests.test_trainer import corpus_file
+from tests.helpers.runs import corpus_file, ndtrain, one_error_line, train_cli as train
 
 
 class CreatesFile:
@@ -92,14 +91,6 @@ def crafted_run(zero1_run: tuple[Path, str], tmp_path: Path, what: str) -> tuple
     CRAFTS[what](checkpoint, marker)
     reseal(checkpoint)
     return run, marker
-
-
-def one_error_line(proc) -> str:
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("ndtrain: error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    return errors[0]
 
 
 @pytest.mark.parametrize("what", list(CRAFTS))

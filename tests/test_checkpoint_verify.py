@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,20 +13,7 @@ from ndtrain.checkpoint import load_model_weights
 from ndtrain.checkpoint_manifest import MANIFEST, choose, obsolete, verify, write_manifest
 from ndtrain.config import load_config
 from ndtrain.models.llama import build_model
-from tests.test_trainer import corpus_file
-
-TINY = ["--model", "tiny", "--set", "schedule.global_batch=8", "--set", "schedule.micro_batch=2",
-        "--set", "log.progress=false", "--set", "data.eval_samples=8", "--set", "log.log_every=1",
-        "--set", "log.eval_every=0"]
-
-
-def ndtrain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ndtrain", *args], capture_output=True, text=True, timeout=240)
-
-
-def train(out: Path, data: str, steps: int, *more: str) -> subprocess.CompletedProcess:
-    return ndtrain("train", "--nproc", "2", "--data", data, "--out", str(out), "--steps", str(steps),
-                   "--save-every", "2", *TINY, *more)
+from tests.helpers.runs import corpus_file, train_cli as train
 
 
 def flip(path: Path, count: int = 64) -> None:

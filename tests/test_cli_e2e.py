@@ -3,18 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.test_trainer import corpus_file
-
-TINY = ["--model", "tiny", "--steps", "4", "--set", "schedule.global_batch=8", "--set", "schedule.micro_batch=2",
-        "--set", "log.progress=false", "--set", "data.eval_samples=8", "--set", "log.log_every=1"]
-
-
-def ndtrain(*args: str, launcher: tuple[str, ...] = ("-m", "ndtrain")) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *launcher, *args], capture_output=True, text=True, timeout=240)
+from tests.helpers.runs import TINY_4_STEPS as TINY, corpus_file, ndtrain
 
 
 def test_train_with_nproc_then_generate(tmp_path: Path) -> None:

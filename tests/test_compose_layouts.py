@@ -27,9 +27,9 @@ from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.precision import LossScaler
 from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
-from tests.test_engine_layouts import BF16_LOSS_TOLERANCE, DTYPE, GLOBAL_BATCH, MAX_NORM, MODEL, SEQ, STEPS, State, adamw, batch
+from tests.helpers.layouts import BF16_LOSS_TOLERANCE, DTYPE, GLOBAL_BATCH, MAX_NORM, MODEL, SEQ, STEPS, State, adamw, batch
+from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
 
 Layout = tuple[str, dict[str, Any], int]  # (name, layout, micro-batches per rank per step)
 # float64 unless the name says bf16/fp16; one layout per lifted refusal runs in CI, the rest is slow
@@ -203,7 +203,7 @@ def _check(layouts: list[Layout], results: list[dict[str, Any]]) -> None:
             assert run["losses"] != ref_losses and run["norms"] != ref_norms, name  # really in bf16/fp16
             worst[name] = max(abs(a - b) / b for a, b in zip(run["losses"] + run["norms"], ref_losses + ref_norms))
         else:
-            worst[name] = assert_close_params(merged, ref_state, 1e-5, name)
+            worst[name] = assert_params_close(merged, ref_state, 1e-5, name)
     print("max relative error:", {k: f"{v:.1e}" for k, v in worst.items()})
 
 
@@ -227,7 +227,7 @@ def test_sharded_compositions_resume_bit_identically(fast_results: list[dict[str
 
 def _hf_pipeline_context() -> dict[str, dict[str, torch.Tensor]]:
     """Tiny HF Llama and GPT-2 (tied head, learned positions) under pp=2 × cp=2, 1F1B, 2 micro-batches."""
-    from tests.test_hf_strategies import STEPS as HF_STEPS, adamw as hf_adamw, batch as hf_batch, make_model
+    from tests.helpers.hf import STEPS as HF_STEPS, adamw as hf_adamw, batch as hf_batch, make_model
 
     ctx = init(ParallelConfig(pp=2, cp=2, pp_schedule="1f1b"), init_method=init_method())
     out = {}
@@ -244,7 +244,7 @@ def _hf_pipeline_context() -> dict[str, dict[str, torch.Tensor]]:
 def test_hf_pipeline_with_context_parallel_trains_like_one_process() -> None:
     """Hugging Face stages take each cp shard's global positions (RoPE; GPT-2's position embedding)."""
     pytest.importorskip("transformers")
-    from tests.test_hf_strategies import TOL, make_model, reference as hf_reference
+    from tests.helpers.hf import TOL, make_model, reference as hf_reference
 
     results = run_distributed(_hf_pipeline_context, 4, timeout=600)
     for family in ("llama", "gpt2"):
@@ -252,5 +252,5 @@ def test_hf_pipeline_with_context_parallel_trains_like_one_process() -> None:
         for result in results:
             got.update(result[family])
         names = [name for name, _ in make_model(family).named_parameters()]  # a tied head's copy dropped
-        worst = assert_close_params({n: got[n] for n in names}, hf_reference(family, pieces=2), TOL, f"{family} pp2 × cp2")
+        worst = assert_params_close({n: got[n] for n in names}, hf_reference(family, pieces=2), TOL, f"{family} pp2 × cp2")
         print(f"{family} pp2 × cp2: max relative error {worst:.1e}")

@@ -30,7 +30,7 @@ from ndtrain.parallel.recompute import SavedActivations, apply_recompute
 from ndtrain.parallel.placement import is_tensor_parallel
 from ndtrain.parallel.tp_plan import parallelize
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
-from tests.distributed import init_method, run_distributed
+from tests.helpers.runner import init_method, run_distributed
 
 TOL = 1e-5
 SEED = 7

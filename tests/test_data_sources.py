@@ -4,9 +4,7 @@ renamed text field give identical tokens and windows; HF tokenizers built here t
 from __future__ import annotations
 
 import csv
-import json
 import os
-import random
 import subprocess
 import sys
 import zlib
@@ -19,19 +17,9 @@ from ndtrain.config import DataConfig, load_config
 from ndtrain.data import load_tokenizer, prepare_data
 from ndtrain.data.tokenizer import HFTokenizer
 from ndtrain.errors import UserError
+from tests.helpers.runs import WORDS, texts, train_tokenizer, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the a fox dog cat runs jumps over under lazy quick brown red green sees eats".split()
-
-
-def texts(count: int = 80, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) + "." for _ in range(count)]
-
-
-def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
-    path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(docs)))
-    return path
 
 
 def write_parquet(path: Path, docs: list[str]) -> Path:
@@ -54,25 +42,6 @@ def write_csv(path: Path, docs: list[str]) -> Path:
         writer = csv.writer(f)
         writer.writerow(["id", "text"])
         writer.writerows(enumerate(docs))
-    return path
-
-
-def train_tokenizer(path: Path, docs: list[str], kind: str = "bpe") -> Path:
-    """A tokenizer trained here on `docs` and saved as tokenizer.json (no download)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if kind == "bpe":
-        tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    else:
-        tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]"], show_progress=False)
-    tok.train_from_iterator(docs, trainer)
-    tok.save(str(path))
     return path
 
 

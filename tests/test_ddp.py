@@ -1,7 +1,8 @@
 """DistributedDataParallel: parity with single-process training, bucketing, no_sync, exact bytes, unused parameters.
 
 Each multi-process run executes every scenario in one spawn (imports dominate the cost) and
-returns parameters; the parent trains the single-process reference on the whole global batch.
+returns parameters; each scenario's checks are then their own tests. The parent trains the
+single-process reference on the whole global batch.
 The tiny Llama trains in float64 (parameters, all-reduce, AdamW): in fp32 the summation order of
 the batch (one process vs shards and an all-reduce, and the CPU's kernels) moved it by up to
 5e-6 after AdamW, half the 1e-5 bound (see test_zero.py); in fp64 by ~1e-15.
@@ -9,23 +10,26 @@ the batch (one process vs shards and an all-reduce, and the CPU's kernels) moved
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from contextlib import nullcontext
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ndtrain.config import ParallelConfig, config_from_dict
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
-from ndtrain.models.llama import build_model
 from ndtrain.parallel.buckets import pack
 from ndtrain.parallel.ddp import DistributedDataParallel
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
+from tests.helpers.models import make_llama
+from tests.helpers.parity import assert_params_close
+from tests.helpers.reference import train_reference
+from tests.helpers.runner import Spawns, init_method
 
 STEPS = 5
 GLOBAL_BATCH = 16
@@ -81,18 +85,16 @@ def state(model: nn.Module) -> State:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@functools.cache
 def reference(world: int, extra: bool = False) -> State:
     """Single process, whole batch: the loss is the mean of the per-rank losses (equal shards)."""
     model = make_net(SEED, extra)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        shards = zip(x.chunk(world), y.chunk(world))
-        loss = sum(model(xs, ys, extra and spare_used_on(r)) for r, (xs, ys) in enumerate(shards)) / world
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return state(model)
+
+    def loss_fn(net: nn.Module, rank: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return net(x, y, extra and spare_used_on(rank))
+
+    batches = (global_batch(step) for step in range(STEPS))
+    return train_reference(model, torch.optim.AdamW(model.parameters(), lr=LR), batches, pieces=world, loss_fn=loss_fn).state
 
 
 def reference_gradients() -> State:
@@ -187,20 +189,16 @@ def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def _train_llama(ctx: ParallelContext | None, world: int = 2) -> State:
-    cfg = config_from_dict({"model": {"preset": "tiny"}}).model
-    model: nn.Module = build_model(cfg, seed=0, device="cpu").to(LLAMA_DTYPE)
-    if ctx is not None:
-        model = DistributedDataParallel(model, ctx, bucket_mb=0.02, comm_dtype=LLAMA_DTYPE)  # the buckets of 0.01 MB of fp32
+def _train_llama(ctx: ParallelContext, world: int = 2) -> State:
+    model = DistributedDataParallel(make_llama(LLAMA_DTYPE), ctx, bucket_mb=0.02, comm_dtype=LLAMA_DTYPE)  # the buckets of 0.01 MB of fp32
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for tokens, targets in _llama_batches():
-        if ctx is not None:
-            tokens, targets = tokens.chunk(world)[ctx.rank], targets.chunk(world)[ctx.rank]
+        tokens, targets = tokens.chunk(world)[ctx.rank], targets.chunk(world)[ctx.rank]
         loss = model(tokens, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return state(model.module if ctx is not None else model)
+    return state(model.module)
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -232,31 +230,61 @@ def test_single_rank_buckets_views_and_zero_grad() -> None:
         ref.zero_grad(set_to_none=True)
 
 
-def _run_suite(world: int, with_llama: bool) -> list[dict[str, Any]]:
-    return run_distributed(_suite, world, with_llama)
+@pytest.fixture(scope="module")
+def spawns() -> Spawns:
+    """One spawn per world size (at its first test) runs every scenario; the tiny Llama on 2 ranks only."""
+    return Spawns(_suite)
 
 
-def _check_suite(out: list[dict[str, Any]], world: int) -> None:
-    ref, ref_extra = reference(world), reference(world, extra=True)
-    init_ref, grads = state(make_net(SEED)), reference_gradients()
-    for rank, o in enumerate(out):
-        assert_close_params(o["init"], init_ref, 0.0, f"rank {rank} broadcast")
-        for name in ("plain", "buckets"):
-            assert_close_params(o[name], ref, TOL, f"{name} rank {rank}")
-        assert o["plain_grads_in_buckets"]
-        assert o["bucket_count"] >= 3
-        assert_close_params(o["accumulate"]["params"], ref, TOL, f"accumulate rank {rank}")
-        assert_close_params(o["allow_unused"], ref_extra, TOL, f"allow_unused rank {rank}")
-        assert o["never_grad_is_none"]
-        assert_close_params(o["grads"], grads, TOL, f"gradients rank {rank}")
-        assert assert_close_params(o["bf16_grads"], grads, BF16_GRAD_TOLERANCE, f"bf16 gradients rank {rank}") > 0.0
-        assert assert_close_params(o["bf16"], ref, BF16_PARAM_TOLERANCE, f"bf16 rank {rank}") > 0.0
+def _out(spawns: Spawns, world: int) -> list[dict[str, Any]]:
+    return spawns.get(world, world, world == 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_broadcast_makes_the_ranks_equal(spawns: Spawns, world: int) -> None:
+    init_ref = state(make_net(SEED))
+    for rank, o in enumerate(_out(spawns, world)):
+        assert_params_close(o["init"], init_ref, 0.0, f"rank {rank} broadcast")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", ["plain", "buckets", "accumulate", "allow_unused"])
+def test_training_matches_single_process(spawns: Spawns, world: int, scenario: str) -> None:
+    ref = reference(world, extra=scenario == "allow_unused")
+    for rank, o in enumerate(_out(spawns, world)):
+        got = o["accumulate"]["params"] if scenario == "accumulate" else o[scenario]
+        assert_params_close(got, ref, TOL, f"{scenario} rank {rank}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradients_are_bucket_views_and_an_unused_one_stays_none(spawns: Spawns, world: int) -> None:
+    for o in _out(spawns, world):
+        assert o["plain_grads_in_buckets"] and o["bucket_count"] >= 3 and o["never_grad_is_none"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradients_match_single_process_and_bf16_stays_close(spawns: Spawns, world: int) -> None:
+    ref, grads = reference(world), reference_gradients()
+    for rank, o in enumerate(_out(spawns, world)):
+        assert_params_close(o["grads"], grads, TOL, f"gradients rank {rank}")
+        assert assert_params_close(o["bf16_grads"], grads, BF16_GRAD_TOLERANCE, f"bf16 gradients rank {rank}") > 0.0
+        assert assert_params_close(o["bf16"], ref, BF16_PARAM_TOLERANCE, f"bf16 rank {rank}") > 0.0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_unused_parameters_are_named(spawns: Spawns, world: int) -> None:
+    for rank, o in enumerate(_out(spawns, world)):
         unused = ("" if spare_used_on(rank) else "spare.weight, spare.bias, ") + "never.weight, never.bias"
         assert o["unused_error"] == (
             f"parameters received no gradient: {unused}; set parallel.allow_unused_params=true if that is intended"
         )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_accumulation_sends_once_per_step_with_exact_bytes(spawns: Spawns, world: int) -> None:
+    out = _out(spawns, world)
     acc = out[0]["accumulate"]
-    grad_bytes = sum(v.numel() * 4 for k, v in ref.items() if k != "shift")
+    grad_bytes = sum(v.numel() * 4 for k, v in reference(world).items() if k != "shift")
     assert acc["grad_bytes"] == grad_bytes and out[0]["bf16_grad_bytes"] == grad_bytes // 2
     assert acc["buckets"] >= 3
     ring = 2 * (world - 1) * grad_bytes // world
@@ -264,17 +292,12 @@ def _check_suite(out: list[dict[str, Any]], world: int) -> None:
     assert acc["deltas"] == [(False, 0, 0), (True, acc["buckets"], ring)] * STEPS
 
 
-def test_two_ranks_match_single_process() -> None:
-    out = _run_suite(2, True)
-    _check_suite(out, 2)
-    llama_ref = _train_llama(None)
-    for rank, o in enumerate(out):
+def test_llama_matches_single_process_on_two_ranks(spawns: Spawns) -> None:
+    llama = make_llama(LLAMA_DTYPE)
+    llama_ref = train_reference(llama, torch.optim.AdamW(llama.parameters(), lr=LR), _llama_batches()).state
+    for rank, o in enumerate(_out(spawns, 2)):
         assert all(v.dtype == LLAMA_DTYPE for v in o["llama"].values())
-        assert_close_params(o["llama"], llama_ref, TOL, f"llama rank {rank}")
-
-
-def test_four_ranks_match_single_process() -> None:
-    _check_suite(_run_suite(4, False), 4)
+        assert_params_close(o["llama"], llama_ref, TOL, f"llama rank {rank}")
 
 
 def test_dropped_wrapper_is_collected_and_unhooks_its_module() -> None:

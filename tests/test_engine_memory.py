@@ -26,8 +26,8 @@ from torch import nn
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.mesh import ParallelContext, init
-from tests.distributed import init_method, run_distributed
-from tests.test_engine_zero import with_config
+from tests.helpers.models import with_config
+from tests.helpers.runner import init_method, run_distributed
 
 WIDTH, DEPTH = 128, 4
 PSI = DEPTH * (WIDTH * WIDTH + WIDTH)

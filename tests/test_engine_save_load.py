@@ -17,7 +17,7 @@ from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
-from tests.distributed import init_method, run_distributed
+from tests.helpers.runner import init_method, run_distributed
 
 
 def make_engine(ctx) -> Engine:

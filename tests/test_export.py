@@ -14,10 +14,8 @@ from safetensors.torch import load_file
 from ndtrain.config import load_config
 from ndtrain.mesh import init
 from ndtrain.trainer import Trainer
-from tests.distributed import init_method, run_distributed
-from tests.test_checkpoint_verify import ndtrain
-from tests.test_checkpoint_safety import one_error_line
-from tests.test_trainer import corpus_file, tiny_config
+from tests.helpers.runner import init_method, run_distributed
+from tests.helpers.runs import corpus_file, ndtrain, one_error_line, tiny_config
 
 LAYOUTS = {"dp2": {}, "zero3": {"parallel.zero": 3}, "pp2": {"parallel.pp": 2}}
 

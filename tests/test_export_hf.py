@@ -19,11 +19,8 @@ from ndtrain.mesh import init
 from ndtrain.models.build import build_run_model
 from ndtrain.models.llama import build_model
 from ndtrain.trainer import Trainer
-from tests.test_checkpoint_verify import ndtrain
-from tests.test_hf_models import hf_dir, hf_run_config
-from tests.test_trainer import corpus_file, tiny_config
-
-transformers = pytest.importorskip("transformers")
+from tests.helpers.hf import hf_dir, hf_run_config, transformers
+from tests.helpers.runs import corpus_file, ndtrain, texts, tiny_config, train_tokenizer, write_jsonl
 
 TOL = 1e-5
 TOKENS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -130,8 +127,6 @@ def test_export_writes_the_runs_hf_tokenizer(tmp_path: Path) -> None:
 
 
 def test_hf_model_with_hf_tokenizer_trains_through_the_cli_and_exports_both(tmp_path: Path) -> None:
-    from tests.test_data_sources import texts, train_tokenizer, write_jsonl
-
     docs = texts(300)
     tokenizer_file = train_tokenizer(tmp_path / "tok.json", docs)  # byte-level BPE, 300 tokens
     write_jsonl(tmp_path / "d.jsonl", docs)

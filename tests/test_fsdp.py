@@ -13,6 +13,8 @@ in each scenario's own itemsizes.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import pytest
@@ -27,8 +29,9 @@ from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
 from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
+from tests.helpers.parity import assert_params_close
+from tests.helpers.reference import decay_groups, train_reference
+from tests.helpers.runner import init_method, run_distributed
 
 STEPS = 4
 LR = 1e-2
@@ -94,26 +97,14 @@ def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def reference_groups(model: nn.Module) -> list[dict[str, Any]]:
-    return [{"params": [p for p in model.parameters() if p.ndim >= 2]},
-            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-
-
+@functools.cache
 def reference(kind: str, chunks: int, clip: bool, dtype: torch.dtype = torch.float32) -> tuple[State, list[float]]:
     """Single process, whole batch; loss = mean of the `chunks` equal shard losses."""
     model = make(kind, dtype)
-    opt = torch.optim.AdamW(reference_groups(model), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(kind, step)
-        loss = sum(model(a, b) for a, b in zip(x.chunk(chunks), y.chunk(chunks))) / chunks
-        loss.backward()
-        losses.append(loss.item())
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    opt = torch.optim.AdamW(decay_groups(model), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+    batches = (batch(kind, step) for step in range(STEPS))
+    ref = train_reference(model, opt, batches, pieces=chunks, clip=MAX_NORM if clip else math.inf)
+    return ref.state, ref.losses
 
 
 # ------------------------------------------------------------------------------------ workers
@@ -230,7 +221,7 @@ def test_parity_with_single_process_adamw(world: tuple[int, dict[str, Any]], nam
     ref_state, ref_losses = reference(kw["kind"], chunks, kw.get("clip", True), kw.get("dtype", torch.float32))
     got = results[name]
     assert got["shard_dtype"] == str(kw.get("dtype", torch.float32))
-    assert_close_params(got["state"], ref_state, 1e-5, f"{name} on {n} ranks")
+    assert_params_close(got["state"], ref_state, 1e-5, f"{name} on {n} ranks")
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
 
 
@@ -312,7 +303,7 @@ def test_bf16_tracks_fp32(world: tuple[int, dict[str, Any]], name: str) -> None:
 
 def test_sharded_state_dict_roundtrip_and_eval_forward(world: tuple[int, dict[str, Any]]) -> None:
     got = world[1]["roundtrip"]
-    assert_close_params(got["state"], world[1]["llama"]["state"], 0.0, "reloaded shards")
+    assert_params_close(got["state"], world[1]["llama"]["state"], 0.0, "reloaded shards")
     assert got["held"] == {"parameters": got["shards"], "gradients": got["shards"]}
     model = make("llama", LLAMA_DTYPE)
     model.load_state_dict(world[1]["llama"]["state"])

@@ -19,41 +19,13 @@ from ndtrain.generate import load_run
 from ndtrain.mesh import init
 from ndtrain.models.hf import build_hf_model, check_family_supports, check_hf_model
 from ndtrain.trainer import Trainer
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
-from tests.test_checkpoint_verify import ndtrain
-from tests.test_trainer import corpus_file, tiny_config
-
-transformers = pytest.importorskip("transformers")
+from tests.helpers.hf import hf_dir, hf_run_config
+from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
+from tests.helpers.runs import corpus_file, ndtrain
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 TOL = 1e-5
-
-
-def hf_config(family: str) -> object:
-    """A tiny config of the family: hidden 32, 2 layers, 4 heads (2 kv heads), vocab 256, 64 positions,
-    no dropout (GPT-2's default 0.1 would make layouts draw different masks)."""
-    if family == "gpt2":
-        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=64,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
-    return (transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config)(**sizes)
-
-
-def hf_dir(root: Path, family: str, weights: torch.nn.Module | None = None) -> Path:
-    """A folder with the family's config.json (and, given a model, its weights), as save_pretrained writes it."""
-    path = root / f"hf-{family}{'-weights' if weights is not None else ''}"
-    if weights is not None:
-        weights.save_pretrained(str(path))
-    else:
-        hf_config(family).save_pretrained(str(path))
-    return path
-
-
-def hf_run_config(data: str, out: str, model_dir: Path, **overrides: object):
-    return tiny_config(data, out, **{"model.preset": f"hf:{model_dir}", "model.seq_len": 32,
-                                     "schedule.steps": 5, **overrides})
 
 
 def train(cfg) -> dict[str, torch.Tensor]:
@@ -121,7 +93,7 @@ def test_dp2_training_equals_single_process(tmp_path: Path, families: tuple[str,
         initial = build_hf_model(Path(path), 0).state_dict()["hf.lm_head.weight"].double()
         assert reference["hf.lm_head.weight"].dtype == torch.float64
         assert not torch.allclose(reference["hf.lm_head.weight"], initial, rtol=0, atol=1e-4)  # it trained
-        assert_close_params(ranks[0][family], reference, TOL, f"{family} dp=2")
+        assert_params_close(ranks[0][family], reference, TOL, f"{family} dp=2")
         assert all(torch.equal(ranks[0][family][k], ranks[1][family][k]) for k in reference)
 
 
@@ -147,7 +119,7 @@ def test_cli_trains_hf_model_on_two_processes_like_one(tmp_path: Path, family: s
                                                          "log.out": str(tmp_path / "ref")}))
     _, model, checkpoint = load_run(run)
     assert checkpoint.name == "step_00000005"
-    assert_close_params(model.state_dict(), reference, TOL, f"ndtrain train --model hf: ({family}) dp=2")
+    assert_params_close(model.state_dict(), reference, TOL, f"ndtrain train --model hf: ({family}) dp=2")
 
 
 def test_cli_check_and_refusals(tmp_path: Path) -> None:

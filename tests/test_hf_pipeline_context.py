@@ -1,6 +1,6 @@
 """Hugging Face models under pipeline (pp=2) and context parallel (cp=2): parity with one process.
 
-Tiny HF Llama, GPT-2 and Qwen2 (the builders of tests/test_hf_strategies.py; seeded, float64,
+Tiny HF Llama, GPT-2 and Qwen2 (the builders of tests/helpers/hf.py; seeded, float64,
 no downloads) behind the `CausalLM` adapter train 5 steps and must end at the parameters of
 single-process AdamW on the whole global batch (relative error ≤ 1e-5; see test_hf_strategies
 for why float64). Pipeline: stages cut from the model's decoder-layer list (hf_stages.py), two
@@ -25,9 +25,9 @@ from ndtrain.engine import Engine  # noqa: E402
 from ndtrain.errors import UserError  # noqa: E402
 from ndtrain.mesh import ParallelContext, init  # noqa: E402
 from ndtrain.models.causal_lm import CausalLM  # noqa: E402
-from tests.distributed import init_method, run_distributed  # noqa: E402
-from tests.parity import assert_close_params  # noqa: E402
-from tests.test_hf_strategies import DTYPE, STEPS, TOL, adamw, batch, cases_on, make_model, reference  # noqa: E402
+from tests.helpers.hf import DTYPE, STEPS, TOL, adamw, batch, cases_on, make_model, reference  # noqa: E402
+from tests.helpers.parity import assert_params_close  # noqa: E402
+from tests.helpers.runner import Spawns, case_result, init_method, run_each  # noqa: E402
 
 MICRO = 2  # pipeline micro-batches
 
@@ -99,7 +99,7 @@ def _refusals(ctx: ParallelContext) -> dict[str, str]:
 
 def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
     ctx = init(ParallelConfig(**LAYOUTS[layout]), init_method=init_method())
-    out: dict[Any, Any] = {(f, s): _train(ctx, f, s) for f, s in cases}
+    out = run_each(lambda case: _train(ctx, *case), cases)
     if layout == "pp":
         out["refusals"] = _refusals(ctx)
     if layout == "cp":
@@ -114,15 +114,15 @@ def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
     return out
 
 
-RUNS: dict[tuple[str, bool], list[dict]] = {}  # one spawn per (layout, slow), shared by its cases
+@pytest.fixture(scope="module")
+def spawns() -> Spawns:
+    """One spawn per (layout, fast or slow set), at its first case, shared by its cases."""
+    return Spawns(_suite, timeout=300)
 
 
-def runs(layout: str, slow: bool) -> list[dict]:
-    if (layout, slow) not in RUNS:
-        cases = cases_on(layout, SLOW if slow else FAST, STRATEGIES)
-        RUNS[layout, slow] = run_distributed(_suite, PROCESSES[layout], layout, cases,
-                                             timeout=300)
-    return RUNS[layout, slow]
+def runs(spawns: Spawns, layout: str, slow: bool) -> list[dict]:
+    cases = cases_on(layout, SLOW if slow else FAST, STRATEGIES)
+    return spawns.get((layout, slow), PROCESSES[layout], layout, cases)
 
 
 def _params() -> list[Any]:
@@ -131,29 +131,29 @@ def _params() -> list[Any]:
 
 
 @pytest.mark.parametrize(("family", "strategy", "slow"), _params())
-def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None) -> None:
+def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None, spawns: Spawns) -> None:
     layout, _, layers = STRATEGIES[strategy]
-    run = runs(layout, slow)
+    run = case_result(runs(spawns, layout, slow), (family, strategy))
     ref = reference(family, pieces=MICRO if "pp" in layout else 1, layers=layers)
     got: dict[str, torch.Tensor] = {}
     for out in run:  # pipeline: each rank holds its stages' parameters (tp gathered); cp: the whole model
-        got.update(out[family, strategy]["params"])
+        got.update(out["params"])
     names = [name for name, _ in make_model(family, layers).named_parameters()]  # a tied head's copy dropped
     if "pp" in layout:
-        owned = [set(out[family, strategy]["params"]) for out in run[:: len(run) // 2]]  # pp ranks 0, 1 (tp rank 0)
+        owned = [set(out["params"]) for out in run[:: len(run) // 2]]  # pp ranks 0, 1 (tp rank 0)
         assert not (owned[0] & owned[1]), "a pipeline parameter is on both ranks"
         assert set(names) <= owned[0] | owned[1]
     tied = {"hf.lm_head.weight": "hf.model.embed_tokens.weight"} if family == "qwen2" else {}
     copies = {head: got[head] for head in tied}  # pipeline: the last stage's copy of the tied embedding
     got = {name: got[name] for name in names}
     assert {t.dtype for t in got.values()} == {DTYPE}
-    assert_close_params(got, ref, TOL, f"{family} {strategy}")
-    assert_close_params(copies, {head: ref[emb] for head, emb in tied.items()}, TOL, f"{family} {strategy} tied head")
-    assert all(out[family, strategy]["losses"] == run[0][family, strategy]["losses"] for out in run)
+    assert_params_close(got, ref, TOL, f"{family} {strategy}")
+    assert_params_close(copies, {head: ref[emb] for head, emb in tied.items()}, TOL, f"{family} {strategy} tied head")
+    assert all(out["losses"] == run[0]["losses"] for out in run)
 
 
-def test_context_parallel_refuses_sliding_window_in_one_line() -> None:
-    message = runs("cp", False)[0]["sliding_refusal"]
+def test_context_parallel_refuses_sliding_window_in_one_line(spawns: Spawns) -> None:
+    message = runs(spawns, "cp", False)[0]["sliding_refusal"]
     assert "\n" not in message and "sliding-window" in message
 
 
@@ -162,6 +162,6 @@ def test_context_parallel_refuses_sliding_window_in_one_line() -> None:
     ("bare_without_loss_fn", "needs loss_fn"),
     ("measured", "'measured' is not supported for Hugging Face models"),
 ])
-def test_pipeline_refuses_in_one_line(case: str, words: str) -> None:
-    message = runs("pp", False)[0]["refusals"][case]
+def test_pipeline_refuses_in_one_line(case: str, words: str, spawns: Spawns) -> None:
+    message = runs(spawns, "pp", False)[0]["refusals"][case]
     assert "\n" not in message and words in message, message

@@ -31,16 +31,10 @@ from ndtrain.engine import Engine  # noqa: E402
 from ndtrain.errors import UserError  # noqa: E402
 from ndtrain.mesh import ParallelContext, init  # noqa: E402
 from ndtrain.models.causal_lm import CausalLM  # noqa: E402
-from tests.distributed import init_method, run_distributed  # noqa: E402
-from tests.parity import assert_close_params  # noqa: E402
-
-STEPS = 5
-GLOBAL_BATCH = 4
-SEQ = 32
-VOCAB = 256
-LR = 1e-3
-TOL = 1e-5
-DTYPE = torch.float64
+from tests.helpers.hf import DTYPE, STEPS, TOL, VOCAB, adamw, batch, cases_on, make_model, reference  # noqa: E402
+from tests.helpers.models import fake_tp_ctx  # noqa: E402
+from tests.helpers.parity import assert_params_close  # noqa: E402
+from tests.helpers.runner import Spawns, case_result, init_method, run_each  # noqa: E402
 
 STRATEGIES = {  # strategy → (layout, parallel config changes)
     "dp": ("dp", {}), "zero1": ("dp", {"zero": 1}), "zero2": ("dp", {"zero": 2}), "zero3": ("dp", {"zero": 3}),
@@ -61,56 +55,9 @@ SLOW = {"llama": ("recompute_selective", "zero3_recompute_full", "tp_sp_recomput
         "qwen2": tuple(s for s in STRATEGIES if s != "tp_given_plan")}
 
 
-def hf_config(family: str) -> Any:
-    if family == "gpt2":
-        return transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )
-    cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
-    return cls(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=family == "qwen2",
-    )
-
-
-def make_model(family: str, layers: int = 2) -> CausalLM:
-    """The same weights in every process: seeded, the caller's RNG untouched; `layers` decoder layers."""
-    config = hf_config(family)
-    setattr(config, "n_layer" if family == "gpt2" else "num_hidden_layers", layers)
-    if family == "qwen2":
-        config.layer_types = ["full_attention"] * layers
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        hf = transformers.AutoModelForCausalLM.from_config(config)
-    return CausalLM(hf).to(DTYPE)
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def adamw(groups: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(groups, lr=LR, weight_decay=0.1)
-
-
 def params(named: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's distinct parameters by name (a tied head's duplicate key dropped)."""
     return {name: named[name] for name, _ in model.named_parameters()}
-
-
-def reference(family: str, pieces: int, layers: int = 2) -> dict[str, torch.Tensor]:
-    """Single process, the whole global batch, loss the mean of `pieces` equal chunks."""
-    model = make_model(family, layers)
-    opt = adamw([{"params": [p for p in model.parameters() if p.ndim >= 2]},
-                 {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
-    for step in range(STEPS):
-        x, y = batch(step)
-        (sum(model(xs, ys) for xs, ys in zip(x.chunk(pieces), y.chunk(pieces))) / pieces).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 # ------------------------------------------------------------------------------------ workers
@@ -126,10 +73,13 @@ def _train(ctx: ParallelContext, family: str, changes: dict[str, Any], plan: dic
     return {"params": engine.full_state_dict(), "ops": ops}
 
 
+def _case(ctx: ParallelContext, family: str, strategy: str) -> dict[str, Any]:
+    return _train(ctx, family, STRATEGIES[strategy][1], MLP_PLAN if strategy == "tp_given_plan" else None)
+
+
 def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
     ctx = init(ParallelConfig(**LAYOUTS[layout][0]), init_method=init_method())
-    out: dict[Any, Any] = {
-        (f, s): _train(ctx, f, STRATEGIES[s][1], MLP_PLAN if s == "tp_given_plan" else None) for f, s in cases}
+    out = run_each(lambda case: _case(ctx, *case), cases)
     if layout == "tp":  # gpt2 under tp: refused
         try:
             _train(ctx, "gpt2", {})
@@ -138,20 +88,15 @@ def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
     return out
 
 
-def cases_on(layout: str, table: dict[str, tuple[str, ...]],
-             strategies: dict[str, tuple] = STRATEGIES) -> list[tuple[str, str]]:
-    """The (family, strategy) pairs of `table` whose strategy runs on `layout` (a strategy's first field)."""
-    return [(f, s) for f, names in table.items() for s in names if strategies[s][0] == layout]
+@pytest.fixture(scope="module")
+def spawns() -> Spawns:
+    """One spawn per (layout, fast or slow set), at its first case, shared by its cases."""
+    return Spawns(_suite, timeout=300)
 
 
-RUNS: dict[tuple[str, bool], list[dict]] = {}  # one spawn per (layout, slow), shared by its cases
-
-
-def runs(layout: str, slow: bool) -> list[dict]:
-    if (layout, slow) not in RUNS:
-        axes, world = LAYOUTS[layout]
-        RUNS[layout, slow] = run_distributed(_suite, world, layout, cases_on(layout, SLOW if slow else FAST), timeout=300)
-    return RUNS[layout, slow]
+def runs(spawns: Spawns, layout: str, slow: bool) -> list[dict]:
+    cases = cases_on(layout, SLOW if slow else FAST, STRATEGIES)
+    return spawns.get((layout, slow), LAYOUTS[layout][1], layout, cases)
 
 
 def _params() -> list[Any]:
@@ -160,15 +105,15 @@ def _params() -> list[Any]:
 
 
 @pytest.mark.parametrize(("family", "strategy", "slow"), _params())
-def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None) -> None:
+def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None, spawns: Spawns) -> None:
     layout = STRATEGIES[strategy][0]
-    run = runs(layout, slow)
+    run = runs(spawns, layout, slow)
     ref = reference(family, pieces=1 if layout == "tp" else 2)
-    for rank, out in enumerate(run):
-        got = params(out[family, strategy]["params"], make_model(family))
+    for rank, out in enumerate(case_result(run, (family, strategy))):
+        got = params(out["params"], make_model(family))
         assert {t.dtype for t in got.values()} == {DTYPE}
-        assert_close_params(got, ref, TOL, f"{family} {strategy} rank {rank}")
-        ops = out[family, strategy]["ops"]
+        assert_params_close(got, ref, TOL, f"{family} {strategy} rank {rank}")
+        ops = out["ops"]
         if layout != "dp":  # sequence parallelism replaces the tp all-reduces by all-gather + reduce-scatter
             assert ("reduce_scatter/tp" in ops) == ("sp" in strategy), ops
             assert "all_reduce/tp" in ops or "sp" in strategy, ops
@@ -176,8 +121,8 @@ def test_matches_single_process(family: str, strategy: str, slow: bool, one_thre
             assert "all_gather/dp_cp" in ops, ops
 
 
-def test_gpt2_tensor_parallel_is_refused_in_one_line() -> None:
-    message = runs("tp", False)[0]["gpt2_tp_refusal"]
+def test_gpt2_tensor_parallel_is_refused_in_one_line(spawns: Spawns) -> None:
+    message = runs(spawns, "tp", False)[0]["gpt2_tp_refusal"]
     assert "\n" not in message and "not supported for gpt2" in message and "Conv1D" in message
 
 
@@ -233,14 +178,8 @@ def test_engine_loss_fn_applies_to_the_models_output() -> None:
     for step in range(2):
         a, b = own.train_step([batch(step)]), given.train_step([batch(step)])
         assert a.loss == b.loss
-    assert_close_params(given.full_state_dict(), own.full_state_dict(), 0.0, "loss_fn")
+    assert_params_close(given.full_state_dict(), own.full_state_dict(), 0.0, "loss_fn")
     assert given.evaluate([batch(9)]) == own.evaluate([batch(9)])
-
-
-def _fake_tp_ctx() -> ParallelContext:
-    from tests.test_tensor_parallel import _fake_ctx
-
-    return _fake_ctx(2)
 
 
 def test_tensor_parallel_refusals_are_one_line() -> None:
@@ -257,7 +196,7 @@ def test_tensor_parallel_refusals_are_one_line() -> None:
                   "no built-in tp plan for Hugging Face model_type 'mistral': pass a plan, Engine"))
     for model, plan, message in cases:
         with pytest.raises(UserError, match=message) as error:
-            parallelize(model, _fake_tp_ctx(), plan)
+            parallelize(model, fake_tp_ctx(2), plan)
         assert "\n" not in str(error.value)
 
 
@@ -269,7 +208,7 @@ def test_a_plan_given_for_an_hf_model_splits_what_it_names() -> None:
     full = {k: v.clone() for k, v in model.state_dict().items()}
     plan = {"hf.model.layers.*.mlp.gate_proj": "colwise", "hf.model.layers.*.mlp.up_proj": "colwise",
             "hf.model.layers.*.mlp.down_proj": "rowwise", "hf.lm_head": "vocab"}
-    parallelize(model, _fake_tp_ctx(), plan)
+    parallelize(model, fake_tp_ctx(2), plan)
     layer = model.hf.model.layers[0]
     assert torch.equal(layer.mlp.up_proj.weight, full["hf.model.layers.0.mlp.up_proj.weight"][:64])
     assert torch.equal(layer.mlp.down_proj.weight, full["hf.model.layers.0.mlp.down_proj.weight"][:, :64])

@@ -14,8 +14,7 @@ from ndtrain.inspect_run import inspect_run, model_tensors
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.trainer import Trainer
-from tests.test_checkpoint_verify import ndtrain
-from tests.test_trainer import corpus_file, tiny_config
+from tests.helpers.runs import corpus_file, ndtrain, tiny_config
 
 
 def test_inspect_names_layout_step_tokens_and_tensors(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from ndtrain.console import WorkerConsole, log, record_user_error, report_user_e
 from ndtrain.errors import UserError
 from ndtrain.progress import Progress, format_eta, format_line, format_memory, resolve_mode
 from ndtrain.trainer import wrap_parts
-from tests.test_trainer import corpus_file
+from tests.helpers.runs import corpus_file
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+) \| loss \d+\.\d{3} \| ")
 

@@ -6,7 +6,7 @@ import torch
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import group_members, init, rank_coords
-from tests.distributed import init_method, run_distributed
+from tests.helpers.runner import init_method, run_distributed
 
 
 def test_coordinates_tp_fastest() -> None:

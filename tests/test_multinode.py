@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from ndtrain.generate import load_run
-from tests.test_trainer import corpus_file
-from tests.test_watchdog import no_restarts, wait_for
+from tests.helpers.processes import no_restarts, wait_for
+from tests.helpers.runs import corpus_file
 
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
 PORT = 29400  # free by construction: the namespaces are new

@@ -20,8 +20,8 @@ import torch
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine, NonFiniteError
 from ndtrain.mesh import init
-from tests.distributed import init_method, run_distributed
-from tests.test_engine_zero import adamw, make_llama, micro_batches, with_config
+from tests.helpers.models import adamw, make_llama, micro_batches, with_config
+from tests.helpers.runner import init_method, run_distributed
 
 POISONED_STEP = 1  # 0-based: the second step's loss is NaN on rank 1 only
 CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (1, "bf16")]

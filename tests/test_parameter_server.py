@@ -22,9 +22,10 @@ from ndtrain.parallel.parameter_server import (
 )
 from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors, parameter_groups
 from ndtrain.parallel.ps_engine import PSEngine, check_ps_config
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
-from tests.test_trainer import corpus_file
+from tests.helpers.parity import assert_params_close
+from tests.helpers.reference import train_reference
+from tests.helpers.runner import init_method, run_distributed
+from tests.helpers.runs import corpus_file
 
 TOL = 1e-5
 STEPS, MICRO, SEQS, SEQ_LEN, CLIP, LR = 5, 2, 2, 16, 0.05, 3e-3  # LR: the default run's
@@ -54,17 +55,12 @@ def reference(workers: int, norms: list[float] | None = None) -> list[torch.Tens
     model = tiny()
     opt = adamw(parameter_groups(model, no_decay_for_vectors))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    for step in range(STEPS):
-        batches = [b for w in range(workers) for b in micro_batches(w, step, model.cfg.vocab_size)]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        opt.zero_grad()
-        model(x, y).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        if norms is not None:
-            norms.append(norm.item())
-        opt.step()
-        sched.step()
-    return [p.detach().clone() for p in model.parameters()]
+    steps = [[b for w in range(workers) for b in micro_batches(w, step, model.cfg.vocab_size)] for step in range(STEPS)]
+    batches = [(torch.cat([b[0] for b in bs]), torch.cat([b[1] for b in bs])) for bs in steps]
+    result = train_reference(model, opt, batches, clip=CLIP, scheduler=sched)
+    if norms is not None:
+        norms.extend(result.norms)
+    return list(result.params.values())
 
 
 def run_ps(ctx, ps: PSConfig, steps: int = STEPS) -> dict:
@@ -177,7 +173,7 @@ def test_engine_step_reports_what_the_servers_did(results: list[dict]) -> None:
     for rank in (0, 1):
         r = results[rank]["engine_sync"]
         assert not r["server"] and r["error"] is None and r["skipped"] == 0
-        assert_close_params(named(r["params"]), named(expected), TOL)
+        assert_params_close(named(r["params"]), named(expected), TOL)
         assert [t for _, t, *_ in r["results"]] == [2 * MICRO * SEQS * SEQ_LEN] * STEPS
         for step, (loss, _, grad_norm, lr, skipped) in enumerate(r["results"]):
             assert math.isfinite(loss) and not skipped
@@ -195,7 +191,7 @@ def test_nonfinite_push_is_skipped_with_skip_nonfinite(results: list[dict]) -> N
         assert r["error"] is None and r["skipped"] == 1
         assert [skipped for *_, skipped in r["results"]] == [False, False, True, False, False]
         assert math.isnan(r["results"][2][2])
-        assert_close_params(named(r["params"]), named(results[0]["nan_skip"]["params"]), 0.0)
+        assert_params_close(named(r["params"]), named(results[0]["nan_skip"]["params"]), 0.0)
     assert results[3]["nan_skip"]["updates"] == STEPS - 1 and results[3]["nan_skip"]["skipped"] == 1
 
 

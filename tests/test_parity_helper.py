@@ -1,11 +1,13 @@
-"""The parity helper fails on NaN and inf wherever they are, and names the worst tensor."""
+"""The parity helper (tests/helpers/parity.py) fails on NaN and inf wherever they are, and names the worst tensor."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from tests.parity import assert_close_params, relative_errors
+from tests.helpers.parity import assert_params_close, max_relative_error, relative_errors
 
 
 def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -15,7 +17,7 @@ def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 
 def test_equal_states_pass_with_zero_error() -> None:
     actual, expected = _states()
-    assert assert_close_params(actual, expected, 1e-5) == 0.0
+    assert assert_params_close(actual, expected, 1e-5) == 0.0
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -24,7 +26,7 @@ def test_non_finite_in_a_later_tensor_fails(bad: float, name: str) -> None:
     actual, expected = _states()
     actual[name].view(-1)[0] = bad
     with pytest.raises(AssertionError, match=f"1 of 3 tensors .* worst {name}: "):
-        assert_close_params(actual, expected, 1e-5, "rank 1")
+        assert_params_close(actual, expected, 1e-5, "rank 1")
 
 
 def test_max_hides_a_nan_that_the_helper_reports() -> None:
@@ -35,7 +37,7 @@ def test_max_hides_a_nan_that_the_helper_reports() -> None:
     assert list(errors) == ["a", "b", "c"] and errors["b"] != errors["b"]
     assert max(errors.values()) <= 1e-5  # the old check: NaN silently dropped
     with pytest.raises(AssertionError, match=r"worst b: nan$"):
-        assert_close_params(actual, expected, 1e-5)
+        assert_params_close(actual, expected, 1e-5)
 
 
 def test_reports_the_worst_tensor_and_its_relative_error() -> None:
@@ -46,13 +48,23 @@ def test_reports_the_worst_tensor_and_its_relative_error() -> None:
     actual["c"][2] = 2 * tol  # all-zero reference: absolute error
     assert relative_errors(actual, expected) == {"a": tol, "b": 2**-10, "c": 2 * tol}
     with pytest.raises(AssertionError, match=r"^rank 0: 2 of 3 tensors .* than 1.52588e-05 .*worst b: 9\.766e-04$"):
-        assert_close_params(actual, expected, tol, "rank 0")
-    assert assert_close_params(actual, expected, 2**-10) == 2**-10
+        assert_params_close(actual, expected, tol, "rank 0")
+    assert assert_params_close(actual, expected, 2**-10) == 2**-10
 
 
 def test_missing_extra_or_reshaped_tensors_fail() -> None:
     actual, expected = _states()
     with pytest.raises(AssertionError, match=r"missing \['c'\], extra \['d'\]"):
-        assert_close_params({"a": actual["a"], "b": actual["b"], "d": actual["c"]}, expected, 1e-5)
+        assert_params_close({"a": actual["a"], "b": actual["b"], "d": actual["c"]}, expected, 1e-5)
     with pytest.raises(AssertionError, match=r"b: shape \(2,\) != \(1, 2\)"):
-        assert_close_params({**actual, "b": actual["b"].flatten()}, expected, 1e-5)
+        assert_params_close({**actual, "b": actual["b"].flatten()}, expected, 1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_max_relative_error_keeps_a_non_finite_error_of_a_later_tensor(bad: float) -> None:
+    actual, expected = _states()
+    actual["c"][1] = bad
+    worst = max_relative_error(actual, expected)
+    assert not worst <= 1.0  # NaN or inf: every `<= tol` check on it fails
+    assert math.isnan(worst) if math.isnan(bad) else worst == math.inf
+    assert max_relative_error(expected, expected) == 0.0

@@ -23,7 +23,7 @@ from ndtrain.mesh import init
 from ndtrain.parallel.pipeline import Timeline, bubble_fraction, run_pipeline, split_model, write_chrome_trace, write_png
 from ndtrain.parallel.pipeline import schedules
 from ndtrain.parallel.pipeline.schedules import compute_actions
-from tests.distributed import init_method, run_distributed
+from tests.helpers.runner import init_method, run_distributed
 
 P, M = 4, 8
 UNIT_S = 0.2  # sleep per block and pass, at v = 1: large against the gaps between passes on a busy machine

@@ -26,8 +26,9 @@ from ndtrain.models.llama import build_model
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.pipeline import eval_pipeline, is_pipeline_duplicate, run_pipeline, split_model
 from ndtrain.parallel.tp_plan import parallelize
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
+from tests.helpers.parity import assert_params_close
+from tests.helpers.reference import train_reference
+from tests.helpers.runner import init_method, run_distributed
 
 SEED = 7
 TOLERANCE = 1e-5
@@ -232,17 +233,13 @@ def test_dp2_pp2_adamw_training_equals_single_process(world4: list[dict[str, Any
     results = [r["dp_pp"] for r in world4]
     cfg = model_config(3, tied=True)
     model = build_model(cfg, SEED).to(TRAIN_DTYPE)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        batches = micro_batches(8, 100 + step)
-        (sum(model(x, y) for x, y in batches) / len(batches)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    want = dict(model.named_parameters())
+    steps = [micro_batches(8, 100 + step) for step in range(STEPS)]
+    batches = [(torch.cat([x for x, _ in step]), torch.cat([y for _, y in step])) for step in steps]
+    want = train_reference(model, torch.optim.AdamW(model.parameters(), lr=LR), batches, pieces=8).params
     want["output.weight"] = want["tok_embeddings.weight"]
     for rank, params in enumerate(results):
         assert {t.dtype for t in params.values()} == {TRAIN_DTYPE}
-        assert_close_params(params, {name: want[name].detach() for name in params}, TOLERANCE, f"dp×pp rank {rank}")
+        assert_params_close(params, {name: want[name] for name in params}, TOLERANCE, f"dp×pp rank {rank}")
     assert set(results[0]) | set(results[1]) == set(want)
 
 

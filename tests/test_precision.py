@@ -23,8 +23,8 @@ from ndtrain.mesh import ParallelContext, init
 from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
 from ndtrain.parallel.precision import LossScaler, master_dtype, reduction_dtype
 from ndtrain.parallel.zero2_gradients import Zero2DataParallel
-from tests.distributed import init_method, run_distributed
-from tests.test_engine_zero import batch, make_llama, with_config
+from tests.helpers.models import batch, make_llama, with_config
+from tests.helpers.runner import init_method, run_distributed
 
 STEPS = 12
 LR = 1e-2

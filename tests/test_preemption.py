@@ -15,10 +15,10 @@ import re
 import signal
 from pathlib import Path
 
-from tests.test_elastic_restart import (  # noqa: F401  (references: the session fixture, shared)
-    RUN_ARGS, References, Run, assert_bit_identical, final_weights, newest_step, poll, references, train_args,
+from tests.helpers.processes import (
+    RUN_ARGS, References, Run, assert_bit_identical, final_weights, newest_step, poll, train_args,
 )
-from tests.test_trainer import corpus_file
+from tests.helpers.runs import corpus_file
 
 # Checkpoints only when stopped (and at the end), so the one written is the signal's doing.
 STOP_ARGS = ["--save-every", "0", "--set", "log.log_every=1"]

@@ -13,6 +13,8 @@ from ndtrain.config import config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.single_process_dp import ReplicaError, SingleProcessDataParallel, chunk_sizes
+from tests.helpers.parity import assert_params_close, max_relative_error
+from tests.helpers.runs import corpus_file, tiny_config, train
 
 TOL = 1e-5
 
@@ -201,14 +203,13 @@ def test_single_device_is_the_module() -> None:
 def test_trainer_single_process_mode_equals_single_device(tmp_path) -> None:
     """`--dp-mode single-process`: the Engine runs the model on 3 CPU replicas; same training result."""
     from ndtrain.trainer import Trainer
-    from tests.test_trainer import corpus_file, max_relative_error, tiny_config, train
 
     data = corpus_file(tmp_path)
     common = {"parallel.dp": 1, "schedule.micro_batch": 4}
     single = train(tiny_config(data, str(tmp_path / "one"), **common))
     cfg = tiny_config(data, str(tmp_path / "three"), **common, **{"parallel.dp_mode": "single-process", "parallel.replicas": 3})
     replicated = train(cfg)
-    assert max_relative_error(replicated, single) <= TOL
+    assert_params_close(replicated, single, TOL, "3 replicas")
     initial = {k: v.detach() for k, v in tiny_llama().state_dict().items()}
     assert max_relative_error(initial, single) > 1e-3  # training moved the weights: the check can fail
     from ndtrain.mesh import init
@@ -221,8 +222,6 @@ def test_cli_dp_mode_single_process(tmp_path) -> None:
     import json
     import subprocess
     import sys
-
-    from tests.test_trainer import corpus_file
 
     out = tmp_path / "run"
     proc = subprocess.run(

@@ -27,8 +27,8 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.run_timeline import read_timeline, timeline_step
 from ndtrain.trainer import Trainer
-from tests.distributed import init_method, run_distributed
-from tests.test_trainer import corpus_file, tiny_config
+from tests.helpers.runner import init_method, run_distributed
+from tests.helpers.runs import corpus_file, tiny_config
 
 CURVES = {"loss", "throughput", "step_time", "memory", "comm", "lr", "grad_norm"}
 

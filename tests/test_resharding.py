@@ -1,7 +1,7 @@
 """Layout-agnostic checkpoints: save under layout A after K steps, resume under layout B, train to N.
 
 The result must equal the uninterrupted layout-A run (fp32, relative error ≤ 1e-5 per tensor,
-`tests/parity.py`), for pairs that change tp, pp, cp, the ZeRO stage (3 ↔ 0/1/2) and the number
+`tests/helpers/parity.py`), for pairs that change tp, pp, cp, the ZeRO stage (3 ↔ 0/1/2) and the number
 of processes (4 ranks → 1 process, in the parent); resuming under the same layout is bit-identical.
 Runs are float64, as in test_engine_layouts: in fp32 the kernels' summation order alone, amplified
 by AdamW on near-cancelling gradients, moves layouts apart by up to ~6e-5 in two steps (measured
@@ -33,9 +33,9 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.safe_pickle import SafeReader
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
-from tests.test_trainer import corpus_file
+from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
+from tests.helpers.runs import corpus_file
 
 K, N = 2, 4  # save after K steps, compare after N
 GLOBAL_BATCH = 8
@@ -165,7 +165,7 @@ def test_resume_under_another_layout_continues_the_run(a: str, b: str, request: 
     else:
         actual = merged(results, f"{a}->{b}")
     tolerance = 0.0 if (a, b) in SAME_LAYOUT else BF16_TOLERANCE if "bf16" in b else TOLERANCE
-    error = assert_close_params(actual, expected, tolerance, f"{a} -> {b}")
+    error = assert_params_close(actual, expected, tolerance, f"{a} -> {b}")
     print(f"{a} -> {b}: max relative error {error:.2e}")
 
 
@@ -241,7 +241,7 @@ def test_train_resumes_under_another_layout_and_refuses_bad_input_in_one_line(tm
     for run, state in ((straight, expected), (resumed, actual)):
         load_model_weights(run / "checkpoints" / "step_00000004", model)
         state.update({k: v.detach().clone() for k, v in model.named_parameters()})
-    assert_close_params(actual, expected, TOLERANCE, "zero=0 → zero=3 through ndtrain train")
+    assert_params_close(actual, expected, TOLERANCE, "zero=0 → zero=3 through ndtrain train")
 
     before = files(resumed / "checkpoints")
     for more, fragment in [(["--set", "schedule.global_batch=4"], "schedule.global_batch = 8, this run has 4"),

@@ -22,8 +22,8 @@ from ndtrain.mesh import init
 from ndtrain.models.digits import build_digits_model
 from ndtrain.tasks import build_task
 from ndtrain.trainer import Trainer, build_engine
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
+from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
 
 # ---------------------------------------------------------------------------------------- metrics
 
@@ -223,7 +223,7 @@ def test_digits_trains_under_ddp_and_zero_like_one_process(tmp_path: Path, one_t
     for name in LAYOUTS:
         for rank in range(2):
             params, summary = ranks[rank][name]
-            assert_close_params(params, reference, 1e-5, f"{name} rank {rank}")
+            assert_params_close(params, reference, 1e-5, f"{name} rank {rank}")
             for key in ("map", "cmc1", "cmc5"):  # embeddings equal to ~1e-12: the same ranking
                 assert summary[key] == pytest.approx(ref_summary[key], abs=1e-9), (name, key)
         metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -237,7 +237,7 @@ def test_digits_single_process_data_parallel_equals_one_device(tmp_path: Path, o
     one, one_summary = train_digits(digits_config(str(tmp_path / "one"), **{"parallel.dp": 1}))
     replicated, summary = train_digits(digits_config(
         str(tmp_path / "three"), **{"parallel.dp": 1, "parallel.dp_mode": "single-process", "parallel.replicas": 3}))
-    assert_close_params(replicated, one, 1e-5, "single-process DataParallel")
+    assert_params_close(replicated, one, 1e-5, "single-process DataParallel")
     for key in ("map", "cmc1", "cmc5"):
         assert summary[key] == pytest.approx(one_summary[key], abs=1e-9), key
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from datetime import timedelta
 from dataclasses import replace
 
 import pytest
@@ -24,7 +23,7 @@ from torch import nn
 import ndtrain.mesh
 from ndtrain.parallel.placement import placement_of
 from ndtrain.bench.tp import analytic_wire_bytes
-from ndtrain.comm import Communicator, Group
+from ndtrain.comm import Group
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
@@ -35,8 +34,9 @@ from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from ndtrain.parallel.tp_plan import parallelize, resolve_plan
 from ndtrain.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
+from tests.helpers.models import fake_tp_ctx
+from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
 
 TOL = 1e-5
 # vocab 255: padded to 256 at tp=2 and 4; 4 heads, 2 kv heads: split at tp=2, replicated at tp=4.
@@ -224,7 +224,7 @@ def _check_training(ctx: ParallelContext, zero: bool, sp: bool, micro: int) -> N
     want = {name: shard_of(ref_params[name].detach(), p) if is_tensor_parallel(p) else ref_params[name].detach()
             for name, p in model.named_parameters()}
     assert {t.dtype for t in got.values()} == {TRAIN_DTYPE}
-    assert_close_params(got, want, TOL, f"dp={dp} tp zero={zero} sp={sp} micro={micro} after {steps} steps")
+    assert_params_close(got, want, TOL, f"dp={dp} tp zero={zero} sp={sp} micro={micro} after {steps} steps")
 
 
 # --------------------------------------------------------------------------- workers
@@ -254,16 +254,6 @@ def test_dp2_tp2_training_with_ddp_and_zero1_matches_single_process() -> None:
 
 
 # --------------------------------------------------------------------------- bad input
-def _fake_ctx(tp: int) -> ParallelContext:
-    """A context whose tp group has `tp` ranks (rank 0); parallelize issues no collective."""
-    group = Group("tp", tuple(range(tp)), 0)
-    sizes = {"dp": 1, "cp": 1, "pp": 1, "tp": tp}
-    return ParallelContext(
-        config=ParallelConfig(tp=tp), rank=0, world_size=tp, local_rank=0, device=torch.device("cpu"),
-        backend="gloo", sizes=sizes, coords={axis: 0 for axis in sizes}, groups={"tp": group},
-        comm=Communicator(0, timedelta(seconds=1)))
-
-
 @pytest.mark.parametrize(("cfg", "tp", "message"), [
     (replace(CFG, n_heads=4, n_kv_heads=4), 8, "n_heads=4 is not divisible by tp=8"),
     (replace(CFG, dim=48, n_heads=6, n_kv_heads=6, ffn_dim=96), 4, "n_heads=6"),
@@ -272,7 +262,7 @@ def _fake_ctx(tp: int) -> ParallelContext:
 ])
 def test_sizes_that_do_not_divide_are_clear_errors(cfg: ModelConfig, tp: int, message: str) -> None:
     with pytest.raises(UserError, match=message):
-        parallelize(build_model(cfg, seed=0), _fake_ctx(tp))
+        parallelize(build_model(cfg, seed=0), fake_tp_ctx(tp))
 
 
 def test_bad_plans_are_clear_errors() -> None:
@@ -286,14 +276,14 @@ def test_bad_plans_are_clear_errors() -> None:
     with pytest.raises(UserError, match="two styles"):
         resolve_plan(model, {"layers.*.attention.w*": "colwise", "layers.*.attention.wo": "rowwise"}, 2)
     with pytest.raises(UserError, match="pass a plan"):
-        parallelize(nn.Sequential(nn.Linear(4, 4)), _fake_ctx(2))
+        parallelize(nn.Sequential(nn.Linear(4, 4)), fake_tp_ctx(2))
 
 
 def test_generic_plan_slices_the_full_weights() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 8), nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)))
     full = copy.deepcopy(model)
-    parallelize(model, _fake_ctx(2), {"0": "vocab", "1.0": "colwise", "1.2": "rowwise"})
+    parallelize(model, fake_tp_ctx(2), {"0": "vocab", "1.0": "colwise", "1.2": "rowwise"})
     assert torch.equal(model[1][0].weight, full[1][0].weight[:8])
     assert torch.equal(model[1][2].weight, full[1][2].weight[:, :8])
     assert torch.equal(model[0].weight, full[0].weight[:5])

@@ -17,7 +17,7 @@ from ndtrain.data import DistributedSampler, load_corpus, load_tokenizer, prepar
 from ndtrain.data import sources as sources_module
 from ndtrain.data import token_file as token_file_module
 from ndtrain.data.tokenizer import token_format
-from tests.distributed import run_distributed
+from tests.helpers.runner import run_distributed
 
 WORDS = "the a fox dog cat runs jumps over under lazy quick brown red green sees eats".split()
 

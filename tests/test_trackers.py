@@ -20,8 +20,7 @@ from ndtrain.errors import UserError
 from ndtrain.metrics import MetricsLog
 from ndtrain.run_info import SOURCE_DIR, git_revision
 from ndtrain.trackers import Trackers
-from tests.test_cli_e2e import TINY, ndtrain
-from tests.test_trainer import corpus_file
+from tests.helpers.runs import TINY_4_STEPS as TINY, corpus_file, ndtrain
 
 ALL = 'log.report_to=["tensorboard", "wandb", "mlflow"]'
 

@@ -2,55 +2,26 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from ndtrain.config import TrainConfig, load_config
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.trainer import Trainer
-from tests.distributed import init_method, run_distributed
-
-
-def corpus_file(tmp_path: Path) -> str:
-    """About 60 KB of real text: a standard library module's source."""
-    path = tmp_path / "corpus.txt"
-    path.write_text(inspect.getsource(textwrap) * 3)
-    return str(path)
-
-
-def tiny_config(data: str, out: str, **overrides: object) -> TrainConfig:
-    base = {
-        "model.preset": "tiny", "data.path": data, "log.out": out, "log.progress": False,
-        "schedule.steps": 6, "schedule.global_batch": 8, "schedule.micro_batch": 4,
-        "schedule.warmup_steps": 2, "data.eval_samples": 16, "log.eval_every": 0, "log.log_every": 1,
-    }
-    base.update(overrides)
-    return load_config(None, base)
-
-
-def train(cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    ctx = init(cfg.parallel, init_method=init_method()) if cfg.parallel.dp != 1 else init(cfg.parallel)
-    trainer = Trainer(cfg, ctx)
-    trainer.run()
-    return {k: v.detach().clone() for k, v in trainer.engine.model.state_dict().items()}
-
-
-def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
+from tests.helpers.parity import assert_params_close
+from tests.helpers.runner import init_method, run_distributed
+from tests.helpers.runs import corpus_file, tiny_config, train
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path) -> None:
     data = corpus_file(tmp_path)
     big = train(tiny_config(data, str(tmp_path / "big"), **{"schedule.micro_batch": 8, "parallel.dp": 1}))
     accumulated = train(tiny_config(data, str(tmp_path / "acc"), **{"schedule.micro_batch": 2, "parallel.dp": 1}))
-    assert max_relative_error(accumulated, big) <= 1e-5
+    assert_params_close(accumulated, big, 1e-5, "accumulated")
 
 
 def _dp_worker(data: str, out: str, steps: int, micro: int) -> dict[str, torch.Tensor]:
@@ -62,7 +33,7 @@ def test_data_parallel_training_equals_single_process(tmp_path: Path) -> None:
     reference = train(tiny_config(data, str(tmp_path / "ref"), **{"parallel.dp": 1, "schedule.micro_batch": 8}))
     ranks = run_distributed(_dp_worker, 2, data, str(tmp_path / "dp2"), 6, 2)
     assert torch.equal(ranks[0]["layers.0.attention.wq.weight"], ranks[1]["layers.0.attention.wq.weight"])
-    assert max_relative_error(ranks[0], reference) <= 1e-5
+    assert_params_close(ranks[0], reference, 1e-5, "rank 0")
     metrics = [json.loads(line) for line in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4, 5, 6]
 
@@ -145,7 +116,7 @@ def test_zero1_training_equals_single_process_and_resumes_exactly(tmp_path: Path
     data = corpus_file(tmp_path)
     reference = train(tiny_config(data, str(tmp_path / "ref"), **{"parallel.dp": 1, "schedule.micro_batch": 8}))
     sharded, full, resumed, shards = run_distributed(_zero1_worker, 2, data, str(tmp_path))[0]
-    assert max_relative_error(sharded, reference) <= 1e-5
+    assert_params_close(sharded, reference, 1e-5, "sharded")
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own slices

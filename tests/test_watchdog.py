@@ -1,13 +1,12 @@
 """Hang diagnosis: a stalled rank ends every live rank with one line naming who did not arrive.
 
-Unit tests run gloo workers (tests/distributed.py) where one rank stops itself (a real SIGSTOP)
+Unit tests run gloo workers (tests/helpers/runner.py) where one rank stops itself (a real SIGSTOP)
 or waits in another collective; end-to-end tests SIGSTOP one worker of `ndtrain train --nproc N`
 mid-training and bound the whole run by watchdog + 15 s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import signal
@@ -21,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from ndtrain.comm import Group
-from ndtrain.config import LaunchConfig, ParallelConfig
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
-from tests.distributed import init_method, run_distributed
-from tests.test_trainer import corpus_file
+from tests.helpers.processes import no_restarts, wait_for
+from tests.helpers.runner import init_method, run_distributed
+from tests.helpers.runs import corpus_file
 
 WATCHDOG_S = 10
 
@@ -142,22 +142,6 @@ def find_worker(launcher_pid: int, rank: int) -> int:
     found = [int(pid) for pid in children if _worker_rank(int(pid)) == rank]
     assert len(found) == 1, f"rank {rank} not among the launcher's children {children}"
     return found[0]
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
-    """Block until `path` exists and is not empty (the run is mid-training); fail if the run ends first."""
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and path.stat().st_size > 0):
-        assert proc.poll() is None, f"the run ended before {path.name} appeared: {proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout} s"
-        time.sleep(0.1)
-
-
-def no_restarts() -> list[str]:
-    """Pin the run to one incarnation where the launcher can restart workers (elastic restarts)."""
-    if "max_restarts" in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        return ["--set", "launch.max_restarts=0"]
-    return []
 
 
 @pytest.mark.parametrize("nproc, victim", [(2, 1), (4, 2)])

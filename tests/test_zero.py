@@ -1,8 +1,8 @@
 """ZeRO-1: parity with single-process AdamW (weight-decay groups, clipping, LR schedule), exact state
 and comm bytes, empty shards, state-dict round trip, bad optimizer factories.
 
-One spawn per world size runs every scenario; the parent trains the single-process references
-and computes the expected shard layout on its own (from `pack`, the bucketing rule of ddp.py).
+One spawn per world size runs every scenario, each then its own test case; the parent trains the
+single-process references and computes the expected shard layout on its own (from `pack`, the bucketing rule of ddp.py).
 
 The parity runs and their references train in float64 (parameters, gradients, all-reduce, AdamW
 state). In float32 the comparison measured the CPU, not ZeRO: the ranks sum the shard gradients in
@@ -16,6 +16,7 @@ orders of magnitude, and a wrong shard, group or gather still moves parameters b
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
@@ -25,15 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from ndtrain.config import ParallelConfig, config_from_dict
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
-from ndtrain.models.llama import build_model
 from ndtrain.parallel.buckets import MB, pack
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer, no_decay_for_vectors
-from tests.distributed import init_method, run_distributed
-from tests.parity import assert_close_params
+from tests.helpers.models import make_llama
+from tests.helpers.parity import assert_params_close
+from tests.helpers.reference import train_reference
+from tests.helpers.runner import Spawns, case_result, init_method, run_each
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -68,6 +70,15 @@ NET = (7, 13, 11, 5)
 LONELY = (1, 1)  # 3 elements: on 4 ranks, rank 3 owns nothing at all
 
 
+# scenario → (_check_run's kind, bucket MB, sizes, clipped)
+SCENARIOS: dict[str, tuple[str, float, tuple[int, ...], bool]] = {
+    "net": ("net", NET_BUCKET_MB, NET, True),
+    "per_param": ("net", PER_PARAM_BUCKET_MB, NET, True),
+    "lonely": ("net", NET_BUCKET_MB, LONELY, False),
+    "llama": ("llama", LLAMA_BUCKET_MB, NET, False),
+}
+
+
 def make_net(sizes: tuple[int, ...], seed: int, dtype: torch.dtype = DTYPE) -> Net:
     torch.manual_seed(seed)
     return Net(sizes).to(dtype)
@@ -82,10 +93,6 @@ def net_batch(sizes: tuple[int, ...], step: int, dtype: torch.dtype = DTYPE) -> 
 def llama_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(step))
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def make_llama() -> nn.Module:
-    return build_model(config_from_dict({"model": {"preset": "tiny"}}).model, seed=0).to(DTYPE)
 
 
 def schedule(step: int) -> float:
@@ -108,21 +115,14 @@ def reference_groups(model: nn.Module) -> list[dict[str, Any]]:
     return groups if first_is_decay else groups[::-1]
 
 
+@functools.cache
 def reference(kind: str, world: int, sizes: tuple[int, ...] = NET, dtype: torch.dtype = DTYPE) -> tuple[State, list[float]]:
     """Single process, whole global batch; its loss is the mean of the per-rank shard losses (equal shards)."""
-    model = make_llama() if kind == "llama" else make_net(sizes, SEED, dtype)
+    model = make_llama(DTYPE) if kind == "llama" else make_net(sizes, SEED, dtype)
     opt = adamw(reference_groups(model))
-    sched = LambdaLR(opt, schedule)
-    norms = []
-    for step in range(STEPS):
-        x, y = llama_batch(step) if kind == "llama" else net_batch(sizes, step, dtype)
-        loss = sum(model(xs, ys) for xs, ys in zip(x.chunk(world), y.chunk(world))) / world
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return state(model), norms
+    batches = (llama_batch(step) if kind == "llama" else net_batch(sizes, step, dtype) for step in range(STEPS))
+    ref = train_reference(model, opt, batches, pieces=world, clip=MAX_NORM, scheduler=LambdaLR(opt, schedule))
+    return ref.state, ref.norms
 
 
 def expected_layout(model: nn.Module, bucket_mb: float, world: int) -> dict[str, Any]:
@@ -151,7 +151,7 @@ def expected_layout(model: nn.Module, bucket_mb: float, world: int) -> dict[str,
 def _train(ctx: ParallelContext, kind: str, bucket_mb: float, sizes: tuple[int, ...] = NET,
            steps: int = STEPS, resume_at: int | None = None) -> dict[str, Any]:
     rank, n = ctx.rank, ctx.world_size
-    module = make_llama() if kind == "llama" else make_net(sizes, SEED + rank)  # broadcast makes them equal
+    module = make_llama(DTYPE) if kind == "llama" else make_net(sizes, SEED + rank)  # broadcast makes them equal
     model = DistributedDataParallel(module, ctx, bucket_mb=bucket_mb, comm_dtype=DTYPE)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
@@ -205,16 +205,15 @@ def _resume(ctx: ParallelContext, saved: bytes, first: int) -> dict[str, Any]:
     return {"params": state(model.module), "wrong_layout_error": error}
 
 
-def _suite(with_llama: bool) -> dict[str, Any]:
+def _scenario(ctx: ParallelContext, name: str) -> dict[str, Any]:
+    kind, bucket_mb, sizes, _ = SCENARIOS[name]
+    return _train(ctx, kind, bucket_mb, sizes=sizes, resume_at=3 if name == "net" else None)
+
+
+def _suite() -> dict[str, Any]:
     ctx = init(ParallelConfig(), init_method=init_method())
-    out = {
-        "net": _train(ctx, "net", NET_BUCKET_MB, resume_at=3),
-        "per_param": _train(ctx, "net", PER_PARAM_BUCKET_MB),
-        "lonely": _train(ctx, "net", NET_BUCKET_MB, sizes=LONELY),
-    }
-    out["resumed"] = _resume(ctx, out["net"].pop("saved"), 3)
-    if with_llama:
-        out["llama"] = _train(ctx, "llama", LLAMA_BUCKET_MB)
+    out = run_each(lambda name: _scenario(ctx, name), SCENARIOS)
+    out |= run_each(lambda _: _resume(ctx, out["net"].pop("saved"), 3), ["resumed"])
     return out
 
 
@@ -222,7 +221,7 @@ def _suite(with_llama: bool) -> dict[str, Any]:
 def _check_run(runs: list[dict[str, Any]], world: int, kind: str, bucket_mb: float, sizes: tuple[int, ...] = NET,
                clipped: bool = True) -> None:
     ref, ref_norms = reference(kind, world, sizes)
-    model = make_llama() if kind == "llama" else make_net(sizes, SEED)
+    model = make_llama(DTYPE) if kind == "llama" else make_net(sizes, SEED)
     layout = expected_layout(model, bucket_mb, world)
     if kind == "net" and clipped:
         assert max(ref_norms) > MAX_NORM  # the clipping path is exercised
@@ -235,7 +234,7 @@ def _check_run(runs: list[dict[str, Any]], world: int, kind: str, bucket_mb: flo
     }
     for rank, o in enumerate(runs):
         assert all(p.dtype == DTYPE for p in o["params"].values())
-        assert_close_params(o["params"], ref, TOL, f"{kind} {sizes} bucket {bucket_mb} MB rank {rank}")
+        assert_params_close(o["params"], ref, TOL, f"{kind} {sizes} bucket {bucket_mb} MB rank {rank}")
         torch.testing.assert_close(torch.tensor(o["norms"]), torch.tensor(ref_norms), rtol=TOL, atol=0)
         assert o["deltas"] == [expected_delta] * STEPS, (kind, rank)
         assert o["shard_numel"] == layout["elems"][rank]
@@ -247,30 +246,34 @@ def _check_run(runs: list[dict[str, Any]], world: int, kind: str, bucket_mb: flo
     assert max(layout["elems"]) <= layout["padded"] // world
 
 
-def _check_suite(out: list[dict[str, Any]], world: int) -> None:
-    _check_run([o["net"] for o in out], world, "net", NET_BUCKET_MB)
-    _check_run([o["per_param"] for o in out], world, "net", PER_PARAM_BUCKET_MB)
-    _check_run([o["lonely"] for o in out], world, "net", NET_BUCKET_MB, sizes=LONELY, clipped=False)
-    layout = expected_layout(make_net(NET, SEED), NET_BUCKET_MB, world)
-    assert layout["sizes"] == [60, 11, 143, 13, 91, 1]  # 5 sizes not divisible by N, one shorter than N
-    assert layout["segments"][0] == 7  # rank 0: bias | weight in bucket 0 (two groups), one in each other bucket
-    assert min(expected_layout(make_net(LONELY, SEED), NET_BUCKET_MB, world)["elems"]) == (0 if world == 4 else 1)
-    for rank, o in enumerate(out):
-        for k, v in o["net"]["params"].items():
-            assert torch.equal(o["resumed"]["params"][k], v), (rank, k)  # identical continued training
-        assert "different rank/world" in o["resumed"]["wrong_layout_error"]
+def test_layouts_from_first_principles() -> None:
+    for world in (2, 4):
+        layout = expected_layout(make_net(NET, SEED), NET_BUCKET_MB, world)
+        assert layout["sizes"] == [60, 11, 143, 13, 91, 1]  # 5 sizes not divisible by N, one shorter than N
+        assert layout["segments"][0] == 7  # rank 0: bias | weight in bucket 0 (two groups), one in each other bucket
+        assert min(expected_layout(make_net(LONELY, SEED), NET_BUCKET_MB, world)["elems"]) == (0 if world == 4 else 1)
 
 
-def test_two_ranks_match_single_process() -> None:
-    out = run_distributed(_suite, 2, True)
-    _check_suite(out, 2)
-    _check_run([o["llama"] for o in out], 2, "llama", LLAMA_BUCKET_MB, clipped=False)
+@pytest.fixture(scope="module")
+def spawns() -> Spawns:
+    """One spawn per world size (at its first case) runs every scenario."""
+    return Spawns(_suite)
 
 
-def test_four_ranks_match_single_process() -> None:
-    out = run_distributed(_suite, 4, True)
-    _check_suite(out, 4)
-    _check_run([o["llama"] for o in out], 4, "llama", LLAMA_BUCKET_MB, clipped=False)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_ranks_match_single_process(spawns: Spawns, world: int, scenario: str) -> None:
+    kind, bucket_mb, sizes, clipped = SCENARIOS[scenario]
+    _check_run(case_result(spawns.get(world, world), scenario), world, kind, bucket_mb, sizes, clipped)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_resumed_training_is_identical_and_a_wrong_layout_is_refused(spawns: Spawns, world: int) -> None:
+    out = spawns.get(world, world)
+    for rank, (net, resumed) in enumerate(zip(case_result(out, "net"), case_result(out, "resumed"))):
+        for k, v in net["params"].items():
+            assert torch.equal(resumed["params"][k], v), (rank, k)  # identical continued training
+        assert "different rank/world" in resumed["wrong_layout_error"]
 
 
 def test_single_rank_equals_plain_adamw_and_keeps_lr_schedule() -> None:
@@ -286,7 +289,7 @@ def test_single_rank_equals_plain_adamw_and_keeps_lr_schedule() -> None:
         sched.step()
         zero.zero_grad()
     ref, _ = reference("net", 1, dtype=torch.float32)
-    assert_close_params(state(model.module), ref, 1e-6, "one rank")
+    assert_params_close(state(model.module), ref, 1e-6, "one rank")
     assert [g["lr"] for g in zero.param_groups] == pytest.approx([LR] * 2)
     assert zero.state_bytes() == 8 * sum(p.numel() for p in model.parameters()) + 4 * len(zero.state)
 
@@ -306,7 +309,7 @@ def test_fp64_parameters_are_their_own_master() -> None:
     assert zero.master_bytes == 0
     assert {t.dtype for s in zero.state.values() for k, t in s.items() if k != "step"} == {torch.float64}
     ref, _ = reference("net", 1, dtype=torch.float64)
-    assert_close_params(state(model.module), ref, 1e-12, "one rank, fp64")  # fp32 master and norm: 2.3e-9
+    assert_params_close(state(model.module), ref, 1e-12, "one rank, fp64")  # fp32 master and norm: 2.3e-9
 
 
 def test_factory_that_ignores_its_groups_is_a_clear_error() -> None:

@@ -2,6 +2,12 @@
 
 Workers rendezvous through a FileStore in a fresh temporary directory (no port races), each with
 one thread, and return picklable results to the parent, which re-raises a worker's traceback.
+
+A matrix of cases (layouts, strategies) runs in one spawn: the worker runs every case with
+`run_each`, which keeps a failing case's traceback as its result and goes on to the next case; in the
+parent, one test per case reads its own result with `case_result` (so the first failure hides none).
+Where cases need different spawns (world sizes, layouts), a module fixture's `Spawns` starts each
+spawn once, at the first case that needs it.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable, TypeVar
 
 import torch
 
 DEFAULT_TIMEOUT_S = 120.0
+Case = TypeVar("Case", bound=Hashable)
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, results: Any, args: tuple) -> None:
@@ -84,3 +92,53 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 def init_method() -> str:
     """The rendezvous of the current test worker, for `ndtrain.mesh.init(..., init_method=...)`."""
     return os.environ["NDTRAIN_TEST_INIT_METHOD"]
+
+
+class Spawns:
+    """`run_distributed` once per key, at its first use; a failed spawn fails every later use without rerunning."""
+
+    def __init__(self, fn: Callable[..., Any], timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self._fn, self._timeout = fn, timeout
+        self._runs: dict[Any, list[Any] | AssertionError] = {}
+
+    def get(self, key: Any, world_size: int, *args: Any) -> list[Any]:
+        """The results of `fn(*args)` on `world_size` processes, spawned the first time `key` is asked for."""
+        if key not in self._runs:
+            try:
+                self._runs[key] = run_distributed(self._fn, world_size, *args, timeout=self._timeout)
+            except AssertionError as error:
+                self._runs[key] = error
+        run = self._runs[key]
+        if isinstance(run, AssertionError):
+            raise AssertionError(f"the spawn of {key!r} failed:\n{run}")
+        return run
+
+
+@dataclass(frozen=True)
+class CaseError:
+    """A case that raised in a worker: its traceback, kept as the case's result."""
+
+    traceback: str
+
+
+def run_each(fn: Callable[[Case], Any], names: Iterable[Case]) -> dict[Case, Any]:
+    """In a worker: `{name: fn(name)}` over the cases, an exception becoming that case's `CaseError`.
+
+    A case that fails on every rank alike lets the next case run; one that fails on some ranks only
+    can leave the others waiting in a collective, and the runner's timeout then fails every case.
+    """
+    out: dict[Case, Any] = {}
+    for name in names:
+        try:
+            out[name] = fn(name)
+        except Exception:
+            out[name] = CaseError(traceback.format_exc())
+    return out
+
+
+def case_result(results: list[dict[Any, Any]], name: Hashable) -> list[Any]:
+    """In the parent: case `name`'s result on each rank; fail with the worker's traceback if it raised."""
+    for rank, result in enumerate(results):
+        if isinstance(result[name], CaseError):
+            raise AssertionError(f"{name} failed on rank {rank}:\n{result[name].traceback}")
+    return [result[name] for result in results]

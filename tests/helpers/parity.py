@@ -30,7 +30,13 @@ def relative_errors(actual: State, expected: State) -> dict[str, float]:
     return errors
 
 
-def assert_close_params(actual: State, expected: State, tol: float, what: str = "") -> float:
+def max_relative_error(actual: State, expected: State) -> float:
+    """The largest per-tensor relative error; NaN if any tensor's is (where `max()` would drop it)."""
+    errors = relative_errors(actual, expected).values()
+    return math.nan if any(math.isnan(err) for err in errors) else max(errors, default=0.0)
+
+
+def assert_params_close(actual: State, expected: State, tol: float, what: str = "") -> float:
     """Fail, naming the worst tensor, unless every tensor's relative error is <= tol; return the worst error."""
     errors = relative_errors(actual, expected)
     bad = {name: err for name, err in errors.items() if not err <= tol}
