@@ -45,6 +45,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # name → (layout, micro-ba
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(scope="module")
 def reference(one_thread: None) -> tuple[Reference, float]:
     """Single process, whole global batch, AdamW with clipping; then the loss of the evaluation batch."""
     model = build_model(MODEL, seed=0).to(DTYPE)
