@@ -1,8 +1,9 @@
 """ndtrain: one PyTorch model trained across many processes with parallel strategies of our own.
 
 Public surface:
-    ctx = ndtrain.init(ndtrain.ParallelConfig(dp=2))     # joins torchrun's world, builds groups
-    engine = ndtrain.Engine(model_fn, optimizer_fn, ctx)
+    parallel = ndtrain.ParallelConfig(dp=2, zero=1)
+    ctx = ndtrain.init(parallel)                          # joins torchrun's world, builds groups (topology)
+    engine = ndtrain.Engine(model_fn, optimizer_fn, ctx, parallel)   # strategy options from `parallel`
     result = engine.train_step(micro_batches)
     engine.save(path); engine.load(path)
     ndtrain.Trainer(cfg, model_fn=..., loss_fn=...).run()   # data, eval, schedule, metrics, checkpoints

@@ -145,7 +145,7 @@ def save_checkpoint(directory: Path, step: int, engine: Any, extra: dict[str, An
     torch.save(_rng_state(), rng_dir / f"rank{ctx.rank:05d}.pt")
     ctx.comm.barrier(ctx.group("world"))
     if ctx.is_main:
-        layout = {axis: ctx.size(axis) for axis in ("dp", "cp", "pp", "tp")} | {"zero": ctx.config.zero}
+        layout = {axis: ctx.size(axis) for axis in ("dp", "cp", "pp", "tp")} | {"zero": engine.parallel.zero}
         write_manifest(partial, step, layout)
         shutil.rmtree(final, ignore_errors=True)  # only ever an unverified one: resuming takes the newest verified
         partial.rename(final)

@@ -46,6 +46,7 @@ from torch import nn
 
 from ndtrain.checkpoint import load_checkpoint, save_checkpoint, select_checkpoint
 from ndtrain.checkpoint_manifest import MANIFEST, verify
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.memory import peak_bytes
 from ndtrain.mesh import ParallelContext
@@ -92,6 +93,15 @@ class NonFiniteError(UserError):
         )
 
 
+def check_layout(parallel: ParallelConfig, ctx: ParallelContext) -> None:
+    """`parallel`'s axis sizes (dp resolved against the world) must be the context's: one line otherwise."""
+    sizes = {"dp": parallel.resolve_dp(ctx.world_size), "cp": parallel.cp, "pp": parallel.pp, "tp": parallel.tp}
+    here = {axis: ctx.size(axis) for axis in sizes}
+    if sizes != here:
+        raise UserError(f"the parallel config's layout {sizes} is not the context's {here}: "
+                        "give Engine the ParallelConfig the context was built from (mesh.init(config))")
+
+
 class Engine:
     """Builds and drives one model replica (or shard, zero=3) of the data-parallel group."""
 
@@ -100,6 +110,7 @@ class Engine:
         model_fn: Callable[[], nn.Module],
         optimizer_fn: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
         ctx: ParallelContext,
+        parallel: ParallelConfig,
         *,
         group_fn: GroupFn = no_decay_for_vectors,
         scheduler_fn: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
@@ -117,9 +128,13 @@ class Engine:
         step when `skip_nonfinite`. `loss_fn(output, targets)` → scalar: when given the engine calls
         `model(tokens)` and applies it (pipeline: the last stage does); when None, `model(tokens,
         targets)` returns the loss (the built-in Llama, the `CausalLM` adapter). `tp_plan` (module
-        pattern → style, tp_plan.py) splits the model over tp; None: the plan shipped for the model."""
-        cfg = ctx.config
+        pattern → style, tp_plan.py) splits the model over tp; None: the plan shipped for the model.
+        `ctx` is the topology (groups, device); `parallel` the strategy options (zero, precision,
+        schedules, buckets...), whose axis sizes must be the context's."""
+        cfg = parallel
+        check_layout(cfg, ctx)
         self.ctx = ctx
+        self.parallel = cfg
         self.grad_clip = grad_clip
         self.skip_nonfinite = skip_nonfinite
         self.nonfinite_skips = 0
@@ -131,12 +146,12 @@ class Engine:
         full_shapes = {name: p.shape for name, p in full.named_parameters(remove_duplicate=False)}
         self.loss_fn = loss_fn
         self._hf = hf_config(full) is not None  # takes position_ids= (a context-parallel shard's positions)
-        self.model = prepare_model(full, ctx, tp_plan=tp_plan, loss_fn=loss_fn)
+        self.model = prepare_model(full, ctx, cfg, tp_plan=tp_plan, loss_fn=loss_fn)
         self.model_parallel = ctx.group("mp").size > 1
-        self.mp_state = ModelParallelState(self.model, ctx, full_shapes) if self.model_parallel else None
+        self.mp_state = ModelParallelState(self.model, ctx, full_shapes, cfg.pp_virtual) if self.model_parallel else None
         self.pipeline = cfg.pp > 1
         self.timeline: Timeline | None = None  # set one to record the next steps' pipeline actions
-        self.dp = build_data_parallel(self.model, ctx, optimizer_fn, group_fn)  # casts to compute_dtype
+        self.dp = build_data_parallel(self.model, ctx, cfg, optimizer_fn, group_fn)  # casts to compute_dtype
         self.wrapped: nn.Module = self.dp.module
         self.optimizer: torch.optim.Optimizer = self.dp.optimizer
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
@@ -154,7 +169,7 @@ class Engine:
         if self.pipeline:
             batches = [self._model_inputs(x, y) for x, y in micro_batches]
             loss_sum, tokens = run_pipeline(
-                self.dp.chunks, batches, self.ctx, self.ctx.config.pp_schedule, self.timeline, loss_scale=scale,
+                self.dp.chunks, batches, self.ctx, self.parallel.pp_schedule, self.timeline, loss_scale=scale,
             )
         else:
             loss_sum, tokens = self._forward_backward(micro_batches, scale)
@@ -216,7 +231,7 @@ class Engine:
         """(tokens, targets) on the device; under context parallelism this rank's sequence shard
         and its global positions (the cp ranks' token counts add up to the batch's)."""
         x, y = self._input(x), self._input(y)
-        return shard_sequence(x, y, self.ctx) if self.ctx.config.cp > 1 else (x, y)
+        return shard_sequence(x, y, self.ctx) if self.ctx.size("cp") > 1 else (x, y)
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         """On the device; floating-point inputs in the compute dtype (token ids stay integers)."""

@@ -47,7 +47,7 @@ class DataParallelKind:
     def build(self, model_fn: Callable[[], nn.Module], optimizer_fn: OptimizerFn, lr_lambda: LrLambda,
               loss_fn: LossFn | None) -> AnyEngine:
         return Engine(
-            model_fn, optimizer_fn, self.ctx,
+            model_fn, optimizer_fn, self.ctx, self.cfg.parallel,
             scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
             grad_clip=self.cfg.optim.grad_clip, skip_nonfinite=self.cfg.optim.skip_nonfinite, loss_fn=loss_fn,
         )

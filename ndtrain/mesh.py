@@ -33,7 +33,10 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class ParallelContext:
-    config: ParallelConfig
+    """The topology of this process: its rank and device, every axis's size, its coordinates and groups,
+    and the counted collectives. Strategy options (zero, precision, schedules...) are not here: they
+    are the `ParallelConfig` given to `Engine`."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -143,6 +146,6 @@ def init(config: ParallelConfig | None = None, init_method: str | None = None) -
         store = dist.distributed_c10d._get_default_store()
         comm.watchdog = Watchdog(rank, store, config.watchdog_s, comm.issued).start()
     return ParallelContext(
-        config=config, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+        rank=rank, world_size=world_size, local_rank=local_rank, device=device,
         backend=backend, sizes=sizes, coords=rank_coords(rank, sizes), groups=groups, comm=comm,
     )

@@ -56,9 +56,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train(name: str, layout: dict[str, Any], accumulation: int) -> dict[str, Any]:
-    ctx = init(ParallelConfig(**layout), init_method=init_method())
+    parallel = ParallelConfig(**layout)
+    ctx = init(parallel, init_method=init_method())
     dtype = torch.float32 if layout.get("precision", "fp32") in LOW_PRECISION else DTYPE
-    engine = Engine(lambda: build_model(MODEL, seed=0).to(dtype), adamw, ctx, group_fn=no_decay_for_vectors,
+    engine = Engine(lambda: build_model(MODEL, seed=0).to(dtype), adamw, ctx, parallel, group_fn=no_decay_for_vectors,
                     grad_clip=MAX_NORM)
     dp, rank = ctx.size("dp"), ctx.coord("dp")
     losses, norms = [], []
@@ -84,8 +85,9 @@ def _reduce_scatters(ctx: Any) -> int:
 
 def _overflow() -> dict[str, Any]:
     """fp16, dp=2 × pp=2, ZeRO-1: step OVERFLOW_STEP's gradients are made inf on the first stage only."""
-    ctx = init(ParallelConfig(dp=2, pp=2, precision="fp16", zero=1), init_method=init_method())
-    engine = Engine(lambda: build_model(MODEL, seed=0), adamw, ctx, group_fn=no_decay_for_vectors, grad_clip=MAX_NORM,
+    parallel = ParallelConfig(dp=2, pp=2, precision="fp16", zero=1)
+    ctx = init(parallel, init_method=init_method())
+    engine = Engine(lambda: build_model(MODEL, seed=0), adamw, ctx, parallel, group_fn=no_decay_for_vectors, grad_clip=MAX_NORM,
                     loss_scaler=LossScaler(ctx, init_scale=2.0**10, growth_interval=2))
     gain = [1.0]
     if ctx.coord("pp") == 0:
@@ -108,7 +110,8 @@ def _overflow() -> dict[str, Any]:
 def _resume(layout: dict[str, Any], directory: str) -> bool:
     """Same-layout resume: 2 steps, save, 1 step; a new engine loading the save and taking the 3rd step
     ends with bit-identical parameters."""
-    ctx = init(ParallelConfig(**layout), init_method=init_method())
+    parallel = ParallelConfig(**layout)
+    ctx = init(parallel, init_method=init_method())
     dp, rank = ctx.size("dp"), ctx.coord("dp")
 
     def step(engine: Engine, k: int) -> None:
@@ -116,7 +119,7 @@ def _resume(layout: dict[str, Any], directory: str) -> bool:
         engine.train_step(list(zip(x.chunk(dp)[rank].chunk(2), y.chunk(dp)[rank].chunk(2))))
 
     def build() -> Engine:
-        return Engine(lambda: build_model(MODEL, seed=0).to(DTYPE), adamw, ctx, group_fn=no_decay_for_vectors,
+        return Engine(lambda: build_model(MODEL, seed=0).to(DTYPE), adamw, ctx, parallel, group_fn=no_decay_for_vectors,
                       grad_clip=MAX_NORM)
 
     engine = build()
@@ -229,10 +232,11 @@ def _hf_pipeline_context() -> dict[str, dict[str, torch.Tensor]]:
     """Tiny HF Llama and GPT-2 (tied head, learned positions) under pp=2 × cp=2, 1F1B, 2 micro-batches."""
     from tests.helpers.hf import STEPS as HF_STEPS, adamw as hf_adamw, batch as hf_batch, make_model
 
-    ctx = init(ParallelConfig(pp=2, cp=2, pp_schedule="1f1b"), init_method=init_method())
+    parallel = ParallelConfig(pp=2, cp=2, pp_schedule="1f1b")
+    ctx = init(parallel, init_method=init_method())
     out = {}
     for family in ("llama", "gpt2"):
-        engine = Engine(lambda: make_model(family), hf_adamw, ctx)
+        engine = Engine(lambda: make_model(family), hf_adamw, ctx, parallel)
         for step in range(HF_STEPS):
             x, y = hf_batch(step)
             engine.train_step(list(zip(x.chunk(2), y.chunk(2))))

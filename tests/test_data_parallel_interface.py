@@ -4,7 +4,6 @@ gradient norm reads each parameter's placement once (grad_norm.py). Single proce
 from __future__ import annotations
 
 import ast
-import dataclasses
 import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -57,7 +56,8 @@ class ToyStrategy:
     weights_are_masters = True
     forward_communicates = False
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> None:
+    def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn,
+                 group_fn: GroupFn) -> None:
         self.module = model
         self.chunks: list[nn.Module] = [model]
         self.optimizer = optimizer_fn(parameter_groups(model, group_fn))
@@ -99,7 +99,7 @@ def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_a_registered_toy_strategy_is_driven_by_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(data_parallel.STRATEGIES, ("ddp", 0), ToyStrategy)
     BUILT.clear()
-    engine = Engine(lambda: build_model(MODEL, seed=0), sgd, init(ParallelConfig(dp=1)), grad_clip=MAX_NORM)
+    engine = Engine(lambda: build_model(MODEL, seed=0), sgd, init(ParallelConfig(dp=1)), ParallelConfig(dp=1), grad_clip=MAX_NORM)
     (toy,) = BUILT
     assert engine.wrapped is toy.module and engine.optimizer is toy.optimizer
 
@@ -123,7 +123,7 @@ def test_a_registered_toy_strategy_is_driven_by_the_engine(monkeypatch: pytest.M
 def test_an_unregistered_choice_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(data_parallel.STRATEGIES, ("ddp", 0))
     with pytest.raises(UserError, match=r"no data-parallel strategy for parallel.dp_mode='ddp' with parallel.zero=0"):
-        Engine(lambda: build_model(MODEL, seed=0), sgd, init(ParallelConfig(dp=1)))
+        Engine(lambda: build_model(MODEL, seed=0), sgd, init(ParallelConfig(dp=1)), ParallelConfig(dp=1))
 
 
 def test_segment_spans_weigh_each_parameter_by_its_placement() -> None:
@@ -162,8 +162,7 @@ def _norms_under_tp(precisions: tuple[str, ...]) -> list[tuple[float, bool]]:
     ctx = init(ParallelConfig(tp=2), init_method=init_method())
     out = []
     for precision in precisions:
-        config = dataclasses.replace(ctx.config, precision=precision)
-        engine = Engine(lambda: build_model(MODEL, seed=0), sgd, dataclasses.replace(ctx, config=config), grad_clip=MAX_NORM)
+        engine = Engine(lambda: build_model(MODEL, seed=0), sgd, ctx, ParallelConfig(tp=2, precision=precision), grad_clip=MAX_NORM)
         result = engine.train_step(batches(0))
         out.append((result.grad_norm, result.skipped))
     return out

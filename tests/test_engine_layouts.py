@@ -57,9 +57,10 @@ def reference(one_thread: None) -> tuple[Reference, float]:
 
 def _train(name: str) -> dict[str, Any]:
     layout, accumulation = LAYOUTS[name]
-    ctx = init(ParallelConfig(**layout), init_method=init_method())
+    parallel = ParallelConfig(**layout)
+    ctx = init(parallel, init_method=init_method())
     dtype = torch.float32 if layout.get("precision") == "bf16" else DTYPE
-    engine = Engine(lambda: build_model(MODEL, seed=0).to(dtype), adamw, ctx, group_fn=no_decay_for_vectors, grad_clip=MAX_NORM)
+    engine = Engine(lambda: build_model(MODEL, seed=0).to(dtype), adamw, ctx, parallel, group_fn=no_decay_for_vectors, grad_clip=MAX_NORM)
     dp, rank = ctx.size("dp"), ctx.coord("dp")
     losses = [engine.train_step(shard(batch(step), rank, dp, accumulation)).loss for step in range(STEPS)]
     val, tokens = engine.evaluate(shard(batch(STEPS), rank, dp))

@@ -26,7 +26,6 @@ from torch import nn
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.mesh import ParallelContext, init
-from tests.helpers.models import with_config
 from tests.helpers.runner import init_method, run_distributed
 
 WIDTH, DEPTH = 128, 4
@@ -53,8 +52,8 @@ def expected(stage: int, precision: str, n: int) -> int:
 
 
 def _measure(ctx: ParallelContext, stage: int, precision: str) -> dict[str, Any]:
-    c = with_config(ctx, zero=stage, precision=precision, comm_dtype="bf16" if precision == "bf16" else "fp32")
-    engine = Engine(Tower, lambda groups: torch.optim.AdamW(groups, lr=1e-3), c)
+    parallel = ParallelConfig(zero=stage, precision=precision, comm_dtype="bf16" if precision == "bf16" else "fp32")
+    engine = Engine(Tower, lambda groups: torch.optim.AdamW(groups, lr=1e-3), ctx, parallel)
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(ctx.rank))
     engine.train_step([(x, torch.zeros(4, WIDTH))])  # AdamW's state exists after the first step
     inside: list[dict[str, int]] = []

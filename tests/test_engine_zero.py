@@ -19,7 +19,7 @@ from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.parallel.buckets import MB, pack
-from tests.helpers.models import adamw, batch, make_llama, micro_batches, with_config
+from tests.helpers.models import adamw, batch, make_llama, micro_batches
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import Reference, decay_groups, train_reference
 from tests.helpers.runner import Spawns, case_result, init_method, run_each
@@ -50,8 +50,7 @@ def reference(clip: float, pieces: int = 1) -> Reference:
 
 # ------------------------------------------------------------------------------------ worker
 def _train(ctx: ParallelContext, zero: int, accumulation: int, clip: float) -> dict[str, Any]:
-    ctx = with_config(ctx, zero=zero, bucket_mb=BUCKET_MB)
-    engine = Engine(lambda: make_llama(DTYPE), adamw, ctx, grad_clip=clip)
+    engine = Engine(lambda: make_llama(DTYPE), adamw, ctx, ParallelConfig(zero=zero, bucket_mb=BUCKET_MB), grad_clip=clip)
     norms, deltas = [], []
     for step in range(STEPS):
         before = ctx.comm.stats.snapshot()
@@ -104,6 +103,6 @@ def test_bad_input_is_a_clean_error() -> None:
         ParallelConfig(zero=4).validate()
     with pytest.raises(UserError, match="needs loss scaling"):
         ParallelConfig(precision="fp16", loss_scaling=False).validate()
-    ctx = with_config(init(ParallelConfig()), zero=3, fsdp_wrap="blocks.*")
+    ctx = init(ParallelConfig())
     with pytest.raises(UserError, match="match no module"):
-        Engine(make_llama, adamw, ctx)
+        Engine(make_llama, adamw, ctx, ParallelConfig(zero=3, fsdp_wrap="blocks.*"))

@@ -53,13 +53,13 @@ SLOW = {"llama": ("pp_gpipe", "pp_interleaved", "pp_1f1b_recompute_full", "cp_re
 
 
 # ------------------------------------------------------------------------------------ workers
-def _train(ctx: ParallelContext, family: str, strategy: str) -> dict[str, Any]:
+def _train(ctx: ParallelContext, base: ParallelConfig, family: str, strategy: str) -> dict[str, Any]:
     layout, changes, layers = STRATEGIES[strategy]
-    ctx = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, **changes))
+    parallel = dataclasses.replace(base, **changes)
     if strategy.endswith("bare_loss_fn"):
-        engine = Engine(lambda: make_model(family, layers).hf, adamw, ctx, loss_fn=_bare_loss)
+        engine = Engine(lambda: make_model(family, layers).hf, adamw, ctx, parallel, loss_fn=_bare_loss)
     else:
-        engine = Engine(lambda: make_model(family, layers), adamw, ctx)
+        engine = Engine(lambda: make_model(family, layers), adamw, ctx, parallel)
     losses = []
     for step in range(STEPS):
         x, y = batch(step)
@@ -76,39 +76,39 @@ def _bare_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return CausalLM.loss_fn(output.logits, targets)
 
 
-def _refusals(ctx: ParallelContext) -> dict[str, str]:
+def _refusals(ctx: ParallelContext, base: ParallelConfig) -> dict[str, str]:
     """The one-line errors of models a pipeline cannot cut."""
     mistral = transformers.MistralConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2,
     )
     attempts = {
-        "unknown_family": (lambda: CausalLM(transformers.AutoModelForCausalLM.from_config(mistral)), ctx),
-        "bare_without_loss_fn": (lambda: make_model("llama", 2).hf, ctx),
-        "measured": (lambda: make_model("llama", 2),
-                     dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, pp_balance="measured"))),
+        "unknown_family": (lambda: CausalLM(transformers.AutoModelForCausalLM.from_config(mistral)), base),
+        "bare_without_loss_fn": (lambda: make_model("llama", 2).hf, base),
+        "measured": (lambda: make_model("llama", 2), dataclasses.replace(base, pp_balance="measured")),
     }
     out = {}
-    for name, (model_fn, context) in attempts.items():
+    for name, (model_fn, parallel) in attempts.items():
         try:
-            Engine(model_fn, adamw, context)
+            Engine(model_fn, adamw, ctx, parallel)
         except UserError as e:
             out[name] = str(e)
     return out
 
 
 def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
-    ctx = init(ParallelConfig(**LAYOUTS[layout]), init_method=init_method())
-    out = run_each(lambda case: _train(ctx, *case), cases)
+    base = ParallelConfig(**LAYOUTS[layout])
+    ctx = init(base, init_method=init_method())
+    out = run_each(lambda case: _train(ctx, base, *case), cases)
     if layout == "pp":
-        out["refusals"] = _refusals(ctx)
+        out["refusals"] = _refusals(ctx, base)
     if layout == "cp":
         sliding = transformers.Qwen2Config(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=0,
         )
         try:
-            Engine(lambda: CausalLM(transformers.AutoModelForCausalLM.from_config(sliding)), adamw, ctx)
+            Engine(lambda: CausalLM(transformers.AutoModelForCausalLM.from_config(sliding)), adamw, ctx, base)
         except UserError as e:
             out["sliding_refusal"] = str(e)
     return out

@@ -61,9 +61,9 @@ def params(named: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------ workers
-def _train(ctx: ParallelContext, family: str, changes: dict[str, Any], plan: dict[str, str] | None = None) -> dict[str, Any]:
-    ctx = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, **changes))
-    engine = Engine(lambda: make_model(family), adamw, ctx, tp_plan=plan)
+def _train(ctx: ParallelContext, base: ParallelConfig, family: str, changes: dict[str, Any],
+           plan: dict[str, str] | None = None) -> dict[str, Any]:
+    engine = Engine(lambda: make_model(family), adamw, ctx, dataclasses.replace(base, **changes), tp_plan=plan)
     dp, rank = ctx.size("dp"), ctx.coord("dp")
     before = ctx.comm.stats.snapshot()
     for step in range(STEPS):
@@ -73,16 +73,17 @@ def _train(ctx: ParallelContext, family: str, changes: dict[str, Any], plan: dic
     return {"params": engine.full_state_dict(), "ops": ops}
 
 
-def _case(ctx: ParallelContext, family: str, strategy: str) -> dict[str, Any]:
-    return _train(ctx, family, STRATEGIES[strategy][1], MLP_PLAN if strategy == "tp_given_plan" else None)
+def _case(ctx: ParallelContext, base: ParallelConfig, family: str, strategy: str) -> dict[str, Any]:
+    return _train(ctx, base, family, STRATEGIES[strategy][1], MLP_PLAN if strategy == "tp_given_plan" else None)
 
 
 def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
-    ctx = init(ParallelConfig(**LAYOUTS[layout][0]), init_method=init_method())
-    out = run_each(lambda case: _case(ctx, *case), cases)
+    base = ParallelConfig(**LAYOUTS[layout][0])
+    ctx = init(base, init_method=init_method())
+    out = run_each(lambda case: _case(ctx, base, *case), cases)
     if layout == "tp":  # gpt2 under tp: refused
         try:
-            _train(ctx, "gpt2", {})
+            _train(ctx, base, "gpt2", {})
         except UserError as e:
             out["gpt2_tp_refusal"] = str(e)
     return out
@@ -173,8 +174,8 @@ def test_recompute_reruns_hf_blocks_called_with_keywords(mode: str, q_calls: int
 def test_engine_loss_fn_applies_to_the_models_output() -> None:
     """Engine(loss_fn=...) calls model(tokens) and applies it: the same training as the model's own loss."""
     ctx = init(ParallelConfig())
-    own = Engine(lambda: make_model("gpt2"), adamw, ctx)
-    given = Engine(lambda: make_model("gpt2"), adamw, ctx, loss_fn=CausalLM.loss_fn)
+    own = Engine(lambda: make_model("gpt2"), adamw, ctx, ParallelConfig())
+    given = Engine(lambda: make_model("gpt2"), adamw, ctx, ParallelConfig(), loss_fn=CausalLM.loss_fn)
     for step in range(2):
         a, b = own.train_step([batch(step)]), given.train_step([batch(step)])
         assert a.loss == b.loss

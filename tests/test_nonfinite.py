@@ -20,7 +20,7 @@ import torch
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine, NonFiniteError
 from ndtrain.mesh import init
-from tests.helpers.models import adamw, make_llama, micro_batches, with_config
+from tests.helpers.models import adamw, make_llama, micro_batches
 from tests.helpers.runner import init_method, run_distributed
 
 POISONED_STEP = 1  # 0-based: the second step's loss is NaN on rank 1 only
@@ -28,7 +28,7 @@ CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (1, "bf16")]
 
 
 def _run(ctx: Any, zero: int, precision: str, skip: bool) -> dict[str, Any]:
-    ctx = with_config(ctx, zero=zero, precision=precision)
+    parallel = ParallelConfig(zero=zero, precision=precision)
     poison = [False]
 
     def model_fn() -> torch.nn.Module:
@@ -36,7 +36,7 @@ def _run(ctx: Any, zero: int, precision: str, skip: bool) -> dict[str, Any]:
         model.register_forward_hook(lambda m, i, loss: loss * float("nan") if poison[0] else loss)
         return model
 
-    engine = Engine(model_fn, adamw, ctx, grad_clip=1.0, skip_nonfinite=skip)
+    engine = Engine(model_fn, adamw, ctx, parallel, grad_clip=1.0, skip_nonfinite=skip)
     out: dict[str, Any] = {"skipped": [], "error": None}
     for step in range(3):
         poison[0] = step == POISONED_STEP and ctx.rank == 1

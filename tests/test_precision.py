@@ -23,7 +23,7 @@ from ndtrain.mesh import ParallelContext, init
 from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
 from ndtrain.parallel.precision import LossScaler, master_dtype, reduction_dtype
 from ndtrain.parallel.zero2_gradients import Zero2DataParallel
-from tests.helpers.models import batch, make_llama, with_config
+from tests.helpers.models import batch, make_llama
 from tests.helpers.runner import init_method, run_distributed
 
 STEPS = 12
@@ -53,7 +53,7 @@ def _batches(ctx: ParallelContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _curve(ctx: ParallelContext, zero: int, precision: str) -> list[float]:
-    engine = Engine(make_llama, adamw, with_config(ctx, zero=zero, precision=precision, bucket_mb=0.01), grad_clip=1.0)
+    engine = Engine(make_llama, adamw, ctx, ParallelConfig(zero=zero, precision=precision, bucket_mb=0.01), grad_clip=1.0)
     return [engine.train_step(_batches(ctx)).loss for _ in range(STEPS)]
 
 
@@ -65,8 +65,8 @@ def _overflow(ctx: ParallelContext, zero: int) -> dict[str, Any]:
         model = Spiky()
         return model
 
-    c = with_config(ctx, zero=zero, precision="fp16", bucket_mb=0.01, fsdp_wrap="inner.layers.*")
-    engine = Engine(build, adamw, c, loss_scaler=LossScaler(c, init_scale=2.0**10, growth_interval=2))
+    parallel = ParallelConfig(zero=zero, precision="fp16", bucket_mb=0.01, fsdp_wrap="inner.layers.*")
+    engine = Engine(build, adamw, ctx, parallel, loss_scaler=LossScaler(ctx, init_scale=2.0**10, growth_interval=2))
     assert model is not None
     out: dict[str, Any] = {"skipped": [], "scale": [], "loss": [], "unchanged": []}
     for step in range(6):
@@ -79,7 +79,7 @@ def _overflow(ctx: ParallelContext, zero: int) -> dict[str, Any]:
         out["loss"].append(result.loss)
         out["unchanged"].append(all(torch.equal(before[k], after[k]) for k in before))
     out["final_scale"] = engine.scaler.scale  # type: ignore[union-attr]
-    restored = LossScaler(c)
+    restored = LossScaler(ctx)
     restored.load_state_dict(engine.extra_state()["loss_scaler"])
     out["restored"] = restored.state_dict() == engine.scaler.state_dict()  # type: ignore[union-attr]
     out["skipped_steps"] = engine.scaler.skipped_steps  # type: ignore[union-attr]

@@ -91,12 +91,12 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def make_engine(ctx: Any) -> Engine:
-    dtype = torch.float32 if ctx.config.precision == "bf16" else DTYPE
+def make_engine(ctx: Any, parallel: ParallelConfig) -> Engine:
+    dtype = torch.float32 if parallel.precision == "bf16" else DTYPE
     return Engine(
         lambda: build_model(MODEL, seed=0).to(dtype),
         lambda groups: torch.optim.AdamW(groups, lr=1e-3, eps=1e-6, weight_decay=0.1),
-        ctx, grad_clip=0.3,
+        ctx, parallel, grad_clip=0.3,
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
     )
 
@@ -113,13 +113,13 @@ def resharding_worker(root: str, pairs: list[tuple[str, str]]) -> dict[str, Stat
     """Each A run: K steps, save, on to N; each B: load A's step K, train to N. Full states by run name."""
     out: dict[str, State] = {}
     for a in dict.fromkeys(a for a, _ in pairs):
-        engine = make_engine(init(ParallelConfig(**LAYOUTS[a]), init_method=init_method()))
+        engine = make_engine(init(ParallelConfig(**LAYOUTS[a]), init_method=init_method()), ParallelConfig(**LAYOUTS[a]))
         train(engine, range(K))
         engine.save(f"{root}/{a}")
         train(engine, range(K, N))
         out[a] = engine.full_state_dict()
         for b in [b for x, b in pairs if x == a and b != "one"]:
-            resumed = make_engine(init(ParallelConfig(**LAYOUTS[b]), init_method=init_method()))
+            resumed = make_engine(init(ParallelConfig(**LAYOUTS[b]), init_method=init_method()), ParallelConfig(**LAYOUTS[b]))
             progress = resumed.load(f"{root}/{a}")
             assert progress["step"] == K and resumed.scheduler.last_epoch == K
             assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / (1 + K))
@@ -158,7 +158,7 @@ def test_resume_under_another_layout_continues_the_run(a: str, b: str, request: 
     root, results = request.getfixturevalue("resharded" if (a, b) in FAST else "resharded_slow")
     expected = merged(results, a)
     if b == "one":
-        engine = make_engine(init(ParallelConfig(dp=1)))
+        engine = make_engine(init(ParallelConfig(dp=1)), ParallelConfig(dp=1))
         assert engine.load(root / a)["step"] == K
         train(engine, range(K, N))
         actual = engine.full_state_dict()
@@ -181,7 +181,7 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(
     for config, message in [(wider, r"holds 'tok_embeddings.weight' with shape \[256, 32\], this model's is \[256, 48\]"),
                             (deeper, r"holds no parameter 'layers.4."), (shallower, r"parameter elements, this model")]:
         engine = Engine(lambda: build_model(config, seed=0), lambda groups: torch.optim.AdamW(groups),
-                        init(ParallelConfig(dp=1)))
+                        init(ParallelConfig(dp=1)), ParallelConfig(dp=1))
         with pytest.raises(UserError, match=message) as raised:
             engine.load(checkpoint)
         assert "\n" not in str(raised.value) and "another model" in str(raised.value)
@@ -194,7 +194,7 @@ def test_a_missing_slice_is_named(tmp_path: Path, resharded: tuple[Path, list[di
     shutil.copytree(root / "dp2-cp2-z3", copy)
     step = next(copy.glob("step_*"))
     (step / "__1_0.distcp").unlink()
-    engine = make_engine(init(ParallelConfig(dp=1)))
+    engine = make_engine(init(ParallelConfig(dp=1)), ParallelConfig(dp=1))
     with pytest.raises(UserError, match=r"does not verify \(missing file __1_0.distcp\)"):
         engine.load(step)
     with pytest.raises(UserError, match=r"no checkpoint in .* verifies"):
@@ -265,4 +265,4 @@ def test_a_checkpoint_of_the_old_per_layout_format_is_refused_in_one_line(
     (step / "progress.json").write_text(json.dumps(progress))
     write_manifest(step, K, {})
     with pytest.raises(UserError, match=r"per-layout format .* \(model.init_from\)"):
-        make_engine(init(ParallelConfig(dp=1))).load(copy)
+        make_engine(init(ParallelConfig(dp=1)), ParallelConfig(dp=1)).load(copy)

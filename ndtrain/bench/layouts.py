@@ -74,10 +74,10 @@ def _adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=LR)
 
 
-def _engine(ctx: ParallelContext, cfg: ModelConfig, options: BenchOptions,
+def _engine(ctx: ParallelContext, parallel: ParallelConfig, cfg: ModelConfig, options: BenchOptions,
             tokens: torch.Tensor) -> Callable[[], Step]:
     def build() -> Step:
-        engine = Engine(lambda: build_model(cfg, options.seed), _adamw, ctx)
+        engine = Engine(lambda: build_model(cfg, options.seed), _adamw, ctx, parallel)
         dp, rank = ctx.size("dp"), ctx.coord("dp")
         micro_batches = GLOBAL_BATCH // dp // MICRO_BATCH_SIZE
 
@@ -109,7 +109,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         for name, config in configs.items()
     }
     contestants = [
-        Contestant(name, _engine(contexts[name], cfg, options, tokens), counted=True) for name in configs
+        Contestant(name, _engine(contexts[name], configs[name], cfg, options, tokens), counted=True) for name in configs
     ]
     facts = {
         "preset": options.preset, "global_batch": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH_SIZE,

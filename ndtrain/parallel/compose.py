@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ndtrain.config import ParallelConfig
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.context_parallel import apply_context_parallel
 from ndtrain.parallel.pipeline import split_model
@@ -31,12 +32,12 @@ from ndtrain.parallel.tp_plan import parallelize
 
 
 def prepare_model(
-    model: nn.Module, ctx: ParallelContext, *, tp_plan: Mapping[str, str] | None = None, loss_fn: LossFn | None = None,
+    model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, *, tp_plan: Mapping[str, str] | None = None,
+    loss_fn: LossFn | None = None,
 ) -> nn.Module:
     """`model` split over tp (by `tp_plan`, or the plan shipped for the model), recomputed, with ring
     attention over cp, cut to this rank's pipeline stage (one module, or a ModuleList of v chunks
     for interleaved schedules; the last stage applies `loss_fn` when given)."""
-    cfg = ctx.config
     if cfg.tp > 1:
         parallelize(model, ctx, tp_plan, sequence_parallel=cfg.sequence_parallel)
     apply_recompute(model, cfg.recompute)
@@ -44,30 +45,20 @@ def prepare_model(
         apply_context_parallel(model, ctx)
     if cfg.pp == 1:
         return model
-    stages = split_model(model, ctx, virtual=cfg.pp_virtual, balance=cfg.pp_balance, sample=_sample(model, ctx),
-                         loss_fn=loss_fn)
+    stages = split_model(model, ctx, virtual=cfg.pp_virtual, balance=cfg.pp_balance, loss_fn=loss_fn)
     return stages[0] if len(stages) == 1 else nn.ModuleList(stages)
-
-
-def _sample(model: nn.Module, ctx: ParallelContext) -> torch.Tensor | None:
-    """A batch of one sequence for `pp_balance=measured` (timing each piece), seeded like the model."""
-    if ctx.config.pp_balance != "measured":
-        return None
-    cfg = getattr(model, "cfg", None)  # the built-in Llama's; other models are refused by split_model
-    if cfg is None:
-        return None
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(cfg.vocab_size, (1, cfg.seq_len), generator=generator).to(ctx.device)
 
 
 class ModelParallelState:
     """The whole model of a tp/pp run, gathered (`full_state_dict`)."""
 
-    def __init__(self, module: nn.Module, ctx: ParallelContext, full_shapes: dict[str, torch.Size]) -> None:
-        """`full_shapes`: the unsharded model's parameter shapes by name (taken before `prepare_model`)."""
+    def __init__(self, module: nn.Module, ctx: ParallelContext, full_shapes: dict[str, torch.Size], virtual: int) -> None:
+        """`full_shapes`: the unsharded model's parameter shapes by name (taken before `prepare_model`);
+        `virtual`: stage chunks per rank (their index prefixes the chunks' parameter names)."""
         self.module = module
         self.ctx = ctx
         self.full_shapes = full_shapes
+        self.virtual = virtual
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -75,7 +66,7 @@ class ModelParallelState:
         out: dict[str, torch.Tensor] = {}
         tp = self.ctx.group("tp")
         for name, param in self.module.named_parameters(remove_duplicate=False):
-            name = _original_name(name, self.ctx.config.pp_virtual)
+            name = _original_name(name, self.virtual)
             if name in out:
                 continue
             shard = placement_of(param).tp

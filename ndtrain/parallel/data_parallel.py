@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel import single_process_dp, zero1_optimizer, zero2_gradients, zero3_parameters
@@ -95,7 +96,7 @@ class DataParallelStrategy(Protocol):
         ...
 
 
-Builder = Callable[[nn.Module, ParallelContext, OptimizerFn, GroupFn], DataParallelStrategy]
+Builder = Callable[[nn.Module, ParallelContext, ParallelConfig, OptimizerFn, GroupFn], DataParallelStrategy]
 
 STRATEGIES: dict[tuple[str, int], Builder] = {
     ("ddp", 0): zero1_optimizer.build_replicated,
@@ -108,15 +109,15 @@ STRATEGIES: dict[tuple[str, int], Builder] = {
 
 
 def build_data_parallel(
-    model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn,
+    model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn,
 ) -> DataParallelStrategy:
-    """The strategy `ctx.config` asks for (dp_mode, zero) around `model`, with its optimizer built by
+    """The strategy `cfg` asks for (dp_mode, zero) around `model`, with its optimizer built by
     `optimizer_fn(groups)` from the parameter groups `group_fn` defines."""
-    key = (ctx.config.dp_mode, ctx.config.zero)
+    key = (cfg.dp_mode, cfg.zero)
     builder = STRATEGIES.get(key)
     if builder is None:
         raise UserError(
             f"no data-parallel strategy for parallel.dp_mode={key[0]!r} with parallel.zero={key[1]}: "
             f"choose one of {sorted(STRATEGIES)}"
         )
-    return builder(model, ctx, optimizer_fn, group_fn)
+    return builder(model, ctx, cfg, optimizer_fn, group_fn)

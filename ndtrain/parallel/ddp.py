@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ndtrain.config import ParallelConfig
 from ndtrain.comm import Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
@@ -157,10 +158,9 @@ class DistributedDataParallel(nn.Module):
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy (ZeRO-0)
-def ddp_chunks(model: nn.Module, ctx: ParallelContext) -> list[DistributedDataParallel]:
-    """`model` wrapped in DDP as configured (`ctx.config`): one wrapper, or one per chunk of an
+def ddp_chunks(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig) -> list[DistributedDataParallel]:
+    """`model` wrapped in DDP as configured (`cfg`): one wrapper, or one per chunk of an
     interleaved pipeline (a ModuleList of stage chunks, each with its own buckets)."""
-    cfg = ctx.config
     comm_dtype = DTYPES[cfg.comm_dtype]
     if isinstance(model, nn.ModuleList):
         return [DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in model]

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel import zero1_optimizer
@@ -241,16 +242,16 @@ def _parallel_run(replicas: list[nn.Module], inputs: list[Any], devices: list[to
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy
-def _replicas(ctx: ParallelContext) -> Callable[[nn.Module], nn.Module]:
+def _replicas(ctx: ParallelContext, cfg: ParallelConfig) -> Callable[[nn.Module], nn.Module]:
     """Wraps a module in `SingleProcessDataParallel` over `parallel.replicas` copies on this rank's device."""
-    return lambda module: SingleProcessDataParallel(module, [ctx.device] * ctx.config.replicas)
+    return lambda module: SingleProcessDataParallel(module, [ctx.device] * cfg.replicas)
 
 
-def build_replicated(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> DataParallelStrategy:
+def build_replicated(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> DataParallelStrategy:
     """dp_mode=single-process, zero=0: replicas on threads inside each process, DDP across processes."""
-    return zero1_optimizer.build_replicated(model, ctx, optimizer_fn, group_fn, wrap=_replicas(ctx))
+    return zero1_optimizer.build_replicated(model, ctx, cfg, optimizer_fn, group_fn, wrap=_replicas(ctx, cfg))
 
 
-def build_zero1(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> DataParallelStrategy:
+def build_zero1(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> DataParallelStrategy:
     """dp_mode=single-process, zero=1: as `build_replicated` with the optimizer state sharded over dp_cp."""
-    return zero1_optimizer.build_zero1(model, ctx, optimizer_fn, group_fn, wrap=_replicas(ctx))
+    return zero1_optimizer.build_zero1(model, ctx, cfg, optimizer_fn, group_fn, wrap=_replicas(ctx, cfg))

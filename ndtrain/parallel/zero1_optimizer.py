@@ -55,6 +55,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
@@ -415,26 +416,26 @@ class ZeroStrategy:
                 "optimizer": optimizer_state_bytes(self.optimizer) + self.optimizer.master_bytes}
 
 
-def build_replicated(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
+def build_replicated(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
                      wrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> DDPStrategy | ZeroStrategy:
     """ZeRO-0: DDP (over `wrap(model)`) with the caller's optimizer over the whole model, or, in
     bf16/fp16, an unsharded `ZeroOptimizer` holding the fp32 masters."""
-    masters = compute_copies(model, DTYPES[ctx.config.precision])
+    masters = compute_copies(model, DTYPES[cfg.precision])
     if masters is None:
-        return DDPStrategy(ddp_chunks(wrap(model), ctx), optimizer_fn(parameter_groups(model, group_fn)), ctx)
-    return _with_ddp(wrap(model), ctx, optimizer_fn, group_fn, masters=masters, sharded=False)
+        return DDPStrategy(ddp_chunks(wrap(model), ctx, cfg), optimizer_fn(parameter_groups(model, group_fn)), ctx)
+    return _with_ddp(wrap(model), ctx, cfg, optimizer_fn, group_fn, masters=masters, sharded=False)
 
 
-def build_zero1(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
+def build_zero1(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
                 wrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> ZeroStrategy:
     """ZeRO-1: DDP (over `wrap(model)`) with the optimizer state sharded over dp_cp."""
-    masters = compute_copies(model, DTYPES[ctx.config.precision])
-    return _with_ddp(wrap(model), ctx, optimizer_fn, group_fn, masters=masters, sharded=True)
+    masters = compute_copies(model, DTYPES[cfg.precision])
+    return _with_ddp(wrap(model), ctx, cfg, optimizer_fn, group_fn, masters=masters, sharded=True)
 
 
-def _with_ddp(module: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
+def _with_ddp(module: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
               masters: dict[int, torch.Tensor] | None, sharded: bool) -> ZeroStrategy:
-    chunks = ddp_chunks(module, ctx)  # an interleaved pipeline's chunks: one bucket sequence over all of them
+    chunks = ddp_chunks(module, ctx, cfg)  # an interleaved pipeline's chunks: one bucket sequence over all of them
     source = chunks[0] if len(chunks) == 1 else DataParallelChunks(chunks)
     optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=sharded)
     return ZeroStrategy(source, optimizer, no_sync=functools.partial(all_no_sync, chunks),

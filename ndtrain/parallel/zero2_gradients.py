@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ndtrain.config import ParallelConfig
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.buckets import MB, GradientBuckets, ReduceScatterBucket, broadcast_state
 from ndtrain.parallel.flat_layout import Segment
@@ -123,10 +124,9 @@ class Zero2DataParallel(nn.Module):
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy
-def build_zero2(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> ZeroStrategy:
+def build_zero2(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> ZeroStrategy:
     """ZeRO-2: `Zero2DataParallel` gradient shards with `ZeroOptimizer`. Every micro-batch's backward
     reduce-scatters into the shard (no `no_sync`), keeping the gradient memory sharded."""
-    cfg = ctx.config
     masters = compute_copies(model, DTYPES[cfg.precision])
     wrapper = Zero2DataParallel(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype])
     optimizer = ZeroOptimizer(wrapper, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=True)

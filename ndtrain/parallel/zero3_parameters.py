@@ -58,6 +58,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
@@ -408,10 +409,9 @@ class FSDPStrategy:
         return {**self.sharded_model.state_bytes(), "optimizer": optimizer_state_bytes(self.optimizer)}
 
 
-def build_zero3(model: nn.Module, ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> FSDPStrategy:
+def build_zero3(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> FSDPStrategy:
     """ZeRO-3: the model cut into FSDP units as configured (`fsdp_wrap`, `reshard_after_forward`),
     computing in the configured precision over fp32 shards."""
-    cfg = ctx.config
     fsdp = FullyShardedDataParallel(
         model, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
         param_dtype=DTYPES[cfg.precision], reduce_dtype=DTYPES[cfg.comm_dtype],

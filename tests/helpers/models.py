@@ -6,14 +6,13 @@ Batches are seeded by step, so the parent's reference and every rank draw the sa
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from ndtrain.comm import Communicator, Group
-from ndtrain.config import ParallelConfig, config_from_dict
+from ndtrain.config import config_from_dict
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
 
@@ -55,16 +54,11 @@ def adamw(groups: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)
 
 
-def with_config(ctx: ParallelContext, **changes: Any) -> ParallelContext:
-    """The same process groups under another ParallelConfig (one spawn, several strategies)."""
-    return dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, **changes))
-
-
 def fake_tp_ctx(tp: int) -> ParallelContext:
     """A context whose tp group has `tp` ranks (rank 0), without processes: for code that issues no collective."""
     group = Group("tp", tuple(range(tp)), 0)
     sizes = {"dp": 1, "cp": 1, "pp": 1, "tp": tp}
     return ParallelContext(
-        config=ParallelConfig(tp=tp), rank=0, world_size=tp, local_rank=0, device=torch.device("cpu"),
+        rank=0, world_size=tp, local_rank=0, device=torch.device("cpu"),
         backend="gloo", sizes=sizes, coords={axis: 0 for axis in sizes}, groups={"tp": group},
         comm=Communicator(0, timedelta(seconds=1)))
