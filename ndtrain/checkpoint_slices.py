@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
+from ndtrain.parallel.flat_layout import FlatLayout
 from ndtrain.parallel.placement import Placement, Shard, placement_of
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
 from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
@@ -120,12 +120,11 @@ def runs(engine: Any) -> list[Run]:
     if fsdp is not None:
         out = [run for unit in fsdp.units for run in _fsdp_runs(unit, tp_first)]
     elif isinstance(engine.optimizer, ZeroOptimizer):
-        out = [run for shard, bucket in zip(engine.optimizer._shards, engine.optimizer.model.buckets)
-               for run in _zero_runs(shard, bucket.params, tp_first)]
+        out = [run for shard in engine.optimizer._shards for run in _zero_runs(shard, tp_first)]
     else:
         out = []
     covered = _covered(engine)  # the rest (zero 0, or frozen parameters ZeRO-1/2 leave out): whole
-    out += [_run(p, 0, p.numel(), p, 0, tp_first) for p in _module_params(engine.model) if id(p) not in covered]
+    out += [_run(p, 0, p.numel(), p, 0, tp_first) for p in engine.model.parameters() if id(p) not in covered]
     return out
 
 
@@ -134,7 +133,7 @@ def compute_copies(engine: Any) -> list[Run]:
     buffers, in the compute dtype), each as one run held in the parameter itself."""
     if _fsdp(engine) is None and isinstance(engine.optimizer, ZeroOptimizer):
         covered = _covered(engine)
-        return [_run(p, 0, p.numel(), p, 0, True) for p in _module_params(engine.model) if id(p) in covered]
+        return [_run(p, 0, p.numel(), p, 0, True) for p in engine.model.parameters() if id(p) in covered]
     return []
 
 
@@ -160,11 +159,6 @@ def _fsdp(engine: Any) -> FullyShardedDataParallel | None:
     return model if isinstance(model, FullyShardedDataParallel) else None
 
 
-def _module_params(model: nn.Module) -> list[nn.Parameter]:
-    """Each parameter of this rank's model (stages, chunks) once."""
-    return list(model.parameters())
-
-
 def _run(param: torch.Tensor, start: int, end: int, owner: torch.Tensor, at: int, tp_first: bool) -> Run:
     placement: Placement = placement_of(param)
     if placement.name is None or placement.shape is None:
@@ -173,26 +167,23 @@ def _run(param: torch.Tensor, start: int, end: int, owner: torch.Tensor, at: int
     return Run(placement.name, placement.shape, placement.tp, tuple(param.shape), start, end, owner, at, writes)
 
 
-def _zero_runs(shard: Any, params: list[nn.Parameter], tp_first: bool) -> list[Run]:
-    """A ZeroOptimizer bucket: each segment (a, b) of the flat buffer cut at parameter boundaries."""
-    out = []
-    for a, b, _, segment, _ in shard.segments:
-        offset = 0
-        for p in params:
-            lo, hi = max(a, offset), min(b, offset + p.numel())
-            if lo < hi:
-                out.append(_run(p, lo - offset, hi - offset, segment, lo - a, tp_first))
-            offset += p.numel()
-    return out
+def _zero_runs(shard: Any, tp_first: bool) -> list[Run]:
+    """A ZeroOptimizer bucket: its optimizer segments (a, b) are in the bucket's flat coordinates."""
+    return _flat_runs(shard.flat_layout, [(a, b, segment) for a, b, _, segment, _ in shard.segments], tp_first)
 
 
 def _fsdp_runs(unit: Any, tp_first: bool) -> list[Run]:
-    """An FSDP unit: each segment [a, b) of the shard (shard coordinates) cut at parameter boundaries."""
+    """An FSDP unit: its optimizer segments [a, b) are in shard coordinates (from the rank's `lo`)."""
+    base = unit.flat_layout.lo
+    return _flat_runs(unit.flat_layout, [(base + a, base + b, segment) for a, b, segment in unit.segments], tp_first)
+
+
+def _flat_runs(layout: FlatLayout, owners: list[tuple[int, int, torch.Tensor]], tp_first: bool) -> list[Run]:
+    """Each owner tensor holding flat elements [a, b) of `layout`, cut at parameter boundaries."""
     out = []
-    for a, b, segment in unit.segments:
-        base = unit.flat_layout.lo
-        for p, offset in zip(unit.params, unit.flat_layout.offsets):
-            lo, hi = max(base + a, offset), min(base + b, offset + p.numel())
+    for a, b, owner in owners:
+        for p, offset in zip(layout.params, layout.offsets):
+            lo, hi = max(a, offset), min(b, offset + p.numel())
             if lo < hi:
-                out.append(_run(p, lo - offset, hi - offset, segment, lo - base - a, tp_first))
+                out.append(_run(p, lo - offset, hi - offset, owner, lo - a, tp_first))
     return out
