@@ -19,8 +19,9 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel import data_parallel
+from ndtrain.parallel.flat_layout import FlatLayout
 from ndtrain.parallel.grad_norm import (
-    GradPiece, clip_, clip_coefficient, flat_placements, global_grad_norm, optimizer_param_grads, segment_pieces,
+    GradPiece, clip_, clip_coefficient, global_grad_norm, optimizer_param_grads, segment_pieces,
     segment_spans, whole_pieces,
 )
 from ndtrain.parallel.placement import Shard, place
@@ -51,9 +52,7 @@ class ToyStrategy:
     """A strategy of the test's own: the bare module, SGD over it, a log of what the engine calls."""
 
     grads_sharded = False
-    shards_optimizer = False
     sharded_model = None
-    weights_are_masters = True
     forward_communicates = False
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn,
@@ -130,7 +129,7 @@ def test_segment_spans_weigh_each_parameter_by_its_placement() -> None:
     # a flat layout of: tp shard (4), tp-replicated (3), pipeline duplicate (2), tp-replicated (5)
     params = [place(nn.Parameter(torch.zeros(4)), tp=Shard(0, 0, 4, 8)), nn.Parameter(torch.zeros(3)),
               place(nn.Parameter(torch.zeros(2)), pipeline_duplicate=True), nn.Parameter(torch.zeros(5))]
-    layout = flat_placements(params)
+    layout = FlatLayout(params, 1, 0).placed_ranges()
     assert [(a, b) for a, b, _ in layout] == [(0, 4), (4, 7), (7, 9), (9, 14)]
     assert segment_spans(0, 14, layout, tp=2) == [(0, 4, 1.0), (4, 7, 0.5), (9, 14, 0.5)]
     assert segment_spans(2, 12, layout, tp=2) == [(0, 2, 1.0), (2, 5, 0.5), (7, 10, 0.5)]  # relative to 2

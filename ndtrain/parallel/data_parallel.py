@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -37,11 +37,7 @@ from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn
 
 
 class ShardedModel(Protocol):
-    """What a checkpoint writes for a model each rank holds only part of (see checkpoint.py)."""
-
-    def sharded_state_dict(self) -> dict[str, Any]: ...
-
-    def load_sharded_state_dict(self, saved: dict[str, Any]) -> None: ...
+    """A model each rank holds only part of: it gathers the whole one (collective)."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
 
@@ -55,10 +51,7 @@ class DataParallelStrategy(Protocol):
     - `optimizer`: the optimizer the engine steps (and LR schedules and checkpoints see).
     - `grads_sharded`: `grad_pieces()` are this rank's shard of a gradient sharded over dp_cp, so the
       norm sums them over dp_cp (one 4-byte all-reduce); False: replicated, nothing to sum.
-    - `shards_optimizer`: each rank checkpoints its own optimizer state (shards, fp32 masters).
-    - `sharded_model`: what each rank checkpoints as its own part of the model (ZeRO-3), or None.
-    - `weights_are_masters`: the module's parameters are the weights the optimizer updates (no
-      separate fp32 masters, no shards), so loading weights alone restores the model.
+    - `sharded_model`: what gathers the whole model when each rank holds only shards (ZeRO-3), or None.
     - `forward_communicates`: a forward issues collectives (ZeRO-3's all-gathers), so every rank
       must run as many forwards (evaluation pads the ranks with fewer batches).
     """
@@ -67,9 +60,7 @@ class DataParallelStrategy(Protocol):
     chunks: list[nn.Module]
     optimizer: torch.optim.Optimizer
     grads_sharded: bool
-    shards_optimizer: bool
     sharded_model: ShardedModel | None
-    weights_are_masters: bool
     forward_communicates: bool
 
     def no_sync(self) -> AbstractContextManager[None]:

@@ -189,9 +189,7 @@ class DDPStrategy:
     norm's pieces are whole `.grad`s, summed over mp only; checkpoints need no per-rank optimizer state."""
 
     grads_sharded = False
-    shards_optimizer = False
     sharded_model = None
-    weights_are_masters = True
     forward_communicates = False
 
     def __init__(self, chunks: list[DistributedDataParallel], optimizer: torch.optim.Optimizer, ctx: ParallelContext) -> None:

@@ -75,6 +75,10 @@ class FlatLayout:
         """Each parameter's elements of `flat` (a whole buffer of this layout), shaped like the parameter."""
         return [flat[a : a + p.numel()].view(p.shape) for p, a in zip(self.params, self.offsets)]
 
+    def placed_ranges(self) -> list[tuple[int, int, Placement]]:
+        """[start, stop) in flat coordinates and placement of every parameter of the layout."""
+        return [(a, a + p.numel(), placement) for p, a, placement in zip(self.params, self.offsets, self.placements)]
+
     def pieces(self) -> list[tuple[int, int, int]]:
         """(parameter index, start, stop) in flat coordinates of each parameter's elements in [lo, hi)."""
         out = []

@@ -10,9 +10,8 @@ distinct pieces: dp_cp when the pieces are shards of a gradient sharded over dpÃ
 a float64 model), nothing when neither. `clip_coefficient` is `torch.nn.utils.clip_grad_norm_`'s
 formula; `clip_` applies it in place.
 
-Flat shards hold several parameters end to end: `flat_placements` lists where each parameter of a
-flat layout sits (the one lookup of a segment's placements), `segment_pieces` cuts a segment where
-the weight changes (adjacent parameters of equal weight stay one piece, so without model
+Flat shards hold several parameters end to end: `segment_spans` cuts a segment of a flat layout
+(`FlatLayout.placed_ranges`: where each parameter sits, with its placement) where the weight changes (adjacent parameters of equal weight stay one piece, so without model
 parallelism a segment is one piece).
 """
 
@@ -40,17 +39,6 @@ def whole_pieces(params: Iterable[torch.Tensor], tp: int) -> list[GradPiece]:
     return pieces
 
 
-def flat_placements(params: Sequence[torch.Tensor], offsets: Sequence[int] | None = None) -> list[tuple[int, int, Placement]]:
-    """[start, end) and placement of each of `params` in a flat buffer (laid end to end from 0 unless
-    `offsets` are given)."""
-    if offsets is None:
-        offsets, offset = [], 0
-        for p in params:
-            offsets.append(offset)
-            offset += p.numel()
-    return [(a, a + p.numel(), placement_of(p)) for p, a in zip(params, offsets)]
-
-
 def segment_spans(start: int, end: int, layout: Sequence[tuple[int, int, Placement]], tp: int) -> list[Span]:
     """The elements [start, end) of a flat buffer with `layout` as spans relative to `start`, cut where
     the weight changes; padding and zero-weight parameters left out."""
@@ -70,6 +58,12 @@ def segment_spans(start: int, end: int, layout: Sequence[tuple[int, int, Placeme
 def segment_pieces(grad: torch.Tensor, spans: Sequence[Span]) -> list[GradPiece]:
     """The pieces of a flat segment's gradient `grad` (1-D) given its `segment_spans`."""
     return [(grad[a:b], weight) for a, b, weight in spans]
+
+
+def flat_pieces(grads: Iterable[torch.Tensor], spans: Iterable[Sequence[Span]]) -> list[GradPiece]:
+    """The pieces of several flat segments' gradients, each with its `segment_spans` (which depend on
+    the layout only: strategies compute them once and reuse them every step)."""
+    return [piece for grad, s in zip(grads, spans) for piece in segment_pieces(grad, s)]
 
 
 def local_squares(pieces: Sequence[GradPiece], device: torch.device) -> torch.Tensor:

@@ -78,7 +78,6 @@ class PSEngine:
         self.scheduler = None  # the servers apply the LR schedule themselves (async: by updates applied)
         self.timeline = None   # no pipeline timeline to record
         self.sharded_model = None
-        self.sharded_optimizer = True  # each server's optimizer holds its shard (checkpoints are refused)
         self.server: ParameterServer | None = None
         self.worker: PSWorker | None = None
         if self.is_server:

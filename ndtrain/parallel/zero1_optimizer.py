@@ -62,7 +62,7 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DDPStrategy, DistributedDataParallel, all_no_sync, ddp_chunks, held_gradient_bytes
 from ndtrain.parallel.flat_layout import FlatLayout, Segment
 from ndtrain.parallel.grad_norm import (
-    GradPiece, clip_, flat_placements, global_grad_norm, segment_pieces, segment_spans,
+    GradPiece, Span, clip_, flat_pieces, global_grad_norm, segment_pieces, segment_spans,
 )
 from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
@@ -277,10 +277,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = self.prepare_grads()
         tp = self.ctx.group("tp").size
         if self.model.gradients_sharded:
-            pieces = shard_grad_pieces(self, grads, tp)
+            pieces = flat_pieces(grads, shard_norm_spans(self, tp))
         else:
             pieces = [piece for b in self.model.buckets
-                      for piece in segment_pieces(b.flat, segment_spans(0, b.flat.numel(), flat_placements(b.params), tp))]
+                      for piece in segment_pieces(b.flat, segment_spans(0, b.flat.numel(), b.flat_layout.placed_ranges(), tp))]
         norm = global_grad_norm(pieces, self.ctx, sharded=self.model.gradients_sharded)
         clip_(grads, norm, max_norm)
         return norm
@@ -355,16 +355,11 @@ def compute_copies(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tens
     return masters
 
 
-def shard_grad_pieces(optimizer: ZeroOptimizer, grads: Sequence[torch.Tensor], tp: int) -> list[GradPiece]:
-    """The norm's pieces of `grads` (`prepare_grads()`, in segment order): each segment cut where the
-    placement weight of the parameters under it changes (bucket k's parameters lie end to end)."""
-    pieces: list[GradPiece] = []
-    grad = iter(grads)
-    for shard, bucket in zip(optimizer._shards, optimizer.model.buckets):
-        layout = flat_placements(bucket.params)
-        for a, b, *_ in shard.segments:
-            pieces += segment_pieces(next(grad), segment_spans(a, b, layout, tp))
-    return pieces
+def shard_norm_spans(optimizer: ZeroOptimizer, tp: int) -> list[list[Span]]:
+    """For each optimizer segment (in `prepare_grads()` order), where the placement weight of the
+    parameters under it changes (`grad_norm.segment_spans`); fixed by the layout."""
+    return [segment_spans(a, b, shard.flat_layout.placed_ranges(), tp)
+            for shard in optimizer._shards for a, b, *_ in shard.segments]
 
 
 class ZeroStrategy:
@@ -374,7 +369,6 @@ class ZeroStrategy:
     the norm's pieces are those segments (summed over dp_cp when sharded); each rank checkpoints
     its own optimizer state."""
 
-    shards_optimizer = True
     sharded_model = None
     forward_communicates = False
 
@@ -391,15 +385,11 @@ class ZeroStrategy:
         self.optimizer = optimizer
         self.no_sync = no_sync
         self._gradient_bytes = gradient_bytes
-        self._tp = optimizer.ctx.group("tp").size
+        self._norm_spans = shard_norm_spans(optimizer, optimizer.ctx.group("tp").size)
 
     @property
     def grads_sharded(self) -> bool:
         return self.optimizer.sharded
-
-    @property
-    def weights_are_masters(self) -> bool:
-        return self.optimizer.master_bytes == 0
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -408,7 +398,7 @@ class ZeroStrategy:
         return self.optimizer.prepare_grads()
 
     def grad_pieces(self) -> list[GradPiece]:
-        return shard_grad_pieces(self.optimizer, self.optimizer.prepare_grads(), self._tp)
+        return flat_pieces(self.optimizer.prepare_grads(), self._norm_spans)
 
     def state_bytes(self) -> dict[str, int]:
         return {"parameters": sum(tensor_bytes(s.flat) for s in self.optimizer._shards),

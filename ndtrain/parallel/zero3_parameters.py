@@ -66,7 +66,7 @@ from ndtrain.models.hf_families import decoder_layers
 from ndtrain.parallel.flat_layout import Segment
 from ndtrain.parallel.sync_switch import SyncSwitch
 from ndtrain.parallel.grad_norm import (
-    GradPiece, flat_placements, local_squares, optimizer_param_grads, segment_pieces, segment_spans,
+    GradPiece, Span, flat_pieces, local_squares, optimizer_param_grads, segment_spans,
 )
 from ndtrain.parallel.precision import DTYPES
 from ndtrain.parallel.zero3_unit import FlatUnit
@@ -308,7 +308,8 @@ class FullyShardedDataParallel(nn.Module):
     def local_grad_squares(self) -> torch.Tensor:
         """Σ g² over this rank's gradient shards, padding excluded, each parameter weighted by its
         placement (grad_norm.py; master-dtype scalar: all-reduce it over dp_cp)."""
-        return local_squares(unit_grad_pieces(self.units, self.ctx.group("tp").size), self.units[0].shard.device)
+        spans = unit_norm_spans(self.units, self.ctx.group("tp").size)
+        return local_squares(flat_pieces((u.shard_grad for u in self.units), spans), self.units[0].shard.device)
 
     def segments(self, grad: bool = False) -> list[Segment]:
         """Each parameter piece of this rank's shards, unit by unit: its placement, local shape,
@@ -364,26 +365,19 @@ class FullyShardedDataParallel(nn.Module):
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy
-def unit_grad_pieces(units: Sequence[FlatUnit], tp: int) -> list[GradPiece]:
-    """The norm's pieces of this rank's gradient shards: each unit's `shard_grad` cut where the
-    placement weight of the parameters under it changes, padding left out."""
-    pieces: list[GradPiece] = []
-    for u in units:
-        flat = u.flat_layout
-        layout = flat_placements(u.params, flat.offsets)
-        pieces += segment_pieces(u.shard_grad, segment_spans(flat.lo, flat.hi, layout, tp))
-    return pieces
+def unit_norm_spans(units: Sequence[FlatUnit], tp: int) -> list[list[Span]]:
+    """For each unit's shard, where the placement weight of the parameters under it changes, padding
+    left out (`grad_norm.segment_spans`); fixed by the layout."""
+    return [segment_spans(u.flat_layout.lo, u.flat_layout.hi, u.flat_layout.placed_ranges(), tp) for u in units]
 
 
 class FSDPStrategy:
     """ZeRO-3 as a `data_parallel.DataParallelStrategy`: `FullyShardedDataParallel` and the caller's
     optimizer over its fp32 shards. Every micro-batch's backward reduce-scatters (no `no_sync`: the
     gradient memory stays sharded); forwards all-gather, so evaluation pads ranks with fewer batches;
-    each rank checkpoints its own shards (`sharded_model`) and optimizer state."""
+    `sharded_model` gathers the whole model from the shards."""
 
     grads_sharded = True
-    shards_optimizer = True
-    weights_are_masters = False
     forward_communicates = True
 
     def __init__(self, fsdp: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> None:
@@ -391,7 +385,7 @@ class FSDPStrategy:
         self.chunks: list[nn.Module] = [fsdp]
         self.sharded_model = fsdp
         self.optimizer = optimizer
-        self._tp = fsdp.ctx.group("tp").size
+        self._norm_spans = unit_norm_spans(fsdp.units, fsdp.ctx.group("tp").size)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -403,7 +397,7 @@ class FSDPStrategy:
         return optimizer_param_grads(self.optimizer)
 
     def grad_pieces(self) -> list[GradPiece]:
-        return unit_grad_pieces(self.sharded_model.units, self._tp)
+        return flat_pieces((u.shard_grad for u in self.sharded_model.units), self._norm_spans)
 
     def state_bytes(self) -> dict[str, int]:
         return {**self.sharded_model.state_bytes(), "optimizer": optimizer_state_bytes(self.optimizer)}
