@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import ndtrain.engine
+from ndtrain.comm import Communicator
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
@@ -117,6 +119,15 @@ def test_a_registered_toy_strategy_is_driven_by_the_engine(monkeypatch: pytest.M
     assert toy.calls == ["zero_grad", "no_sync", "grad_pieces", "optimizer_grads"] * STEPS
     assert engine.model_state_bytes() == {"parameters": 1, "gradients": 2, "optimizer": 3}
     assert engine.sharded_model is None
+
+
+def test_a_config_of_another_layout_than_the_context_is_one_line() -> None:
+    """A context of dp=2 (2 processes; checked before anything communicates) given a config of tp=2."""
+    sizes = {"dp": 2, "cp": 1, "pp": 1, "tp": 1}
+    ctx = ParallelContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo", sizes=sizes,
+                          coords={axis: 0 for axis in sizes}, groups={}, comm=Communicator(0, timedelta(seconds=1)))
+    with pytest.raises(UserError, match=r"the parallel config's layout .*'dp': 1.*'tp': 2.* is not the context's .*'dp': 2"):
+        Engine(lambda: build_model(MODEL, seed=0), sgd, ctx, ParallelConfig(tp=2))
 
 
 def test_an_unregistered_choice_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -306,6 +306,10 @@ def test_world_checks() -> None:
         load_config(None, {"ps.servers": 1, "ps.staleness": -1})
     with pytest.raises(UserError, match="checkpoint.save_every does not combine"):
         check_ps_config(load_config(None, {"ps.servers": 1, "checkpoint.save_every": 2}), 3)
+    with pytest.raises(UserError, match="parallel.tp/pp/cp does not combine with parameter-server training"):
+        check_ps_config(load_config(None, {"ps.servers": 1, "parallel.tp": 2}), 3)
+    with pytest.raises(UserError, match="parallel.precision=bf16 does not combine with parameter-server training"):
+        check_ps_config(load_config(None, {"ps.servers": 1, "parallel.precision": "bf16"}), 3)
 
 
 def ndtrain(*args: str) -> subprocess.CompletedProcess:
