@@ -25,7 +25,7 @@ from ndtrain.engine import Engine  # noqa: E402
 from ndtrain.errors import UserError  # noqa: E402
 from ndtrain.mesh import ParallelContext, init  # noqa: E402
 from ndtrain.models.causal_lm import CausalLM  # noqa: E402
-from tests.helpers.hf import DTYPE, STEPS, TOL, adamw, batch, cases_on, make_model, reference  # noqa: E402
+from tests.helpers.hf import DTYPE, STEPS, TOL, adamw, batch, StrategyMatrix, make_model, reference  # noqa: E402
 from tests.helpers.parity import assert_params_close  # noqa: E402
 from tests.helpers.runner import Spawns, case_result, init_method, run_each  # noqa: E402
 
@@ -50,6 +50,7 @@ SLOW = {"llama": ("pp_gpipe", "pp_interleaved", "pp_1f1b_recompute_full", "cp_re
                   "tp_pp_1f1b", "tp_sp_pp_1f1b"),
         "gpt2": ("pp_zb", "pp_interleaved", "cp_zero3"),
         "qwen2": ("pp_1f1b", "pp_zb", "pp_interleaved", "cp")}
+MATRIX = StrategyMatrix(STRATEGIES, FAST, SLOW, PROCESSES)
 
 
 # ------------------------------------------------------------------------------------ workers
@@ -120,20 +121,10 @@ def spawns() -> Spawns:
     return Spawns(_suite, timeout=300)
 
 
-def runs(spawns: Spawns, layout: str, slow: bool) -> list[dict]:
-    cases = cases_on(layout, SLOW if slow else FAST, STRATEGIES)
-    return spawns.get((layout, slow), PROCESSES[layout], layout, cases)
-
-
-def _params() -> list[Any]:
-    cases = [(f, s, False) for f, ss in FAST.items() for s in ss] + [(f, s, True) for f, ss in SLOW.items() for s in ss]
-    return [pytest.param(f, s, slow, id=f"{f}-{s}", marks=[pytest.mark.slow] if slow else []) for f, s, slow in cases]
-
-
-@pytest.mark.parametrize(("family", "strategy", "slow"), _params())
+@pytest.mark.parametrize(("family", "strategy", "slow"), MATRIX.params())
 def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None, spawns: Spawns) -> None:
     layout, _, layers = STRATEGIES[strategy]
-    run = case_result(runs(spawns, layout, slow), (family, strategy))
+    run = case_result(MATRIX.runs(spawns, layout, slow), (family, strategy))
     ref = reference(family, pieces=MICRO if "pp" in layout else 1, layers=layers)
     got: dict[str, torch.Tensor] = {}
     for out in run:  # pipeline: each rank holds its stages' parameters (tp gathered); cp: the whole model
@@ -153,7 +144,7 @@ def test_matches_single_process(family: str, strategy: str, slow: bool, one_thre
 
 
 def test_context_parallel_refuses_sliding_window_in_one_line(spawns: Spawns) -> None:
-    message = runs(spawns, "cp", False)[0]["sliding_refusal"]
+    message = MATRIX.runs(spawns, "cp", False)[0]["sliding_refusal"]
     assert "\n" not in message and "sliding-window" in message
 
 
@@ -163,5 +154,5 @@ def test_context_parallel_refuses_sliding_window_in_one_line(spawns: Spawns) -> 
     ("measured", "'measured' is not supported for Hugging Face models"),
 ])
 def test_pipeline_refuses_in_one_line(case: str, words: str, spawns: Spawns) -> None:
-    message = runs(spawns, "pp", False)[0]["refusals"][case]
+    message = MATRIX.runs(spawns, "pp", False)[0]["refusals"][case]
     assert "\n" not in message and words in message, message

@@ -31,7 +31,7 @@ from ndtrain.engine import Engine  # noqa: E402
 from ndtrain.errors import UserError  # noqa: E402
 from ndtrain.mesh import ParallelContext, init  # noqa: E402
 from ndtrain.models.causal_lm import CausalLM  # noqa: E402
-from tests.helpers.hf import DTYPE, STEPS, TOL, VOCAB, adamw, batch, cases_on, make_model, reference  # noqa: E402
+from tests.helpers.hf import DTYPE, STEPS, TOL, VOCAB, adamw, batch, StrategyMatrix, make_model, reference  # noqa: E402
 from tests.helpers.models import fake_tp_ctx  # noqa: E402
 from tests.helpers.parity import assert_params_close  # noqa: E402
 from tests.helpers.runner import Spawns, case_result, init_method, run_each  # noqa: E402
@@ -53,6 +53,7 @@ FAST = {"llama": ("dp", "zero1", "zero2", "zero3", "recompute_full", "tp", "tp_s
 SLOW = {"llama": ("recompute_selective", "zero3_recompute_full", "tp_sp_recompute_full", "dp2_tp_sp_zero1"),
         "gpt2": ("recompute_selective", "zero3_recompute_full"),
         "qwen2": tuple(s for s in STRATEGIES if s != "tp_given_plan")}
+MATRIX = StrategyMatrix(STRATEGIES, FAST, SLOW, {k: v[1] for k, v in LAYOUTS.items()})
 
 
 def params(named: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -95,20 +96,10 @@ def spawns() -> Spawns:
     return Spawns(_suite, timeout=300)
 
 
-def runs(spawns: Spawns, layout: str, slow: bool) -> list[dict]:
-    cases = cases_on(layout, SLOW if slow else FAST, STRATEGIES)
-    return spawns.get((layout, slow), LAYOUTS[layout][1], layout, cases)
-
-
-def _params() -> list[Any]:
-    cases = [(f, s, False) for f, ss in FAST.items() for s in ss] + [(f, s, True) for f, ss in SLOW.items() for s in ss]
-    return [pytest.param(f, s, slow, id=f"{f}-{s}", marks=[pytest.mark.slow] if slow else []) for f, s, slow in cases]
-
-
-@pytest.mark.parametrize(("family", "strategy", "slow"), _params())
+@pytest.mark.parametrize(("family", "strategy", "slow"), MATRIX.params())
 def test_matches_single_process(family: str, strategy: str, slow: bool, one_thread: None, spawns: Spawns) -> None:
     layout = STRATEGIES[strategy][0]
-    run = runs(spawns, layout, slow)
+    run = MATRIX.runs(spawns, layout, slow)
     ref = reference(family, pieces=1 if layout == "tp" else 2)
     for rank, out in enumerate(case_result(run, (family, strategy))):
         got = params(out["params"], make_model(family))
@@ -123,7 +114,7 @@ def test_matches_single_process(family: str, strategy: str, slow: bool, one_thre
 
 
 def test_gpt2_tensor_parallel_is_refused_in_one_line(spawns: Spawns) -> None:
-    message = runs(spawns, "tp", False)[0]["gpt2_tp_refusal"]
+    message = MATRIX.runs(spawns, "tp", False)[0]["gpt2_tp_refusal"]
     assert "\n" not in message and "not supported for gpt2" in message and "Conv1D" in message
 
 

@@ -6,6 +6,7 @@ batches, optimizer and single-process reference of the HF strategy-parity tests.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from ndtrain.config import TrainConfig
 from ndtrain.models.causal_lm import CausalLM
 from tests.helpers.models import Batch, token_batch
 from tests.helpers.reference import decay_groups, train_reference
+from tests.helpers.runner import Spawns
 from tests.helpers.runs import tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -99,6 +101,24 @@ def reference(family: str, pieces: int, layers: int = 2) -> dict[str, torch.Tens
     return train_reference(model, adamw(decay_groups(model)), map(batch, range(STEPS)), pieces=pieces).params
 
 
-def cases_on(layout: str, table: dict[str, tuple[str, ...]], strategies: dict[str, tuple]) -> list[tuple[str, str]]:
-    """The (family, strategy) pairs of `table` whose strategy runs on `layout` (a strategy's first field)."""
-    return [(f, s) for f, names in table.items() for s in names if strategies[s][0] == layout]
+@dataclass(frozen=True)
+class StrategyMatrix:
+    """An HF strategy-parity matrix: (family, strategy) cases, a fast and a slow set; each strategy runs on
+    a layout (its first field in `strategies`), whose spawn of `processes[layout]` workers runs all its cases."""
+
+    strategies: dict[str, tuple]
+    fast: dict[str, tuple[str, ...]]
+    slow: dict[str, tuple[str, ...]]
+    processes: dict[str, int]
+
+    def params(self) -> list[Any]:
+        """One pytest case per (family, strategy, slow), the slow ones marked slow."""
+        sets = ((self.fast, False), (self.slow, True))
+        return [pytest.param(f, s, slow, id=f"{f}-{s}", marks=[pytest.mark.slow] if slow else [])
+                for table, slow in sets for f, names in table.items() for s in names]
+
+    def runs(self, spawns: Spawns, layout: str, slow: bool) -> list[dict]:
+        """The results of the spawn running `layout`'s cases of the fast or slow set (started at first need)."""
+        table = self.slow if slow else self.fast
+        cases = [(f, s) for f, names in table.items() for s in names if self.strategies[s][0] == layout]
+        return spawns.get((layout, slow), self.processes[layout], layout, cases)
