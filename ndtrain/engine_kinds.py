@@ -44,6 +44,10 @@ class DataParallelKind:
         """How many ranks share the data and this rank's place among them."""
         return self.ctx.size("dp"), self.ctx.coord("dp")
 
+    def reads_data(self) -> bool:
+        """Whether this rank's steps train on batches (the loop loads none for a rank that does not)."""
+        return True
+
     def build(self, model_fn: Callable[[], nn.Module], optimizer_fn: OptimizerFn, lr_lambda: LrLambda,
               loss_fn: LossFn | None) -> AnyEngine:
         return Engine(
@@ -87,7 +91,10 @@ class ParameterServerKind(DataParallelKind):
 
     def data_ranks(self) -> tuple[int, int]:
         """W workers share the data; servers read none (they get place 0 to build the same sampler)."""
-        return self.workers, self.ctx.rank if self.ctx.rank < self.workers else 0
+        return self.workers, self.ctx.rank if self.reads_data() else 0
+
+    def reads_data(self) -> bool:
+        return self.ctx.rank < self.workers  # ranks 0..W-1 are the workers
 
     def build(self, model_fn: Callable[[], nn.Module], optimizer_fn: OptimizerFn, lr_lambda: LrLambda,
               loss_fn: LossFn | None) -> AnyEngine:

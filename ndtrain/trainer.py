@@ -240,7 +240,7 @@ class Trainer:
             reset_peak(ctx.device)
             self.timeline.before(step + 1, self.engine)
             t0 = time.perf_counter()
-            result = self.engine.train_step(self.micro_batches(step))
+            result = self.engine.train_step(self.micro_batches(step) if self.kind.reads_data() else [])
             elapsed = time.perf_counter() - t0
             self.timeline.after(step + 1, self.engine)
             rank_peak = peak_bytes(ctx.device)

@@ -4,7 +4,7 @@ Every rank builds the whole model from the same seed on `ctx.device`. Worker ran
 `train_step` runs forward/backward on the rank's micro-batches, pushes the gradient to the
 servers and pulls the parameters, and returns a `StepResult` (this worker's mean loss; the
 tokens of one global batch, W workers' shares; the gradient norm and lr the servers used; the
-bytes this rank sent). Server ranks (the last S): `train_step` ignores its batches and serves one
+bytes this rank sent). Server ranks (the last S): `train_step` is given no batches (the loop loads none for them) and serves one
 step's worth of pushes (sync: one round; async/ssp: the next W pushes, whoever sends them), so the
 `Trainer` runs the same loop on every rank. Evaluation: workers evaluate their shard of the
 validation batches with the parameters they hold (after the last step: the final ones); servers
