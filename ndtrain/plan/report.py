@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from ndtrain.plan import gpu_compute
 from ndtrain.plan.arch import ModelSpec
+from ndtrain.plan.efficiency import GpuEfficiency
 from ndtrain.plan.hardware import Cluster
 from ndtrain.plan.published import ORDERINGS, RUNS, PublishedRun, held_out
 from ndtrain.plan.search import Candidate, Rejections, SearchResult
@@ -105,14 +106,15 @@ def published_table() -> str:
     return "\n".join(lines)
 
 
-def ordering_pairs(runs: Sequence[PublishedRun]) -> list[tuple[PublishedRun, PublishedRun, bool]]:
+def ordering_pairs(runs: Sequence[PublishedRun], efficiency: GpuEfficiency | None = None
+                   ) -> list[tuple[PublishedRun, PublishedRun, bool]]:
     """(measured faster, measured slower, whether the planner predicts it faster) for every pair of
     compared runs whose measured throughputs differ by more than ORDER_MARGIN."""
     pairs = []
     for first, second in itertools.combinations(runs, 2):
         faster, slower = (first, second) if first.reported >= second.reported else (second, first)
         if faster.reported > (1 + ORDER_MARGIN) * slower.reported:
-            pairs.append((faster, slower, faster.predicted() > slower.predicted()))
+            pairs.append((faster, slower, faster.predicted(efficiency) > slower.predicted(efficiency)))
     return pairs
 
 
