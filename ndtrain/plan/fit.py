@@ -4,8 +4,8 @@ The objective is the largest |log(predicted / reported)| over the fit rows, then
 (minimax first: the acceptance bounds the worst row); minimised by coordinate search over a
 fixed grid per constant, until no single change improves it, from each of `STARTS` (the search
 is local), keeping the best. The GEMM tile is stated, not searched (`efficiency.GPU_TILE`); a grid
-of one value fixes that constant (the ablation in `ablation.py` uses both). Pure arithmetic and deterministic; `ndtrain plan --fit-published`
-prints the result. It is not applied at run time: the constants in `efficiency.py` are the ones
+of one value fixes that constant (the ablation in `ablation.py` uses both). Pure arithmetic and
+deterministic; `ndtrain plan --fit-published` prints the result. It is not applied at run time: the constants in `efficiency.py` are the ones
 the planner uses, copied from this fit (tests/test_plan_published.py checks they are its result).
 """
 

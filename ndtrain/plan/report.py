@@ -148,7 +148,8 @@ def _fills(model: ModelSpec, lay: Layout, hw: Hardware) -> str:
     if tile is None or hw.sms == 0:
         return "no wave quantization"
     tokens = lay.mbs * model.seq / lay.cp
-    fills = [gpu_compute.wave_fill(tokens, cols, hw, hw.efficiency) for _, cols in gpu_compute.layer_gemm_shapes(model, lay.tp)]
+    fills = [gpu_compute.wave_fill(tokens, cols, hw, hw.efficiency)
+             for _, cols in gpu_compute.layer_gemm_shapes(model, lay.tp)]
     return (f"{tile[0]}×{tile[1]} tiles on {hw.sms} SMs fill the QKV/out/MLP-in/MLP-out products' waves to "
             + "/".join(f"{100 * fill:.0f}" for fill in fills) + " %")
 
