@@ -1,5 +1,5 @@
 """The ablation of docs/planner.md: refit the GPU constants with one term of the model taken out, and
-report what the published check then gives (`ndtrain plan --ablation`; pure arithmetic, ~30 s).
+report what the published check then gives (`ndtrain plan --ablation`; pure arithmetic, ≈ 15 s of CPU).
 
 Each variant changes the model (a stated constant, or what the published runs are costed with), refits
 the fitted constants on the fit rows with `fit.fit` (a grid of one value fixes a constant at that value),

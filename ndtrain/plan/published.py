@@ -1,7 +1,9 @@
 """Published training runs, the planner's check at cluster scale: every row read in its source.
 
 Each row is a run's model, GPU, layout and batch as its source states them and the throughput it
-reports. Where the source leaves a detail out, `assumed` says what the planner takes. The numbers
+reports, and the bytes per gradient value its data-parallel reduction moves where the run's
+framework settings say so (`grad_reduce_bytes`: 4 for an fp32 reduction). Where the source leaves a
+detail out, `assumed` says what the planner takes. The numbers
 were read in the sources named by `where` (repository path at a commit, or page, and the table);
 docs/planner.md lists them with every row's prediction.
 
