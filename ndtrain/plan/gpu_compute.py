@@ -91,10 +91,6 @@ def gemm_terms(rows: float, inner: float, cols: float, hw: Hardware, eff: GpuEff
     return GemmTime(arithmetic + traffic, arithmetic * (1 / wave_fill(rows, cols, hw, eff) - 1))
 
 
-def gemm_time(rows: float, inner: float, cols: float, hw: Hardware, eff: GpuEfficiency) -> float:
-    return gemm_terms(rows, inner, cols, hw, eff).total
-
-
 def backward_waves(rows: float, inner: float, cols: float, hw: Hardware, eff: GpuEfficiency) -> float:
     """Idle-SM seconds of a forward product's two backward products: the input gradient (output
     rows × inner) and the weight gradient (output inner × cols), each with the forward's arithmetic."""
