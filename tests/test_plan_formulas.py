@@ -189,14 +189,26 @@ def test_step_time_of_a_single_gpu_is_the_sum_of_its_terms() -> None:
     timing = step_time(spec, layout(), Cluster(hw, 1, 8), 4)
     tokens, h, f, v = 512, 1024, 4096, 1000
 
-    def gemm(m: int, k: int, n: int) -> float:
-        return 2 * m * k * n / (eff.matmul * hw.peak_flops) + beta * (m * k + k * n + m * n) / hw.hbm_bandwidth
+    def idle(rows: int, cols: int) -> float:  # 1/fill − 1 of 128×256 tiles in waves over 108 SMs
+        tiles = -(-rows // 128) * -(-cols // 256)
+        return -(-tiles // 108) * 108 / tiles - 1
 
-    gemms = gemm(tokens, h, 3 * h) + gemm(tokens, h, h) + gemm(tokens, h, f) + gemm(tokens, f, h)
+    def arithmetic(m: int, k: int, n: int) -> float:
+        return 2 * m * k * n / (eff.matmul * hw.peak_flops)
+
+    def gemm(m: int, k: int, n: int) -> tuple[float, float]:  # forward, backward (dX: m×k, dW: k×n outputs)
+        work = arithmetic(m, k, n) + beta * (m * k + k * n + m * n) / hw.hbm_bandwidth
+        return (work + arithmetic(m, k, n) * idle(m, n),
+                2 * work + arithmetic(m, k, n) * (idle(m, k) + idle(k, n)))
+
+    products = [gemm(tokens, h, 3 * h), gemm(tokens, h, h), gemm(tokens, h, f), gemm(tokens, f, h)]
     attention = tokens * 4 * 512 * h / (eff.matmul * hw.peak_flops)  # dense kernel: batched GEMMs
     element = eff.element_passes * layer_activation_bytes(spec, layout(), MIXED_BF16, "none") / hw.hbm_bandwidth
-    ends = gemm(tokens, h, v) + eff.element_passes * 4 * tokens * v / hw.hbm_bandwidth
-    per_micro_batch = 3 * (2 * (gemms + attention + element) + ends)  # forward + 2× backward, 2 layers
+    loss = eff.element_passes * 4 * tokens * v / hw.hbm_bandwidth
+    logits_f, logits_b = gemm(tokens, h, v)
+    layer_f = sum(f for f, _ in products) + attention + element
+    layer_b = sum(b for _, b in products) + 2 * (attention + element)
+    per_micro_batch = 2 * (layer_f + layer_b) + logits_f + logits_b + 3 * loss  # 2 layers, the ends
     assert timing.compute == pytest.approx(4 * per_micro_batch)
     assert timing.tp_comm == timing.dp_comm == timing.bubble == 0.0
     assert timing.optimizer == pytest.approx(spec.total_params * 28 / hw.hbm_bandwidth)

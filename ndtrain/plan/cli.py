@@ -9,6 +9,7 @@
     ndtrain plan --profile PATH --gpus 4 ...     plan local CPU processes with that profile
     ndtrain plan --published                     the cluster-scale check against published runs
     ndtrain plan --fit-published                 refit the GPU efficiency constants on its fit rows
+    ndtrain plan --ablation                      refit with each term taken out (docs/planner.md's table)
     ndtrain plan --validate bench-results/layouts-n4.json --profile plan-profile.json
                                                  predicted vs measured step times of `bench layouts`
 
@@ -26,7 +27,7 @@ from ndtrain.cli_flags import BOOL_METAVAR, parse_bool
 from ndtrain.config import MODEL_PRESETS
 from ndtrain.errors import UserError
 from ndtrain.options import PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
-from ndtrain.plan import arch, calibrate, fit, report, validate
+from ndtrain.plan import ablation, arch, calibrate, fit, report, validate
 from ndtrain.plan.cpu_profile import load_profile
 from ndtrain.plan.hardware import GPUS, Cluster, gpu
 from ndtrain.plan.search import Fixed, search
@@ -93,6 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--published", action="store_true", help="compare with published large-scale runs")
     out.add_argument("--fit-published", action="store_true",
                      help="refit the GPU efficiency constants on the published fit rows and print them")
+    out.add_argument("--ablation", action="store_true",
+                     help="refit the constants with each term of the GPU model taken out, and print the table")
     out.add_argument("--calibrate", action="store_true", help="measure this machine into a CPU profile; with --model/--arch also "
                      "that model's layers; --gpus N adds a process count to the default 1, 2, 4")
     out.add_argument("--validate", type=Path, metavar="RESULT",
@@ -123,6 +126,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.fit_published:
         print(fit.fit())
+        return 0
+    if args.ablation:
+        print(ablation.table([ablation.evaluate(variant) for variant in ablation.VARIANTS]))
         return 0
     if args.validate is not None:
         return _validate(args.validate, args.profile)

@@ -3,8 +3,9 @@
 The objective is the largest |log(predicted / reported)| over the fit rows, then the median
 (minimax first: the acceptance bounds the worst row); minimised by coordinate search over a
 fixed grid per constant, until no single change improves it, from each of `STARTS` (the search
-is local), keeping the best. Pure arithmetic and deterministic; `ndtrain plan --fit-published`
-prints the result. It is not applied at run time: the constants in `efficiency.py` are the ones
+is local), keeping the best. The GEMM tile is stated, not searched (`efficiency.GPU_TILE`); a grid
+of one value fixes that constant (the ablation in `ablation.py` uses both). Pure arithmetic and
+deterministic; `ndtrain plan --fit-published` prints the result. It is not applied at run time: the constants in `efficiency.py` are the ones
 the planner uses, copied from this fit (tests/test_plan_published.py checks they are its result).
 """
 
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import fields, replace
+from dataclasses import replace
 
-from ndtrain.plan.efficiency import GpuEfficiency
+from ndtrain.plan.efficiency import GPU_TILE, GpuEfficiency
 from ndtrain.plan.published import RUNS, PublishedRun, held_out
 
 GRID: dict[str, tuple[float, ...]] = {
@@ -41,19 +42,23 @@ STARTS = (
 )
 
 
-def fit(rows: list[PublishedRun] | None = None) -> GpuEfficiency:
+def fit(rows: list[PublishedRun] | None = None, grid: dict[str, tuple[float, ...]] | None = None,
+        tile: tuple[int, int] | None = GPU_TILE) -> GpuEfficiency:
     rows = fit_rows() if rows is None else rows
-    results = [_descend(start, rows) for start in STARTS]
+    grid = GRID if grid is None else grid
+    fixed = {name: values[0] for name, values in grid.items() if len(values) == 1}
+    starts = [replace(start, tile=tile, **fixed) for start in STARTS]
+    results = [_descend(start, rows, grid) for start in starts]
     return min(results, key=lambda eff: objective(eff, rows))
 
 
-def _descend(start: GpuEfficiency, rows: list[PublishedRun]) -> GpuEfficiency:
+def _descend(start: GpuEfficiency, rows: list[PublishedRun], grid: dict[str, tuple[float, ...]]) -> GpuEfficiency:
     best, best_score = start, objective(start, rows)
     improved = True
     while improved:
         improved = False
-        for name in (f.name for f in fields(GpuEfficiency)):
-            for value in GRID[name]:
+        for name in grid:
+            for value in grid[name]:
                 candidate = replace(best, **{name: value})
                 score = objective(candidate, rows)
                 if score < best_score:

@@ -12,6 +12,11 @@ gemm       the layer's four matrix products (QKV, attention output, MLP in, MLP 
            and writing the result once from HBM (the roofline's memory side, added: a product
            of small K or N is memory-bound, and the more so the higher P/B, which is how the
            generation enters: P/B is 153 FLOP/byte on A100-80GB, 295 on H100 SXM)
+waves      wave quantization: a GEMM runs as ⌈T/128⌉·⌈N/256⌉ output tiles (`efficiency.GPU_TILE`),
+           one per SM at a time, in ⌈tiles/SMs⌉ waves; the last wave's idle SMs cost
+               arithmetic · (waves·SMs/tiles − 1)
+           (a GEMM of 336 tiles takes 4 waves on an A100's 108 SMs, 78 % of them busy; 3 on an
+           H100's 132, 85 %): what makes small GEMMs (high tp, small micro-batches) slower per FLOP
 attention  QKᵀ and AV, c·4·s·a·d·T/t FLOPs: flash attention (c = ½, causal) at η_attn·P, the
            fraction its fused kernel reaches; the dense kernel (c = 1) runs them as batched GEMMs
            at η_mm·P, its score matrix's traffic being element-wise work (below)
@@ -19,7 +24,9 @@ element    memory-bound element-wise work (norms, activation function, dropout, 
            softmax of a stored score matrix): e passes over the layer's activation bytes
            (`memory.layer_activation_bytes`), at B
 Backward = 2 × forward, term by term (two products per forward product; the element-wise and
-attention backward read and write twice as much). Recompute adds: full, one layer forward;
+attention backward read and write twice as much), except the waves: the backward's products have
+other output shapes (the input gradient T×K, the weight gradient K×N, whose tiles do not depend on
+the tokens). Recompute adds: full, one layer forward;
 selective, the attention term (and, for a stored score matrix, its element-wise share); flash
 attention always recomputes its scores in the backward (Dao 2022), so "none" adds the attention
 term too. The model's ends on the last stage: the logits product T×h times h×V/t and the
@@ -28,6 +35,7 @@ cross-entropy's passes over the fp32 logits.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from ndtrain.plan.arch import ModelSpec
@@ -40,44 +48,73 @@ from ndtrain.plan.memory import activation_coefficients, layer_activation_bytes
 class LayerTerms(NamedTuple):
     """Seconds of one layer forward on one rank, by term."""
 
-    gemm: float
+    gemm: float  # arithmetic of full waves and operand traffic
+    waves: float  # the last waves' idle SMs
     attention: float
     element: float
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.element
+        return self.gemm + self.waves + self.attention + self.element
 
 
 class GpuCompute(NamedTuple):
     layer: LayerTerms  # forward of one layer
+    layer_b: float  # backward of one layer (2 × forward but for its own waves)
     recompute: float  # added to one layer's backward
     ends_f: float  # logits and loss forward (last stage)
     ends_b: float
     attention_f: float  # one layer's attention forward (what cp's ring hides behind)
 
 
-def gemm_time(rows: float, inner: float, cols: float, hw: Hardware, eff: GpuEfficiency) -> float:
+class GemmTime(NamedTuple):
+    work: float  # arithmetic at η_mm of peak + operand traffic
+    waves: float  # arithmetic lost to the idle SMs of the last wave
+
+    @property
+    def total(self) -> float:
+        return self.work + self.waves
+
+
+def wave_fill(rows: float, cols: float, hw: Hardware, eff: GpuEfficiency) -> float:
+    """Fraction of SM slots a GEMM's tiles fill over its waves (1 without a tile or SM count)."""
+    if eff.tile is None or hw.sms == 0:
+        return 1.0
+    tiles = math.ceil(rows / eff.tile[0]) * math.ceil(cols / eff.tile[1])
+    return tiles / (math.ceil(tiles / hw.sms) * hw.sms)
+
+
+def gemm_terms(rows: float, inner: float, cols: float, hw: Hardware, eff: GpuEfficiency) -> GemmTime:
     beta = hw.precision.activation_bytes
     arithmetic = 2 * rows * inner * cols / (eff.matmul * hw.peak_flops)
     traffic = beta * (rows * inner + inner * cols + rows * cols) / hw.hbm_bandwidth
-    return arithmetic + traffic
+    return GemmTime(arithmetic + traffic, arithmetic * (1 / wave_fill(rows, cols, hw, eff) - 1))
+
+
+def backward_waves(rows: float, inner: float, cols: float, hw: Hardware, eff: GpuEfficiency) -> float:
+    """Idle-SM seconds of a forward product's two backward products: the input gradient (output
+    rows × inner) and the weight gradient (output inner × cols), each with the forward's arithmetic."""
+    arithmetic = 2 * rows * inner * cols / (eff.matmul * hw.peak_flops)
+    return sum(arithmetic * (1 / wave_fill(r, c, hw, eff) - 1) for r, c in ((rows, inner), (inner, cols)))
 
 
 def layer_terms(model: ModelSpec, layout: Layout, hw: Hardware) -> LayerTerms:
     eff = hw.efficiency
     t = layout.tp
     tokens = layout.mbs * model.seq / layout.cp
-    h, d = model.hidden, model.head_dim
-    inputs = 2 if model.arch == "llama" else 1  # SwiGLU's gate and up projections
-    gemm = (gemm_time(tokens, h, (model.heads + 2 * model.kv_heads) * d / t, hw, eff)
-            + gemm_time(tokens, model.heads * d / t, h, hw, eff)
-            + gemm_time(tokens, h, inputs * model.ffn / t, hw, eff)
-            + gemm_time(tokens, model.ffn / t, h, hw, eff))
+    gemms = [gemm_terms(tokens, inner, cols, hw, eff) for inner, cols in layer_gemm_shapes(model, t)]
     kernel = eff.attention if model.flash_attention else eff.matmul  # dense: batched GEMMs over stored scores
     attention = tokens * model.attention_forward_flops_per_token / t / (kernel * hw.peak_flops)
     element = eff.element_passes * layer_activation_bytes(model, layout, hw.precision, "none") / hw.hbm_bandwidth
-    return LayerTerms(gemm, attention, element)
+    return LayerTerms(sum(g.work for g in gemms), sum(g.waves for g in gemms), attention, element)
+
+
+def layer_gemm_shapes(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
+    """(K, N) of the layer's four products on one tp rank: QKV, attention output, MLP in, MLP out."""
+    h, d = model.hidden, model.head_dim
+    inputs = 2 if model.arch == "llama" else 1  # SwiGLU's gate and up projections
+    return [(h, (model.heads + 2 * model.kv_heads) * d / tp), (model.heads * d / tp, h),
+            (h, inputs * model.ffn / tp), (model.ffn / tp, h)]
 
 
 def compute(model: ModelSpec, layout: Layout, hw: Hardware) -> GpuCompute:
@@ -89,6 +126,9 @@ def compute(model: ModelSpec, layout: Layout, hw: Hardware) -> GpuCompute:
     selective = layer.attention + eff.element_passes * scores / hw.hbm_bandwidth
     recompute = {"none": layer.attention if model.flash_attention else 0.0, "selective": selective,
                  "full": layer.total}[layout.recompute]
-    logits = gemm_time(tokens, model.hidden, model.vocab / layout.tp, hw, eff)
+    layer_b = 2 * (layer.gemm + layer.attention + layer.element) + sum(
+        backward_waves(tokens, inner, cols, hw, eff) for inner, cols in layer_gemm_shapes(model, layout.tp))
+    logits = gemm_terms(tokens, model.hidden, model.vocab / layout.tp, hw, eff)
     loss = eff.element_passes * 4 * tokens * model.vocab / layout.tp / hw.hbm_bandwidth  # fp32 logits
-    return GpuCompute(layer, recompute, logits + loss, 2 * (logits + loss), layer.attention)
+    ends_b = 2 * (logits.work + loss) + backward_waves(tokens, model.hidden, model.vocab / layout.tp, hw, eff)
+    return GpuCompute(layer, layer_b, recompute, logits.total + loss, ends_b, layer.attention)

@@ -9,7 +9,8 @@ A device is described by
                 collective model in `collectives.py`
 
 GPU figures: NVIDIA V100, A100 and H100/H200 datasheets (dense fp16/bf16 130 / 312 / 989 / 989
-TFLOP/s, the V100's being the DGX-2H SXM3 part's; HBM 0.9 / 1.555 / 2.039 / 3.35 / 4.8 TB/s).
+TFLOP/s, the V100's being the DGX-2H SXM3 part's; HBM 0.9 / 1.555 / 2.039 / 3.35 / 4.8 TB/s; SMs
+80 / 108 / 132 / 132).
 Link defaults are achievable bus bandwidths of NCCL ring collectives on large messages (≈ 80 %
 of the NVLink per-direction rate, ≈ 95 % of one 200 Gb/s HDR or 400 Gb/s NDR NIC per GPU; a
 DGX-2H's 100 GB/s per 16 GPUs for the V100), overridable with --intra-bw / --inter-bw. A group spanning nodes uses the NICs of its members in each node
@@ -73,6 +74,7 @@ class Hardware:
     precision: Precision
     overlaps_comm: bool  # GPUs communicate beside compute; CPU collectives run on the computing cores
     cpu: CpuProfile | None = None  # what a calibrated CPU profile measured beyond these numbers
+    sms: int = 0  # streaming multiprocessors (datasheet), over which GEMM tiles run in waves; 0 on CPUs
 
     @property
     def matmul_efficiency(self) -> float:
@@ -80,10 +82,10 @@ class Hardware:
 
 
 def _gpu(name: str, peak_tflops: float, memory_gib: float, hbm_tbs: float, intra_gbs: float,
-         inter_gbs: float) -> Hardware:
+         inter_gbs: float, sms: int) -> Hardware:
     return Hardware(
         name, "gpu", peak_tflops * 1e12, GPU_EFFICIENCY, memory_gib * GIB, 2 * GIB, hbm_tbs * 1e12,
-        Link(intra_gbs * GB, 5e-6), Link(inter_gbs * GB, 10e-6), MIXED_BF16, True,
+        Link(intra_gbs * GB, 5e-6), Link(inter_gbs * GB, 10e-6), MIXED_BF16, True, sms=sms,
     )
 
 
@@ -91,11 +93,11 @@ def _gpu(name: str, peak_tflops: float, memory_gib: float, hbm_tbs: float, intra
 GPUS: dict[str, Hardware] = {
     hw.name: hw
     for hw in (
-        _gpu("v100-sxm3", 130, 32, 0.9, 120, 6.25),
-        _gpu("a100-40gb", 312, 40, 1.555, 240, 24),
-        _gpu("a100-80gb", 312, 80, 2.039, 240, 24),
-        _gpu("h100-sxm", 989, 80, 3.35, 360, 48),
-        _gpu("h200", 989, 140, 4.8, 360, 48),
+        _gpu("v100-sxm3", 130, 32, 0.9, 120, 6.25, 80),
+        _gpu("a100-40gb", 312, 40, 1.555, 240, 24, 108),
+        _gpu("a100-80gb", 312, 80, 2.039, 240, 24, 108),
+        _gpu("h100-sxm", 989, 80, 3.35, 360, 48, 132),
+        _gpu("h200", 989, 140, 4.8, 360, 48, 132),
     )
 }
 

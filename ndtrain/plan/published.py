@@ -1,7 +1,9 @@
 """Published training runs, the planner's check at cluster scale: every row read in its source.
 
 Each row is a run's model, GPU, layout and batch as its source states them and the throughput it
-reports. Where the source leaves a detail out, `assumed` says what the planner takes. The numbers
+reports, and the bytes per gradient value its data-parallel reduction moves where the run's
+framework settings say so (`grad_reduce_bytes`: 4 for an fp32 reduction). Where the source leaves a
+detail out, `assumed` says what the planner takes. The numbers
 were read in the sources named by `where` (repository path at a commit, or page, and the table);
 docs/planner.md lists them with every row's prediction.
 
@@ -39,11 +41,14 @@ class PublishedRun:
     metric: str  # "tokens" (tokens/s/GPU) or "model" (model TFLOP/s/GPU)
     assumed: str = ""
     inter_bw_gbs: float | None = None
+    grad_reduce_bytes: int = 2  # bytes per gradient value the data-parallel reduction moves, as the run set it
 
     def timing(self, efficiency: GpuEfficiency | None = None) -> Timing:
         hardware = gpu(self.gpu, inter_bw_gbs=self.inter_bw_gbs)
         if efficiency is not None:
             hardware = replace(hardware, efficiency=efficiency)
+        if self.grad_reduce_bytes != hardware.precision.grad_bytes:
+            hardware = replace(hardware, precision=replace(hardware.precision, grad_bytes=self.grad_reduce_bytes))
         return step_time(self.model, self.layout, Cluster(hardware, self.layout.world, 8), self.global_batch)
 
     def predicted(self, efficiency: GpuEfficiency | None = None) -> float:
@@ -85,13 +90,18 @@ _MPT = {
     "70b": _gpt("mpt-70b", 80, 8192, 64, 50368, 2048, True),
 }
 _FOUNDRY_ASSUMED = "inter-node link: the planner's default per GPU"
+# The table's "MP Mode" column: Composer's FSDP mixed precision (composer/trainer/mosaic_fsdp_utils.py
+# `get_mixed_precision` @ v0.16.4, the release llm-foundry's setup.py pinned, >=0.16.4,<0.17, when the
+# tables were written): DEFAULT gathers bf16 parameters but reduce-scatters gradients in fp32
+# (reduce_dtype float32); PURE does both in bf16.
+_COMPOSER_REDUCE_BYTES = {"DEFAULT": 4, "PURE": 2}
 
 
 def _mpt(table: str, gpu_name: str, size: str, gpus: int, mbs: int, batch: int, ac: bool, tps: float,
-         inter_bw_gbs: float | None = None) -> PublishedRun:
+         inter_bw_gbs: float | None = None, mp_mode: str = "DEFAULT") -> PublishedRun:
     return PublishedRun(f"llm-foundry {table} MPT-{size} {gpus} GPUs", f"{_FOUNDRY}, table '{table}'", _MPT[size],
                         gpu_name, _fsdp(gpus, mbs, "full" if ac else "none"), batch, tps, "tokens",
-                        _FOUNDRY_ASSUMED, inter_bw_gbs)
+                        _FOUNDRY_ASSUMED, inter_bw_gbs, _COMPOSER_REDUCE_BYTES[mp_mode])
 
 
 _H100 = "H100 80GB BF16"
@@ -109,8 +119,8 @@ FOUNDRY_RUNS = (
     _mpt(_H100, "h100-sxm", "13b", 16, 2, 32, False, 4767),
     _mpt(_H100, "h100-sxm", "13b", 8, 2, 16, False, 4792),
     _mpt(_H100, "h100-sxm", "7b", 8, 6, 48, False, 10643),
-    _mpt(_A100, "a100-80gb", "70b", 64, 8, 2048, True, 410, _ROCE),
-    _mpt(_A100, "a100-80gb", "70b", 32, 2, 1024, True, 373, _ROCE),
+    _mpt(_A100, "a100-80gb", "70b", 64, 8, 2048, True, 410, _ROCE, "PURE"),
+    _mpt(_A100, "a100-80gb", "70b", 32, 2, 1024, True, 373, _ROCE, "PURE"),
     _mpt(_A100, "a100-80gb", "30b", 8, 3, 504, True, 916, _ROCE),
     _mpt(_A100, "a100-80gb", "13b", 8, 2, 48, False, 2262, _ROCE),
     _mpt(_A100, "a100-80gb", "7b", 8, 6, 96, False, 4641, _ROCE),
@@ -118,14 +128,16 @@ FOUNDRY_RUNS = (
 
 # --- pytorch/torchtitan docs/performance.md @ 0413364 -----------------------------------------
 # FSDP2 on 64 A100 80GB, WPS per GPU; local batch size = mbs, global = 64 × local. "selective op"
-# checkpointing saves the matmul outputs: costed as no recompute beyond flash attention's.
+# checkpointing saves the matmul outputs: costed as no recompute beyond flash attention's. Gradients
+# are reduce-scattered in fp32 (torchtitan/parallelisms/parallelize_llama.py @ 0413364:
+# MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)).
 _TITAN = "pytorch/torchtitan docs/performance.md@0413364"
 
 
 def _titan(table: str, name: str, mbs: int, recompute: str, wps: float) -> PublishedRun:
     return PublishedRun(f"torchtitan {table} {name} {recompute}", f"{_TITAN}, table '{table}'", PRESETS[name],
                         "a100-80gb", _fsdp(64, mbs, recompute), 64 * mbs, wps, "tokens",
-                        "torch.compile off; inter-node link: the planner's default per GPU")
+                        "torch.compile off; inter-node link: the planner's default per GPU", grad_reduce_bytes=4)
 
 
 TITAN_RUNS = (

@@ -14,7 +14,9 @@ from typing import Any, Sequence
 
 from ndtrain.plan import gpu_compute
 from ndtrain.plan.arch import ModelSpec
-from ndtrain.plan.hardware import Cluster
+from ndtrain.plan.efficiency import GpuEfficiency
+from ndtrain.plan.hardware import Cluster, Hardware
+from ndtrain.plan.layout import Layout
 from ndtrain.plan.published import ORDERINGS, RUNS, PublishedRun, held_out
 from ndtrain.plan.search import Candidate, Rejections, SearchResult
 
@@ -105,14 +107,15 @@ def published_table() -> str:
     return "\n".join(lines)
 
 
-def ordering_pairs(runs: Sequence[PublishedRun]) -> list[tuple[PublishedRun, PublishedRun, bool]]:
+def ordering_pairs(runs: Sequence[PublishedRun], efficiency: GpuEfficiency | None = None
+                   ) -> list[tuple[PublishedRun, PublishedRun, bool]]:
     """(measured faster, measured slower, whether the planner predicts it faster) for every pair of
     compared runs whose measured throughputs differ by more than ORDER_MARGIN."""
     pairs = []
     for first, second in itertools.combinations(runs, 2):
         faster, slower = (first, second) if first.reported >= second.reported else (second, first)
         if faster.reported > (1 + ORDER_MARGIN) * slower.reported:
-            pairs.append((faster, slower, faster.predicted() > slower.predicted()))
+            pairs.append((faster, slower, faster.predicted(efficiency) > slower.predicted(efficiency)))
     return pairs
 
 
@@ -123,18 +126,32 @@ def terms(candidate: Candidate, model: ModelSpec, cluster: Cluster) -> str:
     if hw.cpu is None:
         eff = hw.efficiency
         layer = gpu_compute.layer_terms(model, lay, hw)
+        gpu = gpu_compute.compute(model, lay, hw)
         lines.append(f"  one layer forward, one rank: gemm {_ms(layer.gemm)} (arithmetic at η_mm = {eff.matmul} of "
                      f"{hw.peak_flops / 1e12:.4g} TFLOP/s + operand traffic at {hw.hbm_bandwidth / 1e12:.4g} TB/s), "
+                     f"waves {_ms(layer.waves)} ({_fills(model, lay, hw)}), "
                      f"attention {_ms(layer.attention)} (η_attn = {eff.attention} for flash, η_mm for dense), "
                      f"element-wise {_ms(layer.element)} ({eff.element_passes} passes over its activations)")
-        lines.append(f"  backward = 2 × forward; recompute adds {_ms(gpu_compute.compute(model, lay, hw).recompute)} "
-                     f"per layer backward ({lay.recompute})")
-        lines.append(f"  overlapped data-parallel communication costs φ = {eff.overlap_cost} of its time "
-                     f"in the compute it runs beside")
+        lines.append(f"  one layer backward {_ms(gpu.layer_b)} (2 × forward, its products' own waves); recompute adds "
+                     f"{_ms(gpu.recompute)} per layer backward ({lay.recompute})")
+        lines.append(f"  data-parallel gradients reduced at {hw.precision.grad_bytes} bytes per value; overlapped "
+                     f"communication costs φ = {eff.overlap_cost} of its time in the compute it runs beside")
     for part in TIME_PARTS:
         lines.append(f"  {part:10s} {_ms(getattr(tm, part))}")
     lines.append(f"  {'step':10s} {_ms(tm.step)}")
     return "\n".join(lines)
+
+
+def _fills(model: ModelSpec, lay: Layout, hw: Hardware) -> str:
+    """How full the last wave of each forward product is: tiles of the stated size over the GPU's SMs."""
+    tile = hw.efficiency.tile
+    if tile is None or hw.sms == 0:
+        return "no wave quantization"
+    tokens = lay.mbs * model.seq / lay.cp
+    fills = [gpu_compute.wave_fill(tokens, cols, hw, hw.efficiency)
+             for _, cols in gpu_compute.layer_gemm_shapes(model, lay.tp)]
+    return (f"{tile[0]}×{tile[1]} tiles on {hw.sms} SMs fill the QKV/out/MLP-in/MLP-out products' waves to "
+            + "/".join(f"{100 * fill:.0f}" for fill in fills) + " %")
 
 
 def _ms(seconds: float) -> str:

@@ -153,7 +153,7 @@ def _compute(model: ModelSpec, layout: Layout, cluster: Cluster, layers: int) ->
         recompute = {"none": 0.0, "selective": attention_f, "full": layer_f}[layout.recompute]
     else:
         gpu = gpu_compute.compute(model, layout, hw)
-        layer_f, layer_b, recompute = gpu.layer.total, 2 * gpu.layer.total, gpu.recompute
+        layer_f, layer_b, recompute = gpu.layer.total, gpu.layer_b, gpu.recompute
         ends_f, ends_b, attention_f = gpu.ends_f, gpu.ends_b, gpu.attention_f
     forward, backward = layers * layer_f + ends_f, layers * (layer_b + recompute) + ends_b  # the last stage
     all_stages = model.layers * (layer_f + layer_b + recompute) + ends_f + ends_b
