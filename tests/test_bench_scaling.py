@@ -1,6 +1,6 @@
 """`ndtrain bench` at larger sizes and worlds: the bench presets up to ≈100 M parameters, the --nproc
-and --device limits (one line each, before any worker starts), and a 1-step smoke of the smallest
-new case through the CLI (2 ranks, bench-25m). No timing assertions."""
+and --device limits (one line each, before any worker starts), and a 1-step smoke through the CLI
+on 2 ranks (the tiny model; bench-25m, the smallest new preset, as a slow test). No timing assertions."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ndtrain.bench import cli as bench_cli
 from ndtrain.config import MODEL_PRESETS, ModelConfig
 from ndtrain.errors import UserError
 from ndtrain.plan import arch
-from tests.helpers.runs import ndtrain, one_error_line
+from tests.helpers.runs import ndtrain
 
 # preset -> parameters by the model's formula (ModelConfig.parameter_count; test_model checks it on the built model)
 SIZES = {"bench": 12_786_048, "bench-25m": 25_436_672, "bench-100m": 101_081_856}
@@ -56,22 +56,28 @@ def test_supported_worlds_pass(nproc: int, device: str, gpus: int) -> None:
     bench_cli.check_world(nproc, device, gpus)
 
 
-def test_too_many_workers_is_refused_before_launching(tmp_path: Path) -> None:
+def test_too_many_workers_is_refused_before_launching(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):  # the parent's path, not a worker's
+        monkeypatch.delenv(name, raising=False)
     out = tmp_path / "r.json"
-    line = one_error_line(ndtrain("bench", "ddp", "--nproc", "9", "--out", str(out)))
-    assert line == "ndtrain: error: bench --nproc 9 is not supported: give 1 to 8 local workers"
+    assert cli.main(["bench", "ddp", "--nproc", "9", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == "ndtrain: error: bench --nproc 9 is not supported: give 1 to 8 local workers\n"
     assert not out.exists()
 
 
-def test_one_step_of_ddp_on_bench_25m_through_the_cli(tmp_path: Path) -> None:
-    """The whole path: parent checks, launch, workers on --device cpu, the JSON and the printed parameter count."""
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("bench-25m", marks=pytest.mark.slow)])
+def test_one_step_of_ddp_through_the_cli(tmp_path: Path, preset: str) -> None:
+    """The whole path: parent checks, launch, workers on --device cpu, the JSON with its device, and the
+    parameter count in the printed table and the facts."""
     out = tmp_path / "ddp-n2.json"
-    proc = ndtrain("bench", "ddp", "--nproc", "2", "--device", "cpu", "--model", "bench-25m", "--steps", "1",
+    proc = ndtrain("bench", "ddp", "--nproc", "2", "--device", "cpu", "--model", preset, "--steps", "1",
                    "--warmup", "0", "--repeats", "1", "--seq-len", "16", "--micro-batch", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["world_size"] == 2 and data["options"]["preset"] == "bench-25m"
+    assert (data["world_size"], data["device"], data["options"]["preset"]) == (2, "cpu", preset)
+    params = ModelConfig(**{"preset": preset, **MODEL_PRESETS[preset]}).parameter_count()
     facts = data["facts"]
-    assert facts["parameters"] == SIZES["bench-25m"] and facts["gradient_bytes"] == 4 * SIZES["bench-25m"]
+    assert facts["parameters"] == params and facts["gradient_bytes"] == 4 * params
     assert [r["comm_bytes_per_step"] for r in data["runs"]["ours"]] == [float(facts["ring_bytes"])]
-    assert "parameters=25,436,672 (25.4 M)" in proc.stdout.splitlines()[0]
+    assert f"parameters={params:,} ({params / 1e6:.1f} M)" in proc.stdout.splitlines()[0]

@@ -61,7 +61,7 @@ def bench_result(measured: dict[str, float], preset: str = "bench", seq_len: int
     for name, change in changes.items():
         layouts[name].update(change)
     return {
-        "scenario": "layouts", "world_size": WORLD, "reference": "dp4",
+        "scenario": "layouts", "world_size": WORLD, "device": "cpu", "reference": "dp4",
         "options": {"steps": 2, "warmup": 1, "repeats": 1, "seq_len": seq_len, "preset": preset},
         "facts": {"preset": preset, "global_batch": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH_SIZE,
                   "skipped": [], "layouts": layouts},
@@ -125,6 +125,8 @@ def test_validate_reports_a_miss(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (bench_result({"dp4": 1.0, "dp4-zero1": 1.0}), False, "--validate needs --profile PATH"),
     ({"scenario": "ddp"}, True, "is not a `bench layouts` result"),
     (bench_result({"dp4": 1.0, "dp4-zero1": 1.0}, dp4={"precision": "bf16"}), True, "CPU profile models fp32 only"),
+    ({**bench_result({"dp4": 1.0, "dp4-zero1": 1.0}), "device": "cuda"}, True,
+     "the result was measured on cuda; the planner's local check compares with a CPU profile"),
     (bench_result({"dp4": 1.0, "pp4-gpipe": 1.0}, **{"pp4-gpipe": {"pp_schedule": "chimera"}}), True,
      "layout pp4-gpipe is not one the planner models: schedule='chimera'"),
 ])
@@ -202,7 +204,8 @@ def test_sharded_data_parallel_under_pp_is_charged_every_micro_batch_and_in_the_
     psi = 4 * stage_params(BENCH, layout, "last")
     assert psi == 4 * (4 * BENCH.layer_params + BENCH.head_params)
     if zero == 3:
-        per_micro_batch = (dp_cost(cluster, "all_gather", psi) + dp_cost(cluster, "all_gather", 4 * 4 * BENCH.layer_params)
+        blocks = 4 * 4 * BENCH.layer_params
+        per_micro_batch = (dp_cost(cluster, "all_gather", psi) + dp_cost(cluster, "all_gather", blocks)
                            + dp_cost(cluster, "reduce_scatter", psi))
         per_step = 0.0
     else:

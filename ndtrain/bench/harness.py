@@ -136,6 +136,7 @@ class ContestResult:
     options: dict[str, Any]
     facts: dict[str, Any]
     runs: dict[str, list[RunRecord]] = field(default_factory=dict)
+    device: str = "cpu"  # where the contestants ran: "cpu" or "cuda"
 
     def summary(self) -> dict[str, dict[str, Any]]:
         ref_median = statistics.median(s for r in self.runs[self.reference] for s in r.step_s)
@@ -173,8 +174,8 @@ class ContestResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "scenario": self.scenario, "world_size": self.world_size, "reference": self.reference,
-            "options": self.options, "facts": self.facts, "summary": self.summary(),
+            "scenario": self.scenario, "world_size": self.world_size, "device": self.device,
+            "reference": self.reference, "options": self.options, "facts": self.facts, "summary": self.summary(),
             "warnings": self.noise_warnings(),
             "runs": {name: [asdict(r) for r in runs] for name, runs in self.runs.items()},
         }
@@ -217,7 +218,7 @@ def run_contest(
     *, reference: str, facts: dict[str, Any],
 ) -> ContestResult:
     """Every rank calls this with the same contestants; every rank gets the same result."""
-    result = ContestResult(scenario, ctx.world_size, reference, asdict(options), facts)
+    result = ContestResult(scenario, ctx.world_size, reference, asdict(options), facts, device=ctx.device.type)
     result.runs = {c.name: [] for c in contestants}
     for contestant in contestants:  # discarded: one-time costs (lazy init, thread pools, heap growth)
         _timed_run(ctx, contestant, BenchOptions(steps=1, warmup=0))
