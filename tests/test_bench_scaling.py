@@ -21,11 +21,11 @@ SIZES = {"bench": 12_786_048, "bench-25m": 25_436_672, "bench-100m": 101_081_856
 
 
 @pytest.mark.parametrize("name", SIZES)
-def test_bench_presets_have_their_stated_sizes_and_fit_every_bench(name: str) -> None:
+def test_bench_presets_have_their_stated_sizes_and_fit_bench_layouts(name: str) -> None:
     cfg = ModelConfig(**{"preset": name, **MODEL_PRESETS[name]})
     assert cfg.parameter_count() == SIZES[name]
     assert cfg.n_heads % 2 == 0 and cfg.n_kv_heads % 2 == 0  # bench layouts has tp = 2 layouts
-    assert cfg.n_layers >= 8  # pp up to 8 (one layer per stage), tp2 × pp2 × vpp2
+    assert cfg.n_layers >= 8  # bench pp up to 8 ranks (a layer per stage); tp2 × pp2 × vpp2
     spec = arch.preset(f"ndtrain-{name}")  # the planner knows it (plan --validate reads the preset)
     assert spec.total_params == SIZES[name]
 
