@@ -41,6 +41,9 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, seq_len=32),
     "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, seq_len=128),
     "bench": dict(dim=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_dim=1024, seq_len=256),
+    # `ndtrain bench` at larger sizes (Ψ with the byte vocabulary of 256): 25.4 M and 101.1 M parameters
+    "bench-25m": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, seq_len=256),
+    "bench-100m": dict(dim=768, n_layers=16, n_heads=12, n_kv_heads=4, ffn_dim=2048, seq_len=256),
 }
 
 # Presets of the tasks other than the language model (tasks.py), with the defaults they bring to any

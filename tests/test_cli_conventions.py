@@ -140,7 +140,8 @@ def test_train_help_defaults_are_what_check_resolves(capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize("flag, allowed", [
     ("--precision", "{fp32,bf16,fp16}"), ("--recompute", "{none,selective,full}"), ("--sp", "{true,false}"),
     ("--schedule", "{naive,gpipe,1f1b,interleaved,zb}"), ("--dp-mode", "{ddp,single-process}"),
-    ("--ps.mode", "{sync,async,ssp}"), ("--zero", "{0,1,2,3}"), ("--model", "{tiny,small,bench,digits,hf:PATH}"),
+    ("--ps.mode", "{sync,async,ssp}"), ("--zero", "{0,1,2,3}"),
+    ("--model", "{tiny,small,bench,bench-25m,bench-100m,digits,hf:PATH}"),
 ])
 def test_train_help_lists_allowed_values(flag: str, allowed: str, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:

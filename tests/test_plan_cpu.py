@@ -87,17 +87,19 @@ def test_dp4_step_from_measured_pieces_and_shared_cores(tmp_path: Path) -> None:
 
 def test_zero_stages_use_ndtrains_collectives_on_cpu(tmp_path: Path) -> None:
     """ZeRO-1 keeps DDP's all-reduce and adds the all-gather (zero1_optimizer.py); ZeRO-2 reduce-scatters every
-    micro-batch; ZeRO-3 gathers twice and reduce-scatters once per micro-batch; m = 2."""
+    micro-batch; ZeRO-3 gathers everything for the forward, the blocks again for the backward (the root unit,
+    embedding, final norm and head, stays gathered) and reduce-scatters everything, per micro-batch; m = 2."""
     hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces()})
     grads = 4 * stage_params(BENCH, layout(), "only")
+    blocks = 4 * BENCH.layers * BENCH.layer_params
 
-    def cost(op: str) -> float:
-        return getattr(collectives, op)(4, grads, hw.cpu.link(op, 4))
+    def cost(op: str, nbytes: float = grads) -> float:
+        return getattr(collectives, op)(4, nbytes, hw.cpu.link(op, 4))
 
     dp = {z: step_time(BENCH, layout(zero=z), Cluster(hw, 4, 4), B).dp_comm for z in (1, 2, 3)}
     assert dp[1] == pytest.approx(cost("all_reduce") + cost("all_gather"))
     assert dp[2] == pytest.approx(2 * cost("reduce_scatter") + cost("all_gather"))
-    assert dp[3] == pytest.approx(2 * (2 * cost("all_gather") + cost("reduce_scatter")))
+    assert dp[3] == pytest.approx(2 * (cost("all_gather") + cost("all_gather", blocks) + cost("reduce_scatter")))
 
 
 def test_a_pipeline_of_four_on_two_cores_is_bound_by_the_shared_cores(tmp_path: Path) -> None:

@@ -1,10 +1,12 @@
 """The planner's local validation: Engine layouts mapped onto planner Layouts, `ndtrain plan --validate`
-reading a `bench layouts` result (synthetic: no timing is measured or asserted here), and the tp
-collectives the time model charges for our implementation."""
+reading a `bench layouts` result (synthetic: no timing is measured or asserted here), and the tp and
+sharded data-parallel (ZeRO-2 × tp, ZeRO-2/3 × pp) collectives the time model charges for our
+implementation."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,9 @@ from ndtrain.plan import arch, cli, collectives, validate
 from ndtrain.plan.cpu_profile import load_profile
 from ndtrain.plan.hardware import Cluster
 from ndtrain.plan.layout import Layout, problem
+from ndtrain.plan.memory import stage_params
 from ndtrain.plan.timing import step_time
-from tests.plan_profiles import cpu_profile
+from tests.plan_profiles import bench_pieces, cpu_profile
 
 PROFILE = cpu_profile()
 BENCH = arch.preset("ndtrain-bench")
@@ -58,7 +61,7 @@ def bench_result(measured: dict[str, float], preset: str = "bench", seq_len: int
     for name, change in changes.items():
         layouts[name].update(change)
     return {
-        "scenario": "layouts", "world_size": WORLD, "reference": "dp4",
+        "scenario": "layouts", "world_size": WORLD, "device": "cpu", "reference": "dp4",
         "options": {"steps": 2, "warmup": 1, "repeats": 1, "seq_len": seq_len, "preset": preset},
         "facts": {"preset": preset, "global_batch": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH_SIZE,
                   "skipped": [], "layouts": layouts},
@@ -122,6 +125,8 @@ def test_validate_reports_a_miss(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (bench_result({"dp4": 1.0, "dp4-zero1": 1.0}), False, "--validate needs --profile PATH"),
     ({"scenario": "ddp"}, True, "is not a `bench layouts` result"),
     (bench_result({"dp4": 1.0, "dp4-zero1": 1.0}, dp4={"precision": "bf16"}), True, "CPU profile models fp32 only"),
+    ({**bench_result({"dp4": 1.0, "dp4-zero1": 1.0}), "device": "cuda"}, True,
+     "the result was measured on cuda; the planner's local check compares with a CPU profile"),
     (bench_result({"dp4": 1.0, "pp4-gpipe": 1.0}, **{"pp4-gpipe": {"pp_schedule": "chimera"}}), True,
      "layout pp4-gpipe is not one the planner models: schedule='chimera'"),
 ])
@@ -161,3 +166,68 @@ def test_tp_time_counts_every_collective_of_our_tp(tmp_path: Path, sp: bool) -> 
     per_micro_batch = (4 * l + 2) * one + loss + norms
     got = step_time(BENCH, layout, Cluster(hw, WORLD, WORLD), GLOBAL_BATCH).tp_comm
     assert got == pytest.approx(GLOBAL_BATCH // 2 * per_micro_batch, rel=1e-12)
+
+
+def test_the_zero_layouts_map_onto_their_planner_layouts() -> None:
+    def planner(name: str) -> Layout:
+        return validate.layout_of(layout_fields(ParallelConfig(**LAYOUTS[name])), MICRO_BATCH_SIZE)
+
+    assert planner("dp2-pp2-zero3") == Layout(
+        tp=1, pp=2, dp=2, cp=1, zero=3, mbs=1, vpp=1, recompute="none", sp=False, schedule="1f1b")
+    assert planner("dp2-tp2-zero2") == Layout(
+        tp=2, pp=1, dp=2, cp=1, zero=2, mbs=1, vpp=1, recompute="none", sp=False, schedule="none")
+    assert planner("dp2-tp2-sp-zero2") == dataclasses.replace(planner("dp2-tp2-zero2"), sp=True)
+
+
+def bench_cluster(tmp_path: Path) -> Cluster:
+    """4 processes on the synthetic profile with the bench model's layer pieces."""
+    hw = load_profile(write(tmp_path, "profile.json", cpu_profile(pieces={BENCH: bench_pieces()})), WORLD)
+    return Cluster(hw, WORLD, WORLD)
+
+
+def dp_cost(cluster: Cluster, op: str, nbytes: float) -> float:
+    """`op` over the dp group of 2 (of 4 processes) at the profile's fit."""
+    assert cluster.hardware.cpu is not None
+    return getattr(collectives, op)(2, nbytes, cluster.hardware.cpu.link(op, 2))
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_sharded_data_parallel_under_pp_is_charged_every_micro_batch_and_in_the_bubble(tmp_path: Path,
+                                                                                        zero: int) -> None:
+    """dp2 × pp2 1F1B, m = 4 micro-batches, Ψ the last stage's parameters (4 blocks, final norm, head):
+    ZeRO-3 (units per stage) all-gathers Ψ for every forward, the 4 blocks again for every backward (the
+    root unit stays gathered) and reduce-scatters Ψ; ZeRO-2 reduce-scatters Ψ every micro-batch and
+    all-gathers once. The per-micro-batch part lengthens each pipeline slot: the bubble (p − 1 = 1 slot)
+    grows by it over the same layout without ZeRO."""
+    cluster = bench_cluster(tmp_path)
+    layout = validate.layout_of(layout_fields(ParallelConfig(dp=2, pp=2, pp_schedule="1f1b", zero=zero)), 1)
+    psi = 4 * stage_params(BENCH, layout, "last")
+    assert psi == 4 * (4 * BENCH.layer_params + BENCH.head_params)
+    if zero == 3:
+        blocks = 4 * 4 * BENCH.layer_params
+        per_micro_batch = (dp_cost(cluster, "all_gather", psi) + dp_cost(cluster, "all_gather", blocks)
+                           + dp_cost(cluster, "reduce_scatter", psi))
+        per_step = 0.0
+    else:
+        per_micro_batch, per_step = dp_cost(cluster, "reduce_scatter", psi), dp_cost(cluster, "all_gather", psi)
+    sharded = step_time(BENCH, layout, cluster, GLOBAL_BATCH)
+    plain = step_time(BENCH, dataclasses.replace(layout, zero=0), cluster, GLOBAL_BATCH)
+    assert sharded.dp_comm == pytest.approx(4 * per_micro_batch + per_step, rel=1e-12)
+    assert sharded.bubble - plain.bubble == pytest.approx(per_micro_batch, rel=1e-9)
+    assert (sharded.compute, sharded.pp_comm) == (plain.compute, plain.pp_comm)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_zero2_under_tp_reduce_scatters_the_tp_shard_in_each_dp_group(tmp_path: Path, sp: bool) -> None:
+    """dp2 × tp2 ZeRO-2, m = 4: each tp coordinate's dp group of 2 reduce-scatters its tp shard's gradient
+    (Ψ/2) every micro-batch and all-gathers the updated shard once; sequence parallelism changes only tp."""
+    cluster = bench_cluster(tmp_path)
+    layout = validate.layout_of(layout_fields(ParallelConfig(dp=2, tp=2, zero=2, sequence_parallel=sp)), 1)
+    shard = 4 * BENCH.total_params / 2
+    assert 4 * stage_params(BENCH, layout, "only") == shard
+    t = step_time(BENCH, layout, cluster, GLOBAL_BATCH)
+    assert t.dp_comm == pytest.approx(4 * dp_cost(cluster, "reduce_scatter", shard)
+                                      + dp_cost(cluster, "all_gather", shard), rel=1e-12)
+    assert t.bubble == 0.0
+    zero0 = step_time(BENCH, dataclasses.replace(layout, zero=0), cluster, GLOBAL_BATCH)
+    assert (t.compute, t.tp_comm) == (zero0.compute, zero0.tp_comm)

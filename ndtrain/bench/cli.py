@@ -1,17 +1,22 @@
 """`ndtrain bench SCENARIO`: launch local workers, run the scenario on each, report from rank 0.
 
-The parent process re-runs the command on `--nproc` workers (torchrun's agent); a worker sets its
-thread count (the cores shared evenly, so 2 ranks on 2 cores get one each), joins the world,
-runs the scenario, and rank 0 prints the table and writes the JSON result.
+The parent process checks the world (1 to `MAX_NPROC` local workers; on CUDA, no more workers
+than visible GPUs, one each) and re-runs the command on `--nproc` workers (torchrun's agent); a
+worker sets its thread count (the cores shared evenly, so 2 ranks on 2 cores get one each), joins
+the world on `--device` (auto: CUDA with NCCL where a GPU is visible, else CPU with gloo), runs
+the scenario, and rank 0 prints the table and writes the JSON result.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from ndtrain.bench import ddp, fsdp, tp, zero
 from ndtrain.bench import dp_vs_ddp, ps
@@ -23,7 +28,9 @@ from ndtrain.config import MODEL_PRESETS, ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.launch import in_worker, launch_local, set_worker_threads
 from ndtrain.mesh import ParallelContext, init
+from ndtrain.options import Device, values
 
+MAX_NPROC = 8  # local workers the benches are laid out and checked for
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,9 @@ DEFAULTS = BenchOptions()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", choices=sorted(SCENARIOS), help="what to compare with PyTorch's own")
-    parser.add_argument("--nproc", type=int, default=2, metavar="N", help="local worker processes")
+    parser.add_argument("--nproc", type=int, default=2, metavar="N", help=f"local worker processes (1 to {MAX_NPROC})")
+    parser.add_argument("--device", choices=values(Device), default="auto",
+                        help="where the workers compute: auto = one CUDA GPU each (NCCL) if visible, else CPU (gloo)")
     parser.add_argument("--threads", type=int, default=0, metavar="N", help="threads per worker, 0 = cores / nproc")
     parser.add_argument("--steps", type=int, default=DEFAULTS.steps, metavar="N", help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=DEFAULTS.warmup, metavar="N", help="untimed steps before each run")
@@ -75,10 +84,11 @@ def main(args: argparse.Namespace) -> int:
     )
     options.validate()
     if not in_worker():
+        check_world(args.nproc, args.device, torch.cuda.device_count())
         return launch_local(["bench", *_worker_argv(args)], args.nproc)
     set_worker_threads(args.threads)
     scenario = SCENARIOS[args.scenario]
-    ctx = init(scenario.layout(args.nproc))
+    ctx = init(dataclasses.replace(scenario.layout(args.nproc), device=args.device))
     try:
         result = scenario.run(ctx, options)
     except UserError as e:  # raised alike on every rank: say it once
@@ -95,9 +105,22 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_world(nproc: int, device: str, gpus: int) -> None:
+    """Refuse, in one line, a world the benches do not run: `nproc` outside 1..MAX_NPROC, or on CUDA
+    (`device` cuda, or auto with `gpus` > 0 visible) more workers than GPUs."""
+    if not 1 <= nproc <= MAX_NPROC:
+        raise UserError(f"bench --nproc {nproc} is not supported: give 1 to {MAX_NPROC} local workers")
+    if device == "cuda" and gpus == 0:
+        raise UserError("bench --device cuda but no CUDA device is visible: use --device cpu (or auto)")
+    if gpus and device != "cpu" and nproc > gpus:
+        raise UserError(f"bench --nproc {nproc} needs one GPU per worker, {gpus} visible: give --nproc <= {gpus} "
+                        "or --device cpu")
+
+
 def _worker_argv(args: argparse.Namespace) -> list[str]:
     argv = [
-        args.scenario, "--nproc", str(args.nproc), "--threads", str(args.threads), "--steps", str(args.steps),
+        args.scenario, "--nproc", str(args.nproc), "--device", args.device, "--threads", str(args.threads),
+        "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
         "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--model", args.preset,
         "--seed", str(args.seed),

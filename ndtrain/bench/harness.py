@@ -21,7 +21,12 @@ first), each run W warmup steps then S timed steps:
   to separate them (`noise_warnings`), and the ratio should not be read as a difference;
 - peak memory per rank (`ndtrain.memory`): the peak since the start of the run (model build
   included), and that peak minus the resident memory before the build (interpreter, libraries;
-  freed memory is returned to the system first); medians over runs.
+  freed memory is returned to the system first); medians over runs. On a CUDA device (a world
+  on NCCL, `ndtrain bench --device cuda`) both are the caching allocator's: the peak is
+  `torch.cuda.max_memory_allocated` since the run's `reset_peak_memory_stats`, the baseline
+  `memory_allocated`; a timed step ends with `torch.cuda.synchronize`, so it includes the
+  device's work; the loopback counter sees only what NCCL sends over sockets (not NVLink or
+  shared memory).
 
 Bookkeeping costs one barrier per phase and one all-reduce of (S + 3) numbers per rank per run,
 outside the timed steps. Results are one JSON-ready dict and a printed table (rank 0).
@@ -43,9 +48,8 @@ import torch
 
 from ndtrain.config import MODEL_PRESETS, ModelConfig, config_from_dict
 from ndtrain.errors import UserError
-from ndtrain.memory import current_bytes, peak_bytes, reset_peak, tensor_bytes
+from ndtrain.memory import current_bytes, peak_bytes, reset_peak
 from ndtrain.mesh import ParallelContext
-from ndtrain.models.llama import build_model
 
 MB = 1024 * 1024
 LIMIT = "limit"  # the no-communication contestant's name (ndtrain.bench.limit)
@@ -93,9 +97,8 @@ def llama_workload(ctx: ParallelContext, options: BenchOptions) -> Workload:
     generator = torch.Generator().manual_seed(options.seed * 1_000_003 + ctx.rank)
     shape = (options.warmup + options.steps, options.micro_batch, options.seq_len + 1)
     tokens = torch.randint(0, model.vocab_size, shape, generator=generator).to(ctx.device)
-    reference = build_model(model, options.seed, "cpu")
-    trainable = [p for p in reference.parameters() if p.requires_grad]
-    return Workload(model, tokens, sum(p.numel() for p in reference.parameters()), sum(map(tensor_bytes, trainable)))
+    parameters = model.parameter_count()  # by arithmetic: no extra copy of a 100 M model on every rank
+    return Workload(model, tokens, parameters, 4 * parameters)  # every parameter is a trainable fp32 tensor
 
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> Step:
@@ -133,6 +136,7 @@ class ContestResult:
     options: dict[str, Any]
     facts: dict[str, Any]
     runs: dict[str, list[RunRecord]] = field(default_factory=dict)
+    device: str = "cpu"  # where the contestants ran: "cpu" or "cuda"
 
     def summary(self) -> dict[str, dict[str, Any]]:
         ref_median = statistics.median(s for r in self.runs[self.reference] for s in r.step_s)
@@ -170,8 +174,8 @@ class ContestResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "scenario": self.scenario, "world_size": self.world_size, "reference": self.reference,
-            "options": self.options, "facts": self.facts, "summary": self.summary(),
+            "scenario": self.scenario, "world_size": self.world_size, "device": self.device,
+            "reference": self.reference, "options": self.options, "facts": self.facts, "summary": self.summary(),
             "warnings": self.noise_warnings(),
             "runs": {name: [asdict(r) for r in runs] for name, runs in self.runs.items()},
         }
@@ -214,7 +218,7 @@ def run_contest(
     *, reference: str, facts: dict[str, Any],
 ) -> ContestResult:
     """Every rank calls this with the same contestants; every rank gets the same result."""
-    result = ContestResult(scenario, ctx.world_size, reference, asdict(options), facts)
+    result = ContestResult(scenario, ctx.world_size, reference, asdict(options), facts, device=ctx.device.type)
     result.runs = {c.name: [] for c in contestants}
     for contestant in contestants:  # discarded: one-time costs (lazy init, thread pools, heap growth)
         _timed_run(ctx, contestant, BenchOptions(steps=1, warmup=0))
@@ -308,6 +312,8 @@ def _mb(value: float | None) -> str:
 
 
 def _fmt_fact(key: str, value: Any) -> str:
+    if key == "parameters":
+        return f"{value:,} ({value / 1e6:.1f} M)"
     return f"{value / MB:.2f} MB" if key.endswith("_bytes") else str(value)
 
 

@@ -11,11 +11,16 @@ The harness alternates the layouts over `--repeats` runs (W warmup, S timed step
 the median over timed steps of the slowest rank's step time; the reference is plain DDP (dp4).
 Layouts with more pipeline chunks (pp·v) than the preset has layers are left out (facts "skipped").
 
-What each layout communicates is in engine.py and the strategy modules (per step, Ψ parameters:
-DDP 2(N−1)/N·4Ψ; tp 4 all-reduces per layer and micro-batch; pp 2 activations per boundary and
-micro-batch; ZeRO as engine.py states). `--micro-batch` is not used: B and the micro-batch
-size are fixed so that the JSON (facts "global_batch", "micro_batch_size", "layouts") maps each
-contestant onto a planner `Layout` (`ndtrain plan --validate`).
+What each layout communicates is in engine.py and the strategy modules (per step, Ψ parameters
+of a rank's stage and tp shard, N its dp group, m = B/dp micro-batches): DDP 2(N−1)/N·4Ψ; tp 4
+all-reduces per layer and micro-batch; pp 2 activations per boundary and micro-batch; ZeRO-1 its gradient
+collective (zero1_optimizer.py) and an all-gather of the updated weights; ZeRO-2 (also inside each tp coordinate's dp
+group under tp, `dp2-tp2-zero2`) a reduce-scatter every micro-batch and the all-gather once;
+ZeRO-3 under pp (`dp2-pp2-zero3`: units per stage, 1F1B) every micro-batch gathers the stage's
+units for the forward, the blocks again for the backward, and reduce-scatters them all
+(zero3_parameters.py). `--micro-batch` is not used: B and the micro-batch size are fixed so that
+the JSON (facts "global_batch", "micro_batch_size", "layouts") maps each contestant onto a
+planner `Layout` (`ndtrain plan --validate`). The facts also record the preset's parameter count.
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2-tp2": dict(dp=2, tp=2),
     "dp2-tp2-sp": dict(dp=2, tp=2, sequence_parallel=True),
     "dp2-tp2-zero1": dict(dp=2, tp=2, zero=1),
+    "dp2-tp2-zero2": dict(dp=2, tp=2, zero=2),
+    "dp2-tp2-sp-zero2": dict(dp=2, tp=2, sequence_parallel=True, zero=2),
     "dp2-pp2-1f1b": dict(dp=2, pp=2, pp_schedule="1f1b"),
+    "dp2-pp2-zero3": dict(dp=2, pp=2, pp_schedule="1f1b", zero=3),
     "tp2-pp2-1f1b": dict(dp=1, tp=2, pp=2, pp_schedule="1f1b"),
     "tp2-pp2-interleaved": dict(dp=1, tp=2, pp=2, pp_schedule="interleaved", pp_virtual=2),
     "pp4-1f1b": dict(dp=1, pp=4, pp_schedule="1f1b"),
@@ -98,10 +106,10 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     if cfg.n_heads % 2 or cfg.n_kv_heads % 2:
         raise UserError(
             f"bench layouts has tp=2 layouts: preset {options.preset!r} has {cfg.n_heads} heads and "
-            f"{cfg.n_kv_heads} kv heads, both must be even: use --model bench"
+            f"{cfg.n_kv_heads} kv heads, both must be even: use --model bench (or bench-25m, bench-100m)"
         )
     tokens = _tokens(cfg, options)
-    configs = {name: ParallelConfig(**fields) for name, fields in LAYOUTS.items()}
+    configs = {name: ParallelConfig(**fields, device=ctx.device.type) for name, fields in LAYOUTS.items()}
     skipped = [name for name, c in configs.items() if c.pp * c.pp_virtual > cfg.n_layers]  # too few layers
     configs = {name: c for name, c in configs.items() if name not in skipped}
     contexts = {
@@ -112,8 +120,9 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         Contestant(name, _engine(contexts[name], configs[name], cfg, options, tokens), counted=True) for name in configs
     ]
     facts = {
-        "preset": options.preset, "global_batch": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH_SIZE,
-        "skipped": skipped, "layouts": {name: layout_fields(config) for name, config in configs.items()},
+        "preset": options.preset, "parameters": cfg.parameter_count(), "global_batch": GLOBAL_BATCH,
+        "micro_batch_size": MICRO_BATCH_SIZE, "skipped": skipped,
+        "layouts": {name: layout_fields(config) for name, config in configs.items()},
     }
     result = run_contest(ctx, "layouts", contestants, options, reference=REFERENCE, facts=facts)
     return LayoutsResult(**vars(result))
@@ -125,9 +134,9 @@ class LayoutsResult(ContestResult):
     def table(self) -> str:
         f = self.facts
         lines = [
-            f"layouts on {self.world_size} ranks — preset {f['preset']}, B={f['global_batch']} sequences, "
-            f"micro-batch {f['micro_batch_size']}" + (f", skipped (too few layers): {', '.join(f['skipped'])}"
-                                                     if f["skipped"] else ""),
+            f"layouts on {self.world_size} ranks — preset {f['preset']} ({f['parameters'] / 1e6:.1f} M parameters), "
+            f"B={f['global_batch']} sequences, micro-batch {f['micro_batch_size']}"
+            + (f", skipped (too few layers): {', '.join(f['skipped'])}" if f["skipped"] else ""),
             f"{'layout':<21}{'dp':>3}{'tp':>3}{'pp':>3}{'zero':>5}{'schedule':>15}{'sp':>4}"
             f"{'median step':>13}{'ratio':>7}{'counted/step':>14}{'peak/rank':>11}",
         ]

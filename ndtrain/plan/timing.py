@@ -33,13 +33,17 @@ dp/ZeRO   over N = dp·c ranks, Ψ the stage's parameters per rank, the link of 
                     buffer to accumulate into)
           stage 3   every micro-batch: all-gather 2Ψ behind the forward, all-gather 2Ψ +
                     reduce-scatter 2Ψ behind the backward, except one layer's gather (FSDP)
+          Under pp the per-micro-batch part (stage 2's reduce-scatter, stage 3's gathers and
+          reduce-scatter) lengthens every stage's slot, so the bubble counts it too.
 optimizer Adam reads and writes 28 bytes per (sharded) parameter, at HBM bandwidth.
 Overlap ("behind") holds on GPUs only: on a CPU profile every collective is exposed.
 CPU profile (`cpu_profile.py`): compute is the model's measured block and ends per (tp, mbs)
           when the profile has them (÷ c for cp; recompute adds the attention's FLOP share of a
           block forward, or a block forward); each collective uses the fit for its op and group
-          size; ZeRO-1 is ndtrain's all-reduce + all-gather; SP's all-gather + reduce-scatter are
-          priced apart; the optimizer at the measured AdamW rate. With P processes on S < P
+          size; ZeRO-1 is ndtrain's all-reduce + all-gather; ZeRO-3's backward re-gathers the
+          blocks only (the root unit, the stage's ends, stays gathered from its forward until its
+          reduce-scatter: zero3_parameters.py); SP's all-gather + reduce-scatter are priced apart;
+          the optimizer at the measured AdamW rate. With P processes on S < P
           slots, shared = max(0, sharing · (all processes' compute) / S − critical path).
 """
 
@@ -177,10 +181,22 @@ def _vocab_forward(cluster: Cluster, layout: Layout, tokens: float, tp_one: floa
     return loss + (tp_one if layout.pp == 1 else 0.0)
 
 
-def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _MicroBatch, m: int) -> float:
+class _DataParallel(NamedTuple):
+    """Exposed dp/ZeRO seconds: per micro-batch, in its forward and its backward (ZeRO-2's
+    reduce-scatter, ZeRO-3's gathers and reduce-scatter), and once per step."""
+
+    micro_batch_f: float
+    micro_batch_b: float
+    per_step: float
+
+    def total(self, m: int) -> float:
+        return m * (self.micro_batch_f + self.micro_batch_b) + self.per_step
+
+
+def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _MicroBatch) -> _DataParallel:
     n = layout.dp * layout.cp
     if n == 1:
-        return 0.0
+        return _DataParallel(0.0, 0.0, 0.0)
     precision = cluster.hardware.precision
 
     def cost(op: str, nbytes: float) -> float:
@@ -200,16 +216,20 @@ def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _Micr
 
     reduce = behind(cost("all_reduce", grads), window_b, cost("all_reduce", bucket))
     if layout.zero == 0:
-        return reduce
+        return _DataParallel(0.0, 0.0, reduce)
     first_layer = model.layer_params / layout.tp * precision.param_bytes
     gather = behind(cost("all_gather", weights), window_f, cost("all_gather", min(bucket, first_layer)))
     scatter = behind(cost("reduce_scatter", grads), window_b, cost("reduce_scatter", bucket))
     if layout.zero == 1:  # ndtrain's ZeRO-1 keeps DDP's all-reduce (zero1_optimizer.py); Megatron reduce-scatters
-        return (reduce if cluster.hardware.cpu is not None else scatter) + gather
+        return _DataParallel(0.0, 0.0, (reduce if cluster.hardware.cpu is not None else scatter) + gather)
     if layout.zero == 2:
-        return m * scatter + gather
-    backward = cost("all_gather", weights) + cost("reduce_scatter", grads)
-    return m * (gather + behind(backward, window_b, cost("all_gather", first_layer)))
+        return _DataParallel(0.0, scatter, gather)
+    regathered = weights
+    if cluster.hardware.cpu is not None:  # ndtrain's root unit (the stage's ends) is not gathered again
+        layers = model.layers if layout.pp == 1 else layout.stage_layers(model.layers)
+        regathered -= (psi - layers * model.layer_params / layout.tp) * precision.param_bytes
+    backward = cost("all_gather", regathered) + cost("reduce_scatter", grads)
+    return _DataParallel(gather, behind(backward, window_b, cost("all_gather", first_layer)), 0.0)
 
 
 def _optimizer(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
@@ -248,7 +268,9 @@ def flops_per_step(model: ModelSpec, layout: Layout, global_batch: int) -> tuple
 def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int) -> Timing:
     m = layout.micro_batches(global_batch)
     mb = _micro_batch(model, layout, cluster)
-    bubble = schedules.bubble_time(layout.schedule, layout.pp, layout.vpp, mb.t_f, mb.t_b, m)
+    dp = _data_parallel(model, layout, cluster, mb)
+    bubble = schedules.bubble_time(layout.schedule, layout.pp, layout.vpp, mb.t_f + dp.micro_batch_f,
+                                   mb.t_b + dp.micro_batch_b, m)
     model_flops, hardware_flops = flops_per_step(model, layout, global_batch)
     compute, optimizer = m * (mb.compute_f + mb.compute_b), _optimizer(model, layout, cluster)
     return Timing(
@@ -257,7 +279,7 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
         cp_comm=m * (mb.cp_f + mb.cp_b),
         pp_comm=m * (mb.pp_f + mb.pp_b),
         bubble=bubble,
-        dp_comm=_data_parallel(model, layout, cluster, mb, m),
+        dp_comm=dp.total(m),
         optimizer=optimizer,
         shared_cores=_shared_cores(model, layout, cluster, mb, m, compute + bubble + optimizer, optimizer),
         model_flops=model_flops,

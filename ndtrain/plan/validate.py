@@ -7,8 +7,8 @@ Given measured step times per layout (from bench results, once the tp/pp/zero st
 The issue's acceptance: ρ ≥ 0.8 and median relative error ≤ 25 % over ≥ 8 layouts.
 
 `ndtrain plan --validate bench-results/layouts-n4.json --profile plan-profile.json` reads the
-result of `ndtrain bench layouts` (`load_bench`: each layout's `ParallelConfig` fields and median
-step time, the preset, sequence length, global batch and micro-batch size), maps every layout
+result of `ndtrain bench layouts` on CPUs (`load_bench`: each layout's `ParallelConfig` fields and
+median step time, the preset, sequence length, global batch and micro-batch size), maps every layout
 onto a planner `Layout` (`layout_of`) of the preset's `ModelSpec`, predicts it with the profile
 for that many processes, and prints one row per layout and the agreement (`table`).
 """
@@ -107,6 +107,9 @@ def load_bench(path: Path) -> BenchLayouts:
     data = jsonfile.read(path, "--validate", "a `bench layouts` result", "scenario", "layouts",
                          "run `ndtrain bench layouts --nproc 4`")
     facts, options = data["facts"], data["options"]
+    if data.get("device", "cpu") != "cpu":  # results written before the field existed ran on CPUs
+        raise UserError(f"--validate: the result was measured on {data['device']}; the planner's local check "
+                        "compares with a CPU profile: run `ndtrain bench layouts --nproc 4 --device cpu`")
     model = arch.preset(f"ndtrain-{facts['preset']}", options["seq_len"])
     mbs, global_batch = facts["micro_batch_size"], facts["global_batch"]
     layouts = {name: layout_of(fields, mbs) for name, fields in facts["layouts"].items()}
