@@ -64,11 +64,13 @@ from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import decoder_layers
 from ndtrain.parallel.flat_layout import Segment
+from ndtrain.parallel.placement import Placement, Shard
 from ndtrain.parallel.sync_switch import SyncSwitch
 from ndtrain.parallel.grad_norm import (
     GradPiece, Span, flat_pieces, local_squares, optimizer_param_grads, segment_spans,
 )
 from ndtrain.parallel.precision import DTYPES
+from ndtrain.parallel.tensor import gather_shard
 from ndtrain.parallel.zero3_unit import FlatUnit
 from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, _group_keys, _one_group
 
@@ -316,6 +318,11 @@ class FullyShardedDataParallel(nn.Module):
         [start, stop) in the parameter and a view of the master shard (`grad=True`: of `shard_grad`)."""
         return [s for u in self.units for s in u.flat_layout.segments(u.shard_grad if grad else u.shard)]
 
+    def grad_segments(self) -> list[Segment]:
+        """`segments(grad=True)`: the pieces of this rank's gradient shards (what a pipeline sums
+        for a tied weight, pipeline/tied_shards.py)."""
+        return self.segments(grad=True)
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: "parameters" (shards + gathered units), "gradients" (shards + full)."""
         return {"parameters": sum(u.parameter_bytes() for u in self.units),
@@ -347,11 +354,15 @@ class FullyShardedDataParallel(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole fp32 model under the original module's state-dict names (collective: every rank
-        calls it; one all-gather per unit)."""
+        calls it; one all-gather per unit, and under tp one per tp-sharded parameter, its slices
+        gathered over tp with the padding cut away)."""
         where: dict[int, torch.Tensor] = {}
+        tp = self.ctx.group("tp")
         for u in self.units:
-            for p, view in zip(u.params, u.flat_layout.views(u.gather_fp32())):
-                where[id(p)] = view.clone()
+            for p, placement, view in zip(u.params, u.flat_layout.placements, u.flat_layout.views(u.gather_fp32())):
+                shard = placement.tp if tp.size > 1 else None
+                where[id(p)] = view.clone() if shard is None else gather_shard(
+                    view, shard, _real_size(placement, shard), self.ctx.comm, tp)
         return {k: where[id(v)] if id(v) in where else v.detach().clone()
                 for k, v in self.module.state_dict(keep_vars=True).items()}
 
@@ -362,6 +373,11 @@ class FullyShardedDataParallel(nn.Module):
     def _track(self) -> None:
         held = self.state_bytes()
         self._peak = max(self._peak, held["parameters"] + held["gradients"])
+
+
+def _real_size(placement: Placement, shard: Shard) -> int:
+    """The unsharded size of a tp-sharded parameter along its split dim (its padded size if unnamed)."""
+    return placement.shape[shard.dim] if placement.shape is not None else shard.full
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy
