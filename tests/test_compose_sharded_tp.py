@@ -22,7 +22,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-import torch
 
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine

@@ -8,6 +8,11 @@ GPT-2, else the largest nn.ModuleList of identical blocks; no such list: the roo
 plus the root unit of every parameter left over (embedding, final norm, head). Each unit is a `FlatUnit` (zero3_unit.py): a flat fp32 buffer padded to a multiple of
 N (the size of `ctx.group("dp_cp")`) of which each rank keeps 1/N, with its gradient; the
 optimizer sees only those shards (`parameter_groups`), so its state is sharded too.
+Under tensor parallel the units are built on the tp-sharded model: a unit's flat buffer holds this
+tp rank's slices (and the tp-replicated parameters, whose partial gradients tensor.py's hooks sum
+over tp before they reach the flat gradient), sharded further over dp×cp; each segment keeps its
+`Placement`, so the norm counts a slice once per tp rank and a replicated parameter once, and
+`full_state_dict` gathers the slices over tp too.
 
 What is communicated, and when (U units besides the root, N ranks):
 - forward: the root is all-gathered when the forward starts and stays gathered until its

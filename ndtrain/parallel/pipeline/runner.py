@@ -15,7 +15,8 @@ What is communicated, and when (all through `ctx.comm.batch_send_recv` on the pp
   arrived, the next one is posted ahead (one buffer per peer) so its transfer overlaps compute.
   Messages of a pair of ranks are thus always matched in order; a valid schedule cannot deadlock.
 - After the schedule: the tied embedding/head gradient is exchanged between the first and last
-  stage (V·d elements each way) and the loss is broadcast from the last stage (one scalar).
+  stage (V·d elements each way; sharded gradients first gather it over dp×cp, tied_shards.py) and
+  the loss is broadcast from the last stage (one scalar).
 
 Context parallel (cp > 1): the micro-batches are this cp rank's sequence shards with their global
 positions (`shard_sequence`), which every stage passes to its rotary tables; activations crossing a
@@ -41,7 +42,9 @@ Stages whose gradients are sharded (`gradients_sharded`: ZeRO-2's `Zero2DataPara
 `FullyShardedDataParallel`) never run under `no_sync()`: each micro-batch's backward reduce-scatters
 its gradient into the shard, so the gradients stay sharded while several forwards wait for their
 backwards (FSDP pairs each backward with the oldest waiting forward: every schedule but zb runs a
-chunk's backwards in its forwards' order; zb's split backward is refused with them).
+chunk's backwards in its forwards' order; zb's split backward is refused with them). Their copies
+of a tied embedding/head are summed from the shards after the schedule (`tied_shards.TiedShards`:
+whole copy gathered over dp×cp, swapped, each rank adding the other copy's elements of its ranges).
 """
 
 from __future__ import annotations
@@ -53,7 +56,6 @@ import torch
 from torch import nn
 
 from ndtrain.comm import Pending
-from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.pipeline.schedules import Action, build, forward_actions, place, stage_of, with_communication
 from ndtrain.parallel.pipeline.split_backward import WeightPasses
