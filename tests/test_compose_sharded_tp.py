@@ -35,7 +35,7 @@ from tests.helpers.reference import Reference, decay_groups, train_reference
 from tests.helpers.runner import Spawns, case_result, init_method, run_each
 
 ACCUMULATION = 2
-TOLERANCE = 1e-10  # float64: every layout measured ≤ 1e-13
+TOLERANCE = 1e-10  # float64: measured ≤ 3.7e-14 (HF GPT-2: 1.7e-12)
 RESUME_TOLERANCE = 1e-12
 LOSS_TOLERANCE = 1e-6  # the engine sums the reported loss in fp32
 K = 2  # the resume case saves after K steps, of STEPS
@@ -96,7 +96,8 @@ def _train(name: str, directory: str) -> dict[str, Any]:
         norms.append(result.grad_norm)
     units = getattr(engine.dp.sharded_model, "units", [])
     return {"losses": losses, "norms": norms, "state": engine.full_state_dict(),
-            "flat": sum(u.numel for u in units), "local": sum(p.numel() for p in engine.model.parameters())}
+            "flat": sum(u.numel for u in units), "local": sum(p.numel() for p in engine.model.parameters()),
+            "whole": engine.parameter_count}
 
 
 def _train_gpt2(layout: dict[str, Any]) -> State:
@@ -160,8 +161,9 @@ def _check(name: str, results: list[dict[str, Any]], references: dict[bool, Refe
         # the global norm counts each parameter once: tp slices, tp-replicated ones, the tied weight
         assert run["norms"] == pytest.approx(ref.norms, rel=TOLERANCE), name
         if layout.get("zero") == 3 and layout.get("tp", 1) > 1:
-            # the units flatten this rank's tp slices (and the replicated parameters), nothing more
-            assert run["flat"] == run["local"], name
+            # the units flatten this rank's tp slices (and the replicated parameters): all of them, and
+            # less than the whole model
+            assert run["flat"] == run["local"] < run["whole"], name
         merged.update(run["state"])
     assert {t.dtype for t in merged.values()} == {DTYPE}, name
     error = assert_params_close(merged, ref.state, TOLERANCE, name)
