@@ -100,7 +100,6 @@ def test_layout_trains_like_one_process(name: str, runs: list[dict[str, Any]], r
     "layout, message",
     [
         (dict(tp=1, sequence_parallel=True), "sequence_parallel=true needs tp > 1"),
-        (dict(tp=2, zero=3), "parallel.zero=3 with tp > 1 is not supported"),
     ],
 )
 def test_unsupported_combinations_are_refused(layout: dict[str, Any], message: str) -> None:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
-from torch import nn
 
-from ndtrain.comm import Communicator, Group
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext, init
+from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.pipeline import run_pipeline, split_model
 from ndtrain.parallel.pipeline.partition import balanced_split
@@ -170,29 +166,3 @@ def test_split_backward_equals_full_backward(last: bool) -> None:
     assert torch.allclose(gx, want_x, rtol=1e-5, atol=1e-7)
     for q, w in zip(params, want):
         assert torch.allclose(q.grad, w, rtol=1e-5, atol=1e-7)
-
-
-def test_sharded_gradients_with_a_tied_weight_across_stages_are_refused() -> None:
-    """zero >= 2 under pp with a tied embedding/head: refused in one line before any communication."""
-
-    class Stage(nn.Module):
-        tied = "weight"
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.zeros(2))
-
-    class Sharded(nn.Module):
-        gradients_sharded = True
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.module = Stage()
-
-    sizes = {"dp": 1, "cp": 1, "pp": 2, "tp": 1}
-    ctx = ParallelContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo", sizes=sizes,
-                          coords={axis: 0 for axis in sizes}, groups={"pp": Group("pp", (0, 1), 0)},
-                          comm=Communicator(0, timedelta(seconds=1)))
-    batch = (torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
-    with pytest.raises(UserError, match="zero >= 2 with pipeline parallel and a tied embedding/head is not supported"):
-        run_pipeline([Sharded()], [batch, batch], ctx, "1f1b")

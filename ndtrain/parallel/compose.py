@@ -27,7 +27,7 @@ from ndtrain.parallel.pipeline import split_model
 from ndtrain.parallel.placement import placement_of
 from ndtrain.parallel.pipeline.partition import LossFn
 from ndtrain.parallel.recompute import apply_recompute
-from ndtrain.parallel.tensor import GatherLastDim
+from ndtrain.parallel.tensor import gather_shard
 from ndtrain.parallel.tp_plan import parallelize
 
 
@@ -71,9 +71,7 @@ class ModelParallelState:
                 continue
             shard = placement_of(param).tp
             if shard is not None:
-                moved = param.detach().movedim(shard.dim, -1).contiguous()
-                full = GatherLastDim.apply(moved, self.ctx.comm, tp).movedim(-1, shard.dim)
-                out[name] = full.narrow(shard.dim, 0, self.full_shapes[name][shard.dim]).clone()
+                out[name] = gather_shard(param.detach(), shard, self.full_shapes[name][shard.dim], self.ctx.comm, tp)
             else:
                 out[name] = param.detach().clone()
         return out

@@ -137,6 +137,14 @@ class GatherLastDim(torch.autograd.Function):
         return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None, None
 
 
+def gather_shard(value: torch.Tensor, shard: Shard, real: int, comm: Communicator, group: Group) -> torch.Tensor:
+    """The whole tensor from every tp rank's slice `value` of it (`shard`: where the slice sits),
+    padding beyond the `real` size along the split dim cut away (collective over `group`)."""
+    moved = value.movedim(shard.dim, -1).contiguous()
+    full = GatherLastDim.apply(moved, comm, group).movedim(-1, shard.dim)
+    return full.narrow(shard.dim, 0, real).clone()
+
+
 def to_parallel(x: torch.Tensor, comm: Communicator, group: Group, sequence_parallel: bool) -> torch.Tensor:
     """The input of column-parallel work: f, or ḡ when the input is a sequence shard."""
     op = GatherSequence if sequence_parallel else CopyToParallel

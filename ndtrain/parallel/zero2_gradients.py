@@ -108,6 +108,10 @@ class Zero2DataParallel(nn.Module):
         in the parameter, a view of the shard), bucket by bucket."""
         return [segment for b in self._buckets for segment in b.flat_layout.segments(b.shard)]
 
+    def grad_segments(self) -> list[Segment]:
+        """`segments()`, under the name every gradient-sharding wrapper gives them (pipeline/tied_shards.py)."""
+        return self.segments()
+
     @property
     def gradient_bytes(self) -> int:
         """Bytes of gradient this rank keeps between steps: the fp32 (or float64) shards."""

@@ -8,6 +8,11 @@ GPT-2, else the largest nn.ModuleList of identical blocks; no such list: the roo
 plus the root unit of every parameter left over (embedding, final norm, head). Each unit is a `FlatUnit` (zero3_unit.py): a flat fp32 buffer padded to a multiple of
 N (the size of `ctx.group("dp_cp")`) of which each rank keeps 1/N, with its gradient; the
 optimizer sees only those shards (`parameter_groups`), so its state is sharded too.
+Under tensor parallel the units are built on the tp-sharded model: a unit's flat buffer holds this
+tp rank's slices (and the tp-replicated parameters, whose partial gradients tensor.py's hooks sum
+over tp before they reach the flat gradient), sharded further over dp×cp; each segment keeps its
+`Placement`, so the norm counts a slice once per tp rank and a replicated parameter once, and
+`full_state_dict` gathers the slices over tp too.
 
 What is communicated, and when (U units besides the root, N ranks):
 - forward: the root is all-gathered when the forward starts and stays gathered until its
@@ -64,11 +69,13 @@ from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import decoder_layers
 from ndtrain.parallel.flat_layout import Segment
+from ndtrain.parallel.placement import Placement, Shard
 from ndtrain.parallel.sync_switch import SyncSwitch
 from ndtrain.parallel.grad_norm import (
     GradPiece, Span, flat_pieces, local_squares, optimizer_param_grads, segment_spans,
 )
 from ndtrain.parallel.precision import DTYPES
+from ndtrain.parallel.tensor import gather_shard
 from ndtrain.parallel.zero3_unit import FlatUnit
 from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, _group_keys, _one_group
 
@@ -316,6 +323,11 @@ class FullyShardedDataParallel(nn.Module):
         [start, stop) in the parameter and a view of the master shard (`grad=True`: of `shard_grad`)."""
         return [s for u in self.units for s in u.flat_layout.segments(u.shard_grad if grad else u.shard)]
 
+    def grad_segments(self) -> list[Segment]:
+        """`segments(grad=True)`: the pieces of this rank's gradient shards (what a pipeline sums
+        for a tied weight, pipeline/tied_shards.py)."""
+        return self.segments(grad=True)
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: "parameters" (shards + gathered units), "gradients" (shards + full)."""
         return {"parameters": sum(u.parameter_bytes() for u in self.units),
@@ -347,11 +359,15 @@ class FullyShardedDataParallel(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole fp32 model under the original module's state-dict names (collective: every rank
-        calls it; one all-gather per unit)."""
+        calls it; one all-gather per unit, and under tp one per tp-sharded parameter, its slices
+        gathered over tp with the padding cut away)."""
         where: dict[int, torch.Tensor] = {}
+        tp = self.ctx.group("tp")
         for u in self.units:
-            for p, view in zip(u.params, u.flat_layout.views(u.gather_fp32())):
-                where[id(p)] = view.clone()
+            for p, placement, view in zip(u.params, u.flat_layout.placements, u.flat_layout.views(u.gather_fp32())):
+                shard = placement.tp if tp.size > 1 else None
+                where[id(p)] = view.clone() if shard is None else gather_shard(
+                    view, shard, _real_size(placement, shard), self.ctx.comm, tp)
         return {k: where[id(v)] if id(v) in where else v.detach().clone()
                 for k, v in self.module.state_dict(keep_vars=True).items()}
 
@@ -362,6 +378,11 @@ class FullyShardedDataParallel(nn.Module):
     def _track(self) -> None:
         held = self.state_bytes()
         self._peak = max(self._peak, held["parameters"] + held["gradients"])
+
+
+def _real_size(placement: Placement, shard: Shard) -> int:
+    """The unsharded size of a tp-sharded parameter along its split dim (its padded size if unnamed)."""
+    return placement.shape[shard.dim] if placement.shape is not None else shard.full
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy

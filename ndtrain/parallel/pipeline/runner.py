@@ -15,7 +15,8 @@ What is communicated, and when (all through `ctx.comm.batch_send_recv` on the pp
   arrived, the next one is posted ahead (one buffer per peer) so its transfer overlaps compute.
   Messages of a pair of ranks are thus always matched in order; a valid schedule cannot deadlock.
 - After the schedule: the tied embedding/head gradient is exchanged between the first and last
-  stage (V·d elements each way) and the loss is broadcast from the last stage (one scalar).
+  stage (V·d elements each way; sharded gradients first gather it over dp×cp, tied_shards.py) and
+  the loss is broadcast from the last stage (one scalar).
 
 Context parallel (cp > 1): the micro-batches are this cp rank's sequence shards with their global
 positions (`shard_sequence`), which every stage passes to its rotary tables; activations crossing a
@@ -41,7 +42,9 @@ Stages whose gradients are sharded (`gradients_sharded`: ZeRO-2's `Zero2DataPara
 `FullyShardedDataParallel`) never run under `no_sync()`: each micro-batch's backward reduce-scatters
 its gradient into the shard, so the gradients stay sharded while several forwards wait for their
 backwards (FSDP pairs each backward with the oldest waiting forward: every schedule but zb runs a
-chunk's backwards in its forwards' order; zb's split backward is refused with them).
+chunk's backwards in its forwards' order; zb's split backward is refused with them). Their copies
+of a tied embedding/head are summed from the shards after the schedule (`tied_shards.TiedShards`:
+whole copy gathered over dp×cp, swapped, each rank adding the other copy's elements of its ranges).
 """
 
 from __future__ import annotations
@@ -53,10 +56,10 @@ import torch
 from torch import nn
 
 from ndtrain.comm import Pending
-from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.pipeline.schedules import Action, build, forward_actions, place, stage_of, with_communication
 from ndtrain.parallel.pipeline.split_backward import WeightPasses
+from ndtrain.parallel.pipeline.tied_shards import tied_shards
 from ndtrain.parallel.pipeline.timeline import Timeline
 
 MicroBatch = tuple[torch.Tensor, ...]  # (tokens, targets) or (tokens, targets, positions) of a cp shard
@@ -272,23 +275,30 @@ def run_pipeline(
     plans = build(schedule, p, len(micro_batches), len(stages))  # validates (p, m, v) first
     step = _Step(stages, micro_batches, ctx, plans, timeline, loss_scale=loss_scale)
     tied = _tied_weight(stages) if step.p > 1 else None
-    if tied is not None and any(getattr(stage, "gradients_sharded", False) for stage in stages):
-        raise UserError("zero >= 2 with pipeline parallel and a tied embedding/head is not supported (its copies' "
-                        "gradients are sharded): set model.tie_embeddings=false, or use zero <= 1")
+    sharded = [s for s in stages if getattr(s, "gradients_sharded", False)]
+    tied_grads = tied_shards(sharded, tied) if tied is not None and sharded else None
     stash = None
-    if tied is not None and tied.grad is not None:
-        stash = tied.grad.clone()
+    if tied_grads is not None:
+        stash = [g.clone() for g in tied_grads.pieces]
+        for g in tied_grads.pieces:
+            g.zero_()
+    elif tied is not None and tied.grad is not None:
+        stash = [tied.grad.clone()]
         tied.grad.zero_()
     if timeline is not None:
         timeline.start(ctx)
     step.run()
     if tied is not None:
-        other = torch.empty_like(tied.grad)
         peer = step.p - 1 if step.rank == 0 else 0
-        ctx.comm.batch_send_recv([(tied.grad, peer)], [(other, peer)], step.group).wait()
-        tied.grad.add_(other)
-        if stash is not None:
-            tied.grad.add_(stash)
+        if tied_grads is not None:
+            tied_grads.sum_with(peer, ctx, step.group)
+        else:
+            other = torch.empty_like(tied.grad)
+            ctx.comm.batch_send_recv([(tied.grad, peer)], [(other, peer)], step.group).wait()
+            tied.grad.add_(other)
+        pieces = tied_grads.pieces if tied_grads is not None else [tied.grad]
+        for piece, kept in zip(pieces, stash or []):  # what the gradients held before this step
+            piece.add_(kept)
     loss = step.loss_sum
     ctx.comm.broadcast(loss, step.group, src=place(step.last, step.p)[0])
     return loss, sum(int(batch[1].numel()) for batch in micro_batches)
