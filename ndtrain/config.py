@@ -146,6 +146,12 @@ class ParallelConfig:
     backend: Backend = "auto"
     device: Device = "auto"
     bucket_mb: float = 25.0
+    # DDP levers (zero 0, fp32; README "DDP"): first bucket cap, buckets in the order step 1 produced
+    # gradients, flat AdamW over the buckets, its update overlapped with the all-reduces (grad_clip=0)
+    first_bucket_mb: float = 1.0
+    reorder_buckets: bool = False
+    flat_adamw: bool = False
+    overlap_optimizer: bool = False
     comm_dtype: CommDtype = "fp32"    # dtype of gradient reductions (the "reduce dtype")
     allow_unused_params: bool = False
     timeout_s: float = 600.0          # init/rendezvous timeout (and the communication library's own)
@@ -171,7 +177,7 @@ class ParallelConfig:
     def validate(self) -> None:
         if self.dp < 0:
             raise UserError(f"parallel.dp must be >= 1 (or 0 to fill the world), got {self.dp}")
-        _positive(self, "tp", "pp", "cp", "bucket_mb", "timeout_s", "pp_virtual", "replicas")
+        _positive(self, "tp", "pp", "cp", "bucket_mb", "first_bucket_mb", "timeout_s", "pp_virtual", "replicas")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise UserError(f"parallel.timeout_s={self.timeout_s:g} exceeds {MAX_TIMEOUT_S:g} s (≈ 30 years): give fewer seconds")
         if not 0 < self.watchdog_s <= 120:
@@ -211,6 +217,8 @@ class ParallelConfig:
             "gradient-sharding hooks): use pp_schedule=1f1b": self.zero >= 2 and self.pp > 1 and self.pp_schedule == "zb",
             "dp_mode=single-process with tp/pp/cp > 1 is not supported": self.dp_mode != "ddp" and self.tp * self.pp * self.cp > 1,
         }
+        refused["parallel.overlap_optimizer=true needs parallel.flat_adamw=true (it overlaps the flat AdamW's "
+                "bucket updates)"] = self.overlap_optimizer and not self.flat_adamw
         for message, bad in refused.items():
             if bad:
                 raise UserError(message)
