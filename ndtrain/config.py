@@ -443,6 +443,11 @@ class TrainConfig:
                 f"--model {self.model.preset} trains on its own data with data parallelism only (dp, zero, dp_mode): "
                 "leave data.path unset and tp, pp, cp at 1, ps.servers at 0"
             )
+        if p.overlap_optimizer and (self.optim.grad_clip > 0 or self.optim.skip_nonfinite or p.precision == "fp16"):
+            raise UserError(
+                "parallel.overlap_optimizer=true updates parameters during backward, before the global gradient norm "
+                "exists: set optim.grad_clip=0 and optim.skip_nonfinite=false (and no fp16), or overlap_optimizer=false"
+            )
         from ndtrain.data.tokenizer import tokenizer_vocab_size
 
         tokens = tokenizer_vocab_size(self.data.tokenizer)  # BYTE_VOCAB for bytes; a model alone may have any vocabulary
