@@ -70,7 +70,7 @@ class DistributedDataParallel(nn.Module):
         comm_dtype: torch.dtype = torch.float32, allow_unused: bool = False,
         first_bucket_mb: float | None = None, reorder_buckets: bool = False, bucket_kind: BucketKind = AllReduceBucket,
     ) -> None:
-        """`first_bucket_mb`: cap of the first bucket (None: `bucket_mb`); `reorder_buckets`: pack the
+        """`first_bucket_mb`: cap of the first bucket (None, or more than `bucket_mb`: `bucket_mb`); `reorder_buckets`: pack the
         buckets in the order the first synchronising backward produced gradients; `bucket_kind`: the
         bucket class (AllReduceBucket; the no-communication benchmark limit passes its own)."""
         super().__init__()
@@ -84,7 +84,7 @@ class DistributedDataParallel(nn.Module):
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         named.reverse()
         self._names = [name for name, _ in named]
-        first_cap = None if first_bucket_mb is None else max(1, int(first_bucket_mb * MB))
+        first_cap = None if first_bucket_mb is None else min(cap, max(1, int(first_bucket_mb * MB)))
         self._grads = GradientBuckets(
             [p for _, p in named], ctx.comm, self.group, bucket_kind, cap_bytes=cap, comm_dtype=comm_dtype,
             end_of_backward=self._finish_sync, first_cap_bytes=first_cap,
