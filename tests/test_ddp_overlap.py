@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from ndtrain.bench import ddp as bench_ddp
+from ndtrain.bench.harness import BenchOptions
 from ndtrain.config import ModelConfig, ParallelConfig, load_config
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
@@ -95,10 +97,19 @@ def _resume(ctx: Any, root: str) -> dict[str, Any]:
             "flat_state": flat_states}
 
 
+def _bench(ctx: Any) -> dict[str, Any]:
+    """`ndtrain bench ddp` with every lever on (and torch's fused AdamW): one short run."""
+    options = BenchOptions(steps=2, warmup=1, repeats=1, bucket_mb=0.01, micro_batch=2, seq_len=16, preset="tiny",
+                           first_bucket_mb=0.001, reorder_buckets=True, flat_adamw=True, overlap_optimizer=True,
+                           torch_fused_adamw=True)
+    return bench_ddp.run(ctx, options).to_json()
+
+
 def _worker(root: str) -> dict[str, Any]:
     ctx = init(ParallelConfig(dp=WORLD), init_method=init_method())
     out = run_each(lambda name: _case(ctx, name), CASES)
-    out.update(run_each(lambda name: _agreement(ctx) if name == "agreement" else _resume(ctx, root), ["agreement", "resume"]))
+    others = {"agreement": lambda: _agreement(ctx), "resume": lambda: _resume(ctx, root), "bench": lambda: _bench(ctx)}
+    out.update(run_each(lambda name: others[name](), others))
     return out
 
 
@@ -141,6 +152,14 @@ def test_a_flat_adamw_run_resumes_bit_identically_and_its_state_loads_into_torch
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(run["plain_state"][name][key], state[key]), (rank, name, key)
             assert float(state["step"]) == 2.0
+
+
+def test_bench_ddp_with_every_lever_moves_the_ring_bytes_and_its_limit_none(results: list[dict[str, Any]]) -> None:
+    data = case_result(results, "bench")[0]
+    assert list(data["runs"]) == ["ours", "torch", "limit"]
+    assert data["facts"]["levers"] == "reorder_buckets,flat_adamw,overlap_optimizer,torch_fused_adamw"
+    assert data["summary"]["ours"]["comm_bytes_per_step"] == data["facts"]["ring_bytes"]
+    assert data["summary"]["limit"]["comm_bytes_per_step"] == 0.0
 
 
 MODEL = ModelConfig(preset="tiny", dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, seq_len=8)
