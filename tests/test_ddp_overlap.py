@@ -10,7 +10,6 @@ FlatAdamW is bit-identical to torch.optim.AdamW with its exact arithmetic, and f
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest

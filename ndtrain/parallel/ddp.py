@@ -70,9 +70,10 @@ class DistributedDataParallel(nn.Module):
         comm_dtype: torch.dtype = torch.float32, allow_unused: bool = False,
         first_bucket_mb: float | None = None, reorder_buckets: bool = False, bucket_kind: BucketKind = AllReduceBucket,
     ) -> None:
-        """`first_bucket_mb`: cap of the first bucket (None, or more than `bucket_mb`: `bucket_mb`); `reorder_buckets`: pack the
-        buckets in the order the first synchronising backward produced gradients; `bucket_kind`: the
-        bucket class (AllReduceBucket; the no-communication benchmark limit passes its own)."""
+        """`first_bucket_mb`: cap of the first bucket (None, or more than `bucket_mb`: `bucket_mb`);
+        `reorder_buckets`: pack the buckets in the order the first synchronising backward produced
+        gradients; `bucket_kind`: the bucket class (AllReduceBucket; the no-communication benchmark
+        limit passes its own)."""
         super().__init__()
         self.module = module
         self.ctx = ctx
@@ -206,7 +207,9 @@ class DistributedDataParallel(nn.Module):
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy (ZeRO-0)
-def ddp_chunks(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, *, levers: bool = False) -> list[DistributedDataParallel]:
+def ddp_chunks(
+    model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, *, levers: bool = False,
+) -> list[DistributedDataParallel]:
     """`model` wrapped in DDP as configured (`cfg`): one wrapper, or one per chunk of an
     interleaved pipeline (a ModuleList of stage chunks, each with its own buckets). `levers`: also
     `first_bucket_mb` and `reorder_buckets` (for zero 0 in fp32 only: ZeRO-1 and the masters of
