@@ -22,6 +22,7 @@ from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
+from ndtrain.parallel.buckets import pack
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.flat_adamw import FlatAdamW
 from tests.helpers.models import adamw, batch, make_llama, micro_batches
@@ -195,3 +196,16 @@ def test_flat_adamw_keeps_an_optimizer_it_cannot_replace_and_overlap_needs_no_cl
     with pytest.raises(UserError, match="set optim.grad_clip=0"):
         load_config(None, {"parallel.flat_adamw": True, "parallel.overlap_optimizer": True})
     load_config(None, {"parallel.flat_adamw": True, "parallel.overlap_optimizer": True, "optim.grad_clip": 0})
+
+
+def test_the_first_bucket_has_its_own_smaller_cap() -> None:
+    tensors = [torch.zeros(4) for _ in range(10)]  # 16 bytes each
+    assert pack(tensors, 64, first_cap_bytes=16) == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
+    assert pack(tensors, 64) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    ctx = init(ParallelConfig(dp=1))
+    whole = DistributedDataParallel(build_model(MODEL, seed=0), ctx, bucket_mb=1.0)
+    split = DistributedDataParallel(build_model(MODEL, seed=0), ctx, bucket_mb=1.0, first_bucket_mb=0.001)
+    assert whole.bucket_count == 1 and split.bucket_count == 2  # the head (16 KiB) alone is over the 1 KiB first cap
+    assert split.bucket_names()[0] == ["output.weight"] and split.bucket_names()[1][0] == "norm.weight"
+    assert DistributedDataParallel(build_model(MODEL, seed=0), ctx, bucket_mb=0.01, first_bucket_mb=1.0).bucket_bytes == \
+        DistributedDataParallel(build_model(MODEL, seed=0), ctx, bucket_mb=0.01).bucket_bytes  # never above bucket_mb
