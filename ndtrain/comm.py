@@ -101,6 +101,10 @@ class Pending:
     def description(self) -> str:
         return self._wait.describe() if self._wait is not None else ""
 
+    def done(self) -> bool:
+        """Whether the operation has completed (never blocks); `wait()` is still needed to settle it."""
+        return self._work is None or bool(self._work.is_completed())
+
     def wait(self) -> None:
         if self._work is None:
             return

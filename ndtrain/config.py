@@ -149,6 +149,12 @@ class ParallelConfig:
     backend: Backend = "auto"
     device: Device = "auto"
     bucket_mb: float = 25.0
+    # DDP levers (zero 0, fp32; README "DDP"): first bucket cap, buckets in the order step 1 produced
+    # gradients, flat AdamW over the buckets, its update overlapped with the all-reduces (grad_clip=0)
+    first_bucket_mb: float = 1.0
+    reorder_buckets: bool = False
+    flat_adamw: bool = False
+    overlap_optimizer: bool = False
     comm_dtype: CommDtype = "fp32"    # dtype of gradient reductions (the "reduce dtype")
     allow_unused_params: bool = False
     timeout_s: float = 600.0          # init/rendezvous timeout (and the communication library's own)
@@ -174,7 +180,7 @@ class ParallelConfig:
     def validate(self) -> None:
         if self.dp < 0:
             raise UserError(f"parallel.dp must be >= 1 (or 0 to fill the world), got {self.dp}")
-        _positive(self, "tp", "pp", "cp", "bucket_mb", "timeout_s", "pp_virtual", "replicas")
+        _positive(self, "tp", "pp", "cp", "bucket_mb", "first_bucket_mb", "timeout_s", "pp_virtual", "replicas")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise UserError(f"parallel.timeout_s={self.timeout_s:g} exceeds {MAX_TIMEOUT_S:g} s (≈ 30 years): give fewer seconds")
         if not 0 < self.watchdog_s <= 120:
@@ -213,6 +219,8 @@ class ParallelConfig:
             "gradient-sharding hooks): use pp_schedule=1f1b": self.zero >= 2 and self.pp > 1 and self.pp_schedule == "zb",
             "dp_mode=single-process with tp/pp/cp > 1 is not supported": self.dp_mode != "ddp" and self.tp * self.pp * self.cp > 1,
         }
+        refused["parallel.overlap_optimizer=true needs parallel.flat_adamw=true (it overlaps the flat AdamW's "
+                "bucket updates)"] = self.overlap_optimizer and not self.flat_adamw
         for message, bad in refused.items():
             if bad:
                 raise UserError(message)
@@ -436,6 +444,11 @@ class TrainConfig:
             raise UserError(
                 f"--model {self.model.preset} trains on its own data with data parallelism only (dp, zero, dp_mode): "
                 "leave data.path unset and tp, pp, cp at 1, ps.servers at 0"
+            )
+        if p.overlap_optimizer and (self.optim.grad_clip > 0 or self.optim.skip_nonfinite or p.precision == "fp16"):
+            raise UserError(
+                "parallel.overlap_optimizer=true updates parameters during backward, before the global gradient norm "
+                "exists: set optim.grad_clip=0 and optim.skip_nonfinite=false (and no fp16), or overlap_optimizer=false"
             )
         from ndtrain.data.tokenizer import tokenizer_vocab_size
 

@@ -156,6 +156,7 @@ class Engine:
         self.optimizer: torch.optim.Optimizer = self.dp.optimizer
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
         self.scaler = loss_scaler or (LossScaler(ctx) if cfg.precision == "fp16" else None)
+        self.dp.step_during_backward(grad_clip == 0 and self.scaler is None and not skip_nonfinite)
 
     # ----------------------------------------------------------------------------- training
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:

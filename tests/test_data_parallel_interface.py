@@ -73,6 +73,9 @@ class ToyStrategy:
         self.calls.append("zero_grad")
         self.module.zero_grad()
 
+    def step_during_backward(self, allowed: bool) -> None:
+        pass
+
     def optimizer_grads(self) -> list[torch.Tensor]:
         self.calls.append("optimizer_grads")
         return optimizer_param_grads(self.optimizer)

@@ -73,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="preset", choices=tuple(MODEL_PRESETS), default=DEFAULTS.preset,
                         help="model size preset (as `train --model`)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N", help="seed of init and data")
+    levers = parser.add_argument_group("DDP levers (scenario ddp)")
+    levers.add_argument("--first-bucket-mb", type=float, default=DEFAULTS.first_bucket_mb, metavar="X",
+                        help="cap of ours' first bucket (MB); = --bucket-mb for none")
+    for flag, what in (("--reorder-buckets", "ours packs its buckets in the order step 1 produced gradients"),
+                       ("--flat-adamw", "ours uses the flat AdamW over its buckets"),
+                       ("--overlap-optimizer", "ours updates each bucket as soon as it is averaged (needs --flat-adamw)"),
+                       ("--torch-fused-adamw", "torch's contestant uses torch.optim.AdamW(fused=True)")):
+        levers.add_argument(flag, action="store_true", help=what)
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result (default: bench-results/SCENARIO-nN.json)")
 
@@ -81,6 +89,8 @@ def main(args: argparse.Namespace) -> int:
     options = BenchOptions(
         steps=args.steps, warmup=args.warmup, repeats=args.repeats, bucket_mb=args.bucket_mb,
         micro_batch=args.micro_batch, seq_len=args.seq_len, preset=args.preset, seed=args.seed,
+        first_bucket_mb=args.first_bucket_mb, reorder_buckets=args.reorder_buckets, flat_adamw=args.flat_adamw,
+        overlap_optimizer=args.overlap_optimizer, torch_fused_adamw=args.torch_fused_adamw,
     )
     options.validate()
     if not in_worker():
@@ -123,6 +133,9 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
         "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
         "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--model", args.preset,
-        "--seed", str(args.seed),
+        "--seed", str(args.seed), "--first-bucket-mb", str(args.first_bucket_mb),
     ]
+    argv += [flag for flag, on in (("--reorder-buckets", args.reorder_buckets), ("--flat-adamw", args.flat_adamw),
+                                   ("--overlap-optimizer", args.overlap_optimizer),
+                                   ("--torch-fused-adamw", args.torch_fused_adamw)) if on]
     return argv + (["--out", str(args.out)] if args.out is not None else [])

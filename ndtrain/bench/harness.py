@@ -70,15 +70,24 @@ class BenchOptions:
     seq_len: int = 256
     preset: str = "bench"
     seed: int = 0
+    # scenario ddp's levers (README "DDP"): ours' first bucket, recorded bucket order, flat AdamW, overlapped
+    # update; torch's fused AdamW (torch.optim.AdamW(fused=True)) for the torch contestant
+    first_bucket_mb: float = 1.0
+    reorder_buckets: bool = False
+    flat_adamw: bool = False
+    overlap_optimizer: bool = False
+    torch_fused_adamw: bool = False
 
     def validate(self) -> None:
-        for name in ("steps", "repeats", "micro_batch", "seq_len", "bucket_mb"):
+        for name in ("steps", "repeats", "micro_batch", "seq_len", "bucket_mb", "first_bucket_mb"):
             if getattr(self, name) <= 0:
                 raise UserError(f"bench --{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.warmup < 0:
             raise UserError(f"bench --warmup must be >= 0, got {self.warmup}")
         if self.preset not in MODEL_PRESETS:
             raise UserError(f"bench --model {self.preset!r} is unknown: choose one of {', '.join(MODEL_PRESETS)}")
+        if self.overlap_optimizer and not self.flat_adamw:
+            raise UserError("bench --overlap-optimizer overlaps the flat AdamW's bucket updates: add --flat-adamw")
 
 
 @dataclass

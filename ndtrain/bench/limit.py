@@ -1,5 +1,10 @@
 """Contestant `limit` of the data-parallel benches (ddp, zero1, zero2, zero3): the step with no communication.
 
+Scenario ddp: the limit is ours exactly (same wrapper, buckets, levers and optimizer: `FlatAdamW`
+when ours uses it) with every bucket collective replaced by nothing (`NoCommBucket`: launch and
+complete do nothing, so the gradient stays this rank's own); only the one-time broadcasts at
+construction and of the recorded bucket order remain, outside the timed steps. The other benches:
+
 Every rank trains the plain, unwrapped Llama (the scenario's preset, seed and initial weights)
 with a full, local `torch.optim.AdamW` (the scenario's LR) on its own token batches (the same
 stream the other contestants get), with the same loop: forward, backward, step,
@@ -9,8 +14,6 @@ communication, so ours/limit is how far a strategy is from the best it could do.
 
 What is identical to the other contestants: model, parameter layout, data, forward and backward
 arithmetic, optimizer class and LR, the loop. What is not, per scenario:
-- ddp: nothing else (DDP's optimizer step is the same full AdamW on every rank); the limit lacks
-  only the bucket copies and the all-reduce.
 - zero1 / zero2: the limit steps AdamW over all Ψ parameters where ZeRO steps 1/N of them, and it
   holds the full 8Ψ optimizer state; the ZeRO step is cheaper, so the limit is not a floor for its
   optimizer phase (ours can in principle come within less than its communication of it, or beat it
@@ -27,6 +30,17 @@ import torch
 from ndtrain.bench.harness import LIMIT, BenchOptions, Contestant, Step, Workload, training_step
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
+from ndtrain.parallel.buckets import AllReduceBucket
+
+
+class NoCommBucket(AllReduceBucket):
+    """A DDP bucket whose all-reduce is nothing: the gradient stays this rank's own (scenario ddp's limit)."""
+
+    def launch(self) -> None:
+        pass
+
+    def complete(self) -> None:
+        pass
 
 
 def local_model(

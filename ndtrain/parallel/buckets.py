@@ -2,8 +2,13 @@
 
 Packing: the parameters given (the wrappers pass the trainable ones in reverse registration order,
 about the order backward produces their gradients) are grouped per (dtype, device) into buckets of
-at most `cap_bytes` (`pack`; a larger parameter gets a bucket of its own). Each bucket lays its
-parameters out flat with a `FlatLayout` (flat_layout.py) over the N ranks of the group.
+at most `cap_bytes` (`pack`; a larger parameter gets a bucket of its own; the very first bucket
+may have a smaller cap, `first_cap_bytes`, so that the first collective starts early in backward,
+as torch's 1 MB first bucket). Each bucket lays its parameters out flat with a `FlatLayout`
+(flat_layout.py) over the N ranks of the group. `arrival` records the order in which the
+parameters' gradients were produced in the last synchronising backward, and `reorder(order)`
+packs the buckets anew in a given order (DDP's recorded bucket order, ddp.py), carrying the
+gradients held over; nothing may be in flight then.
 
 Hooks and launch order: a post-accumulate-grad hook per parameter hands each fresh gradient to its
 bucket (`accept`) and, when synchronising, counts it. The first counted hook of a backward queues a
@@ -12,8 +17,11 @@ asynchronously while backward goes on, strictly in bucket order (a complete buck
 earlier ones), so every rank issues the same collectives in the same order; with `max_in_flight`,
 launching one more first completes the oldest (bounding the memory of in-flight buckets). At the
 end of backward the callback launches the buckets still waiting (a parameter that got no gradient
-counts as zero) and completes all of them in order. Inside `sync.off()` (the wrappers' `no_sync`)
-gradients are still handed to the buckets, but nothing is counted or launched.
+counts as zero) and completes all of them in order. With an `on_complete(k)` listener (DDP's flat
+optimizer stepping bucket k while later buckets are still on the wire), the hooks also complete,
+without blocking, the oldest buckets whose collective has already finished, and every completion
+is reported in bucket order. Inside `sync.off()` (the wrappers' `no_sync`) gradients are still
+handed to the buckets, but nothing is counted or launched.
 
 The collective is the bucket kind, a parameter of `GradientBuckets`:
 - `AllReduceBucket` (DDP): the parameters' `.grad`s are views of one flat buffer of the bucket's B
@@ -50,8 +58,9 @@ from ndtrain.parallel.sync_switch import SyncSwitch
 MB = 1024 * 1024
 
 
-def pack(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
-    """Group the indices of `tensors` per (dtype, device) into runs of at most `cap_bytes`.
+def pack(tensors: Sequence[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Group the indices of `tensors` per (dtype, device) into runs of at most `cap_bytes`
+    (`first_cap_bytes` for the first run, when given).
 
     Order is kept inside a run and runs are numbered by their first member; a tensor larger than
     the cap is a run of its own.
@@ -61,7 +70,8 @@ def pack(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
     for i, tensor in enumerate(tensors):
         key = (tensor.dtype, tensor.device)
         size = tensor.numel() * tensor.element_size()
-        if key in open_runs and open_runs[key][1] + size <= cap_bytes:
+        cap = first_cap_bytes if first_cap_bytes is not None and key in open_runs and open_runs[key][0] == 0 else cap_bytes
+        if key in open_runs and open_runs[key][1] + size <= cap:
             run, used = open_runs[key]
             runs[run].append(i)
             open_runs[key] = (run, used + size)
@@ -229,32 +239,52 @@ class GradientBuckets:
     `end_of_backward` (default `finish`) is what the queued callback runs: an owner with more to do
     at that point (DDP's unused-parameter check) passes a method of its own, held weakly so that
     dropping the owner frees everything at once, which calls `launch_all()` and `complete_all()`.
-    `used[i]` says whether parameter i got a gradient since the last synchronising backward.
+    `used[i]` says whether parameter i got a gradient since the last synchronising backward, and
+    `arrival` lists the parameter indices in the order their gradients arrived in it.
+    `on_complete(k)`, when set, is called after bucket k's collective is complete (in bucket order).
     """
 
     def __init__(
         self, params: list[nn.Parameter], comm: Communicator, group: Group, kind: BucketKind, *,
         cap_bytes: int, comm_dtype: torch.dtype, max_in_flight: int | None = None,
-        end_of_backward: Callable[[], None] | None = None,
+        end_of_backward: Callable[[], None] | None = None, first_cap_bytes: int | None = None,
     ) -> None:
         self.params = params
+        self._pack_args = (comm, group, kind, cap_bytes, comm_dtype, first_cap_bytes)
         self.buckets: list[Bucket] = []
-        slots: dict[int, tuple[Bucket, int]] = {}
-        for run in pack(params, cap_bytes):
-            bucket = kind([params[i] for i in run], comm, group, comm_dtype)
-            slots.update((i, (bucket, j)) for j, i in enumerate(run))
-            self.buckets.append(bucket)
-        self._slot = [slots[i] for i in range(len(params))]  # parameter index -> (bucket, index in it)
+        self._slot: list[tuple[Bucket, int]] = []
+        self._pack(list(range(len(params))))
         self.sync = SyncSwitch()
         self.used = [False] * len(params)
+        self.arrival: list[int] = []
+        self.on_complete: Callable[[int], None] | None = None
         self._max_in_flight = max_in_flight
         self._end_of_backward = None if end_of_backward is None else weakref.WeakMethod(end_of_backward)  # type: ignore[arg-type]
         self._callback_queued = False
         self._next_launch = 0
-        self._in_flight: list[Bucket] = []
+        self._in_flight: list[int] = []  # indices of launched buckets not completed yet, oldest first
         owner = weakref.ref(self)  # hooks live in autograd's C++ side, where a strong cycle is never collected
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_gradient_hook, owner, i)) for i, p in enumerate(params)]
         weakref.finalize(self, _remove_hooks, handles)
+
+    def _pack(self, order: list[int]) -> None:
+        """(Re)build the buckets over the parameters taken in `order` (indices into `params`)."""
+        comm, group, kind, cap_bytes, comm_dtype, first_cap_bytes = self._pack_args
+        ordered = [self.params[i] for i in order]
+        self.buckets = []
+        slots: dict[int, tuple[Bucket, int]] = {}
+        for run in pack(ordered, cap_bytes, first_cap_bytes):
+            bucket = kind([ordered[i] for i in run], comm, group, comm_dtype)
+            slots.update((order[i], (bucket, j)) for j, i in enumerate(run))
+            self.buckets.append(bucket)
+        self._slot = [slots[i] for i in range(len(self.params))]  # parameter index -> (bucket, index in it)
+
+    def reorder(self, order: Sequence[int]) -> None:
+        """Pack the buckets anew with the parameters in `order` (a permutation of their indices); the
+        gradients they hold are carried into the new buckets. Nothing may be in flight."""
+        if self._in_flight or sorted(order) != list(range(len(self.params))):
+            raise RuntimeError("reorder needs a permutation of the parameters and no bucket in flight")
+        self._pack(list(order))
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -270,19 +300,37 @@ class GradientBuckets:
             callback = None if self._end_of_backward is None else self._end_of_backward()
             torch.autograd.Variable._execution_engine.queue_callback(callback or self.finish)
             self._callback_queued = True
+            self.arrival = []
+        self.arrival.append(index)
         bucket.waiting -= 1
         if bucket.waiting == 0:
             self._launch_ready()
+        if self.on_complete is not None:
+            self._complete_finished()
 
     def _launch_ready(self) -> None:
         """Launch complete buckets in order; a complete bucket waits for all earlier ones."""
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].waiting == 0:
             if self._max_in_flight is not None and len(self._in_flight) >= self._max_in_flight:
-                self._in_flight.pop(0).complete()
+                self._complete_oldest()
             bucket = self.buckets[self._next_launch]
             bucket.launch()
-            self._in_flight.append(bucket)
+            self._in_flight.append(self._next_launch)
             self._next_launch += 1
+
+    def _complete_oldest(self) -> None:
+        k = self._in_flight.pop(0)
+        self.buckets[k].complete()
+        if self.on_complete is not None:
+            self.on_complete(k)
+
+    def _complete_finished(self) -> None:
+        """Complete, oldest first, the launched buckets whose collective has already finished (no waiting)."""
+        while self._in_flight:
+            pending = self.buckets[self._in_flight[0]].pending
+            if pending is not None and not pending.done():
+                return
+            self._complete_oldest()
 
     def launch_all(self) -> None:
         """End of a synchronising backward: launch every bucket not launched yet (missing gradients are zero)."""
@@ -294,7 +342,7 @@ class GradientBuckets:
     def complete_all(self) -> None:
         """Complete every launched bucket in order and reset for the next backward."""
         while self._in_flight:
-            self._in_flight.pop(0).complete()
+            self._complete_oldest()
         for bucket in self.buckets:
             bucket.waiting = len(bucket.params)
         self._next_launch = 0

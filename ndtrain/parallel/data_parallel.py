@@ -72,6 +72,14 @@ class DataParallelStrategy(Protocol):
         """Zero the gradients the next backward accumulates into (in place; no communication)."""
         ...
 
+    def step_during_backward(self, allowed: bool) -> None:
+        """The engine says once whether the optimizer update may run while backward and the gradient
+        sync are still going on (True only when nothing after backward can veto or change it: no
+        clipping, no loss scaler, no skipping of non-finite steps). A strategy that can overlap its
+        update (DDP with `parallel.overlap_optimizer`) does so when allowed; the others ignore it.
+        `optimizer.step()` must still be called: it updates whatever was not updated yet."""
+        ...
+
     def optimizer_grads(self) -> list[torch.Tensor]:
         """The fp32 (or float64) gradient tensors the optimizer's step reads, after backward: unscaling
         or clipping them in place is what the step applies. No communication."""

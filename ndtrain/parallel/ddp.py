@@ -11,7 +11,11 @@ What is communicated, and when:
 - During each synchronising backward, gradients are all-reduced in buckets, by the bucket layer
   (buckets.py: `GradientBuckets` of `AllReduceBucket`s). The parameters that require grad, in
   reverse registration order (about the order backward produces them), are packed per dtype and
-  device into flat buffers of at most `bucket_mb` (a larger parameter gets a bucket of its own).
+  device into flat buffers of at most `bucket_mb` (a larger parameter gets a bucket of its own;
+  the first bucket at most `first_bucket_mb`, when given, so that communication starts early).
+  With `reorder_buckets`, the first synchronising backward records the order in which gradients
+  were actually produced; group rank 0's order is broadcast (one int64 per parameter, once) and
+  every rank packs its buckets anew in that order, so the collectives still match.
   Each `param.grad` is a view into its bucket, so autograd accumulates straight into it. A
   complete bucket is all-reduced asynchronously while backward goes on, strictly in bucket order,
   so every rank issues the same collectives in the same order; at the end of backward the buckets
@@ -22,6 +26,8 @@ What is communicated, and when:
   `allow_unused`). With `allow_unused` their slices count as zero, every bucket is still reduced,
   and one flag per parameter is all-reduced (max) so that a parameter no rank used keeps
   `.grad = None`, as in the single-process model.
+- `on_bucket_reduced(k)` (flat_adamw.py's overlapped optimizer) is called as soon as bucket k is
+  averaged; `after_reorder` callbacks run once the buckets were packed anew.
 
 Cost per synchronising step, with G the gradient bytes on the wire (Σ numel · itemsize of the
 trainable parameters in the comm dtype) and the ring algorithm: each rank sends 2(N−1)/N · G bytes
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -46,7 +52,8 @@ from ndtrain.comm import Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
-from ndtrain.parallel.buckets import MB, AllReduceBucket, GradientBuckets, broadcast_state
+from ndtrain.parallel.buckets import MB, AllReduceBucket, BucketKind, GradientBuckets, broadcast_state
+from ndtrain.parallel.flat_adamw import FlatAdamW
 from ndtrain.parallel.grad_norm import GradPiece, optimizer_param_grads, whole_pieces
 from ndtrain.parallel.precision import DTYPES
 
@@ -61,7 +68,12 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
         comm_dtype: torch.dtype = torch.float32, allow_unused: bool = False,
+        first_bucket_mb: float | None = None, reorder_buckets: bool = False, bucket_kind: BucketKind = AllReduceBucket,
     ) -> None:
+        """`first_bucket_mb`: cap of the first bucket (None, or more than `bucket_mb`: `bucket_mb`);
+        `reorder_buckets`: pack the buckets in the order the first synchronising backward produced
+        gradients; `bucket_kind`: the bucket class (AllReduceBucket; the no-communication benchmark
+        limit passes its own)."""
         super().__init__()
         self.module = module
         self.ctx = ctx
@@ -73,12 +85,15 @@ class DistributedDataParallel(nn.Module):
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         named.reverse()
         self._names = [name for name, _ in named]
+        first_cap = None if first_bucket_mb is None else min(cap, max(1, int(first_bucket_mb * MB)))
         self._grads = GradientBuckets(
-            [p for _, p in named], ctx.comm, self.group, AllReduceBucket, cap_bytes=cap, comm_dtype=comm_dtype,
-            end_of_backward=self._finish_sync,
+            [p for _, p in named], ctx.comm, self.group, bucket_kind, cap_bytes=cap, comm_dtype=comm_dtype,
+            end_of_backward=self._finish_sync, first_cap_bytes=first_cap,
         )
         self._buckets: list[AllReduceBucket] = self._grads.buckets  # type: ignore[assignment]
         self._checked_unused = allow_unused
+        self._reorder_pending = reorder_buckets
+        self.after_reorder: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------------------------- public surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -94,6 +109,20 @@ class DistributedDataParallel(nn.Module):
     def gradient_slice(self, bucket: int, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of gradient bucket `bucket` (a view)."""
         return self._buckets[bucket].flat[start:end]
+
+    @property
+    def on_bucket_reduced(self) -> Callable[[int], None] | None:
+        """Called with k as soon as bucket k is averaged (during backward, in bucket order); None: nobody."""
+        return self._grads.on_complete
+
+    @on_bucket_reduced.setter
+    def on_bucket_reduced(self, listener: Callable[[int], None] | None) -> None:
+        self._grads.on_complete = listener
+
+    def bucket_names(self) -> list[list[str]]:
+        """The parameter names of every bucket, in launch order."""
+        names = {id(p): name for name, p in zip(self._names, self._grads.params)}
+        return [[names[id(p)] for p in b.params] for b in self._buckets]
 
     @property
     def bucket_count(self) -> int:
@@ -135,6 +164,26 @@ class DistributedDataParallel(nn.Module):
                     param.grad = None
         if error is not None:
             raise error
+        if self._reorder_pending:
+            self._reorder_pending = False
+            self._reorder()
+
+    def _reorder(self) -> None:
+        """Pack the buckets in the order gradients arrived on group rank 0 (broadcast, so all ranks agree);
+        parameters that got none follow in registration-reversed order. Gradients held are carried over."""
+        count = len(self._grads.params)
+        arrived = list(dict.fromkeys(self._grads.arrival))
+        seen = set(arrived)
+        order = torch.tensor(arrived + [i for i in range(count) if i not in seen], dtype=torch.int64,
+                             device=self._buckets[0].flat.device)
+        self.ctx.comm.broadcast(order, self.group, src=0)
+        none = [p for p in self._grads.params if p.grad is None]
+        self._grads.reorder(order.tolist())
+        self._buckets = self._grads.buckets  # type: ignore[assignment]
+        for param in none:
+            param.grad = None
+        for callback in self.after_reorder:
+            callback()
 
     def _launch_usage(self) -> tuple[torch.Tensor, Pending]:
         """One flag per parameter, max-reduced: was it used on any rank since the last sync?"""
@@ -158,14 +207,34 @@ class DistributedDataParallel(nn.Module):
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy (ZeRO-0)
-def ddp_chunks(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig) -> list[DistributedDataParallel]:
+def ddp_chunks(
+    model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, *, levers: bool = False,
+) -> list[DistributedDataParallel]:
     """`model` wrapped in DDP as configured (`cfg`): one wrapper, or one per chunk of an
-    interleaved pipeline (a ModuleList of stage chunks, each with its own buckets)."""
+    interleaved pipeline (a ModuleList of stage chunks, each with its own buckets). `levers`: also
+    `first_bucket_mb` and `reorder_buckets` (for zero 0 in fp32 only: ZeRO-1 and the masters of
+    mixed precision lay their buffers out over the buckets as built)."""
     comm_dtype = DTYPES[cfg.comm_dtype]
+    options: dict[str, Any] = {"first_bucket_mb": cfg.first_bucket_mb, "reorder_buckets": cfg.reorder_buckets} if levers else {}
     if isinstance(model, nn.ModuleList):
-        return [DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in model]
+        return [DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype, **options)
+                for chunk in model]
     return [DistributedDataParallel(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype,
-                                    allow_unused=cfg.allow_unused_params)]
+                                    allow_unused=cfg.allow_unused_params, **options)]
+
+
+def build_ddp(module: nn.Module, ctx: ParallelContext, cfg: ParallelConfig,
+              make_optimizer: Callable[[], torch.optim.Optimizer]) -> DDPStrategy:
+    """ZeRO-0 in fp32 with `cfg`'s DDP levers: a small first bucket, buckets in the recorded order, the
+    caller's AdamW replaced by `FlatAdamW` (`flat_adamw`; one wrapper, no unused parameters: else the
+    caller's optimizer as it is) and its update overlapped with the bucket all-reduces
+    (`overlap_optimizer`, without a pipeline, when the engine allows it: `step_during_backward`)."""
+    chunks = ddp_chunks(module, ctx, cfg, levers=True)
+    optimizer = make_optimizer()
+    flat = None
+    if cfg.flat_adamw and len(chunks) == 1 and not cfg.allow_unused_params:
+        flat = FlatAdamW.replacing(chunks[0], optimizer)
+    return DDPStrategy(chunks, flat or optimizer, ctx, overlap=flat if cfg.overlap_optimizer and cfg.pp == 1 else None)
 
 
 @contextlib.contextmanager
@@ -192,11 +261,18 @@ class DDPStrategy:
     sharded_model = None
     forward_communicates = False
 
-    def __init__(self, chunks: list[DistributedDataParallel], optimizer: torch.optim.Optimizer, ctx: ParallelContext) -> None:
+    def __init__(self, chunks: list[DistributedDataParallel], optimizer: torch.optim.Optimizer, ctx: ParallelContext,
+                 *, overlap: FlatAdamW | None = None) -> None:
+        """`overlap`: the flat optimizer that may update buckets during backward, when the engine allows it."""
         self.chunks: list[nn.Module] = list(chunks)
         self.module: nn.Module = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.optimizer = optimizer
         self._tp = ctx.group("tp").size
+        self._overlap = overlap
+
+    def step_during_backward(self, allowed: bool) -> None:
+        if self._overlap is not None:
+            self._overlap.set_overlap(allowed)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return all_no_sync(self.chunks)

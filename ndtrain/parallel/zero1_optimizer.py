@@ -59,7 +59,7 @@ from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.ddp import DDPStrategy, DistributedDataParallel, all_no_sync, ddp_chunks, held_gradient_bytes
+from ndtrain.parallel.ddp import DDPStrategy, DistributedDataParallel, all_no_sync, build_ddp, ddp_chunks, held_gradient_bytes
 from ndtrain.parallel.flat_layout import FlatLayout, Segment
 from ndtrain.parallel.grad_norm import (
     GradPiece, Span, clip_, flat_pieces, global_grad_norm, segment_pieces, segment_spans,
@@ -394,6 +394,9 @@ class ZeroStrategy:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
+    def step_during_backward(self, allowed: bool) -> None:
+        """Never: the step updates shards and all-gathers them after the norm."""
+
     def optimizer_grads(self) -> list[torch.Tensor]:
         return self.optimizer.prepare_grads()
 
@@ -412,7 +415,7 @@ def build_replicated(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig
     bf16/fp16, an unsharded `ZeroOptimizer` holding the fp32 masters."""
     masters = compute_copies(model, DTYPES[cfg.precision])
     if masters is None:
-        return DDPStrategy(ddp_chunks(wrap(model), ctx, cfg), optimizer_fn(parameter_groups(model, group_fn)), ctx)
+        return build_ddp(wrap(model), ctx, cfg, lambda: optimizer_fn(parameter_groups(model, group_fn)))
     return _with_ddp(wrap(model), ctx, cfg, optimizer_fn, group_fn, masters=masters, sharded=False)
 
 

@@ -414,6 +414,9 @@ class FSDPStrategy:
     def zero_grad(self) -> None:
         self.sharded_model.zero_grad()
 
+    def step_during_backward(self, allowed: bool) -> None:
+        """Never: the optimizer steps the fp32 shards after the norm."""
+
     def optimizer_grads(self) -> list[torch.Tensor]:
         return optimizer_param_grads(self.optimizer)
 
