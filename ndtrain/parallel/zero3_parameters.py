@@ -36,7 +36,11 @@ gradients (and reduce-scatter buffers).
 Several forwards may precede their backwards (a pipeline stage under 1F1B or GPipe): each forward
 with grad queues its units, and each backward takes the oldest forward's (backwards must run in
 their forwards' order), reducing every micro-batch's gradient into the shards. A pipeline stage's
-blocks (an nn.ModuleDict of identical blocks) are its units under `wrap="auto"`.
+blocks (an nn.ModuleDict of identical blocks) are its units under `wrap="auto"`; with interleaved
+stages each chunk is a wrapper of its own (pipeline/chunks.py `FullyShardedChunks`). zb's split
+backward runs I inside `input_pass()` (units gathered as reached, nothing reduced, all freed after)
+and W inside `weight_pass()` (the oldest forward's units gathered as W reaches them, reduced and
+freed as in a backward): one all-gather more per unit and micro-batch than a plain backward.
 
 Limitations: a parameter must belong to one unit (tied weights inside one unit are fine); every
 parameter must require grad; a unit's forward runs once per model forward; buffers are neither
@@ -51,7 +55,7 @@ import fnmatch
 import functools
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -64,6 +68,7 @@ from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import decoder_layers
 from ndtrain.parallel.flat_layout import Segment
+from ndtrain.parallel.pipeline.chunks import FullyShardedChunks
 from ndtrain.parallel.sync_switch import SyncSwitch
 from ndtrain.parallel.grad_norm import (
     GradPiece, Span, flat_pieces, local_squares, optimizer_param_grads, segment_spans,
@@ -174,6 +179,8 @@ class FullyShardedDataParallel(nn.Module):
         self._awaiting: list[FlatUnit] = []  # the running backward's units not yet reduced, in order
         self._reducing: FlatUnit | None = None
         self._peak = 0
+        self._split: str | None = None  # "input" / "weight" inside zb's split-backward passes
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -229,6 +236,9 @@ class FullyShardedDataParallel(nn.Module):
     # ----------------------------------------------------------------------------- backward
     def _pre_backward(self, block: FlatUnit | None) -> None:
         """Before the backward of `block` (None: the root, i.e. the start of backward)."""
+        if self._split is not None:
+            self._split_pre_backward(block)
+            return
         key = id(block)
         if key in self._in_backward:
             return
@@ -279,6 +289,53 @@ class FullyShardedDataParallel(nn.Module):
             unit.ready.clear()
         self._in_backward.clear()
         self._callback_queued = False
+
+    # ----------------------------------------------------------------------------- zb's split backward
+    @contextlib.contextmanager
+    def input_pass(self) -> Iterator[None]:
+        """zb's input-gradient pass I: each unit is gathered when the pass reaches it (the input
+        gradient needs the weights), nothing is reduced, and all units are freed after it; the
+        forward stays queued for its weight pass."""
+        self._split = "input"
+        try:
+            yield
+        finally:
+            self._split = None
+            for unit in self.units:
+                unit.free()
+
+    @contextlib.contextmanager
+    def weight_pass(self) -> Iterator[Callable[[list[nn.Parameter]], None]]:
+        """zb's weight pass W of the oldest waiting forward, several autograd calls making one
+        backward: yields `before(params)`, which gathers the unit of `params` and points its `.grad`s
+        at its flat gradient; a unit whose gradients are all in is reduce-scattered and freed as in
+        a backward, and the end reduces the rest. Costs one more all-gather per unit than B."""
+        self._awaiting = self._forwards.popleft() if self._forwards else []
+        self._split = "weight"
+        try:
+            yield self._gather_for_weights
+        finally:
+            self._split = None
+            self._end_backward()
+
+    def _gather_for_weights(self, params: list[nn.Parameter]) -> None:
+        for unit in {id(u): u for u in (self._unit_of[id(p)] for p in params)}.values():
+            if unit in self._awaiting:
+                unit.wait()
+                unit.attach_grads()
+        self._track()
+
+    def _split_pre_backward(self, block: FlatUnit | None) -> None:
+        unit = self.root if block is None else block
+        if self._split == "weight":
+            self._gather_for_weights(unit.params if unit is not None else [])
+            return
+        if unit is not None:
+            unit.wait()
+        previous = (self._order[-1] if self._order else None) if block is None else self._previous(block)
+        if previous is not None:
+            previous.gather()
+        self._track()
 
     # ----------------------------------------------------------------------------- public surface
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -380,9 +437,10 @@ class FSDPStrategy:
     grads_sharded = True
     forward_communicates = True
 
-    def __init__(self, fsdp: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, fsdp: FullyShardedDataParallel | FullyShardedChunks, optimizer: torch.optim.Optimizer) -> None:
+        """`fsdp`: the wrapper, or an interleaved pipeline's chunks each in its own."""
         self.module: nn.Module = fsdp
-        self.chunks: list[nn.Module] = [fsdp]
+        self.chunks: list[nn.Module] = list(fsdp) if isinstance(fsdp, FullyShardedChunks) else [fsdp]
         self.sharded_model = fsdp
         self.optimizer = optimizer
         self._norm_spans = unit_norm_spans(fsdp.units, fsdp.ctx.group("tp").size)
@@ -405,9 +463,13 @@ class FSDPStrategy:
 
 def build_zero3(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> FSDPStrategy:
     """ZeRO-3: the model cut into FSDP units as configured (`fsdp_wrap`, `reshard_after_forward`),
-    computing in the configured precision over fp32 shards."""
-    fsdp = FullyShardedDataParallel(
-        model, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
-        param_dtype=DTYPES[cfg.precision], reduce_dtype=DTYPES[cfg.comm_dtype],
-    )
+    computing in the configured precision over fp32 shards; an interleaved pipeline's chunks (a
+    ModuleList) each in a wrapper of their own, with one optimizer over all their shards."""
+    def shard(module: nn.Module) -> FullyShardedDataParallel:
+        return FullyShardedDataParallel(
+            module, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
+            param_dtype=DTYPES[cfg.precision], reduce_dtype=DTYPES[cfg.comm_dtype],
+        )
+
+    fsdp = FullyShardedChunks([shard(chunk) for chunk in model]) if isinstance(model, nn.ModuleList) else shard(model)
     return FSDPStrategy(fsdp, optimizer_fn(fsdp.parameter_groups(group_fn)))
