@@ -38,9 +38,8 @@ with grad queues its units, and each backward takes the oldest forward's (backwa
 their forwards' order), reducing every micro-batch's gradient into the shards. A pipeline stage's
 blocks (an nn.ModuleDict of identical blocks) are its units under `wrap="auto"`; with interleaved
 stages each chunk is a wrapper of its own (pipeline/chunks.py `FullyShardedChunks`). zb's split
-backward runs I inside `input_pass()` (units gathered as reached, nothing reduced, all freed after)
-and W inside `weight_pass()` (the oldest forward's units gathered as W reaches them, reduced and
-freed as in a backward): one all-gather more per unit and micro-batch than a plain backward.
+backward runs inside `input_pass()` and `weight_pass()` (zero3_split_passes.py): one all-gather
+more per unit and micro-batch than a plain backward.
 
 Limitations: a parameter must belong to one unit (tied weights inside one unit are fine); every
 parameter must require grad; a unit's forward runs once per model forward; buffers are neither
@@ -55,7 +54,7 @@ import fnmatch
 import functools
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -74,6 +73,7 @@ from ndtrain.parallel.grad_norm import (
     GradPiece, Span, flat_pieces, local_squares, optimizer_param_grads, segment_spans,
 )
 from ndtrain.parallel.precision import DTYPES
+from ndtrain.parallel.zero3_split_passes import SplitBackwardPasses
 from ndtrain.parallel.zero3_unit import FlatUnit
 from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, _group_keys, _one_group
 
@@ -120,7 +120,7 @@ def _call(owner: weakref.ref, method: str, *args: Any) -> Any:
     return None if fsdp is None else getattr(fsdp, method)(*args)
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
     """Shard `module` over `ctx.group("dp_cp")` (ZeRO-3); see the module docstring."""
 
     gradients_sharded = True  # a pipeline runs it outside no_sync: every micro-batch is reduce-scattered
@@ -289,53 +289,6 @@ class FullyShardedDataParallel(nn.Module):
             unit.ready.clear()
         self._in_backward.clear()
         self._callback_queued = False
-
-    # ----------------------------------------------------------------------------- zb's split backward
-    @contextlib.contextmanager
-    def input_pass(self) -> Iterator[None]:
-        """zb's input-gradient pass I: each unit is gathered when the pass reaches it (the input
-        gradient needs the weights), nothing is reduced, and all units are freed after it; the
-        forward stays queued for its weight pass."""
-        self._split = "input"
-        try:
-            yield
-        finally:
-            self._split = None
-            for unit in self.units:
-                unit.free()
-
-    @contextlib.contextmanager
-    def weight_pass(self) -> Iterator[Callable[[list[nn.Parameter]], None]]:
-        """zb's weight pass W of the oldest waiting forward, several autograd calls making one
-        backward: yields `before(params)`, which gathers the unit of `params` and points its `.grad`s
-        at its flat gradient; a unit whose gradients are all in is reduce-scattered and freed as in
-        a backward, and the end reduces the rest. Costs one more all-gather per unit than B."""
-        self._awaiting = self._forwards.popleft() if self._forwards else []
-        self._split = "weight"
-        try:
-            yield self._gather_for_weights
-        finally:
-            self._split = None
-            self._end_backward()
-
-    def _gather_for_weights(self, params: list[nn.Parameter]) -> None:
-        for unit in {id(u): u for u in (self._unit_of[id(p)] for p in params)}.values():
-            if unit in self._awaiting:
-                unit.wait()
-                unit.attach_grads()
-        self._track()
-
-    def _split_pre_backward(self, block: FlatUnit | None) -> None:
-        unit = self.root if block is None else block
-        if self._split == "weight":
-            self._gather_for_weights(unit.params if unit is not None else [])
-            return
-        if unit is not None:
-            unit.wait()
-        previous = (self._order[-1] if self._order else None) if block is None else self._previous(block)
-        if previous is not None:
-            previous.gather()
-        self._track()
 
     # ----------------------------------------------------------------------------- public surface
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
