@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ndtrain.parallel.flat_layout import FlatLayout
+from ndtrain.parallel.pipeline.chunks import FullyShardedChunks
 from ndtrain.parallel.placement import Placement, Shard, placement_of
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
 from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
@@ -153,10 +154,10 @@ def _covered(engine: Any) -> set[int]:
     return set()
 
 
-def _fsdp(engine: Any) -> FullyShardedDataParallel | None:
+def _fsdp(engine: Any) -> FullyShardedDataParallel | FullyShardedChunks | None:
     """ZeRO-3's wrapper when the engine's data-parallel strategy is FSDP (its units hold the shards)."""
     model = engine.dp.sharded_model
-    return model if isinstance(model, FullyShardedDataParallel) else None
+    return model if isinstance(model, (FullyShardedDataParallel, FullyShardedChunks)) else None
 
 
 def _run(param: torch.Tensor, start: int, end: int, owner: torch.Tensor, at: int, tp_first: bool) -> Run:

@@ -213,10 +213,6 @@ class ParallelConfig:
         """Refuse the layouts the engine does not support (no test covers them)."""
         refused = {
             "parallel.sequence_parallel=true needs tp > 1": self.sequence_parallel and self.tp == 1,
-            f"parallel.zero={self.zero} with pp_virtual > 1 is not supported (one sharded wrapper per rank's stage): "
-            "use pp_virtual=1 or zero <= 1": self.zero >= 2 and self.pp_virtual > 1,
-            f"parallel.zero={self.zero} with pp_schedule=zb is not supported (its split backward bypasses the "
-            "gradient-sharding hooks): use pp_schedule=1f1b": self.zero >= 2 and self.pp > 1 and self.pp_schedule == "zb",
             "dp_mode=single-process with tp/pp/cp > 1 is not supported": self.dp_mode != "ddp" and self.tp * self.pp * self.cp > 1,
         }
         refused["parallel.overlap_optimizer=true needs parallel.flat_adamw=true (it overlaps the flat AdamW's "

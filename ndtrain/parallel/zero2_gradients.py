@@ -30,7 +30,13 @@ What is communicated, and when:
   step belongs to `ZeroOptimizer`.
 - Under tp, a tp-replicated parameter's partial gradient is summed over tp by its tensor hook
   before accumulation (tensor.py), so the shards hold complete gradients; under pp each stage is
-  one wrapper, reduce-scattering every micro-batch's backward (the runner never uses `no_sync`).
+  one wrapper, reduce-scattering every micro-batch's backward (the runner never uses `no_sync`),
+  and an interleaved pipeline's v chunks are v wrappers (pipeline/chunks.py `DataParallelChunks`:
+  one `ZeroOptimizer` over all their buckets), each reduce-scattering in its own backwards.
+- zb's split backward: the input-gradient pass I produces no weight gradient (nothing reaches the
+  hooks); the weight pass W runs one autograd call per weight operation (split_backward.py), so it
+  runs inside `weight_pass()`: the hooks stage each gradient as it is produced and the buckets are
+  reduce-scattered when W ends (not overlapped with W's compute), exactly once per micro-batch.
 
 Cost, Ψ trainable elements, G = Ψ · comm itemsize, N ranks, k micro-batches, ring algorithms:
 each rank sends k·(N−1)/N·G (reduce-scatter) + (N−1)/N·Ψ'·param itemsize (all-gather) per step,
@@ -46,6 +52,7 @@ to them); the parameters must keep being the views `ZeroOptimizer` makes of its 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -55,6 +62,7 @@ from ndtrain.config import ParallelConfig
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.buckets import MB, GradientBuckets, ReduceScatterBucket, broadcast_state
 from ndtrain.parallel.flat_layout import Segment
+from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
 from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, ZeroOptimizer, ZeroStrategy, compute_copies
 
@@ -126,12 +134,24 @@ class Zero2DataParallel(nn.Module):
         """Zero the gradient shards (they are kept allocated; `set_to_none` is accepted and ignored)."""
         self._grads.zero_grad()
 
+    @contextlib.contextmanager
+    def weight_pass(self) -> Iterator[None]:
+        """Several autograd calls that together are one backward (zb's weight pass W): the gradients
+        they produce are staged as usual, and every bucket is reduce-scattered once, when W ends."""
+        with self._grads.sync.off():
+            yield None
+        self._grads.finish()
+
 
 # ----------------------------------------------------------------------------- data-parallel strategy
 def build_zero2(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> ZeroStrategy:
-    """ZeRO-2: `Zero2DataParallel` gradient shards with `ZeroOptimizer`. Every micro-batch's backward
-    reduce-scatters into the shard (no `no_sync`), keeping the gradient memory sharded."""
+    """ZeRO-2: `Zero2DataParallel` gradient shards with `ZeroOptimizer` (one wrapper per chunk of an
+    interleaved pipeline, one optimizer over all). Every micro-batch's backward reduce-scatters into
+    the shard (no `no_sync`), keeping the gradient memory sharded."""
     masters = compute_copies(model, DTYPES[cfg.precision])
-    wrapper = Zero2DataParallel(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype])
-    optimizer = ZeroOptimizer(wrapper, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=True)
-    return ZeroStrategy(wrapper, optimizer, no_sync=contextlib.nullcontext, gradient_bytes=lambda: wrapper.gradient_bytes)
+    chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
+    wrappers = [Zero2DataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype]) for chunk in chunks]
+    source = wrappers[0] if len(wrappers) == 1 else DataParallelChunks(wrappers)
+    optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=True)
+    return ZeroStrategy(source, optimizer, no_sync=contextlib.nullcontext,
+                        gradient_bytes=lambda: sum(w.gradient_bytes for w in wrappers), chunks=wrappers)

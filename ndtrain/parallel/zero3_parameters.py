@@ -41,7 +41,10 @@ gradients (and reduce-scatter buffers).
 Several forwards may precede their backwards (a pipeline stage under 1F1B or GPipe): each forward
 with grad queues its units, and each backward takes the oldest forward's (backwards must run in
 their forwards' order), reducing every micro-batch's gradient into the shards. A pipeline stage's
-blocks (an nn.ModuleDict of identical blocks) are its units under `wrap="auto"`.
+blocks (an nn.ModuleDict of identical blocks) are its units under `wrap="auto"`; with interleaved
+stages each chunk is a wrapper of its own (pipeline/chunks.py `FullyShardedChunks`). zb's split
+backward runs inside `input_pass()` and `weight_pass()` (zero3_split_passes.py): one all-gather
+more per unit and micro-batch than a plain backward.
 
 Limitations: a parameter must belong to one unit (tied weights inside one unit are fine); every
 parameter must require grad; a unit's forward runs once per model forward; buffers are neither
@@ -70,12 +73,14 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import decoder_layers
 from ndtrain.parallel.flat_layout import Segment
 from ndtrain.parallel.placement import Placement, Shard
+from ndtrain.parallel.pipeline.chunks import FullyShardedChunks
 from ndtrain.parallel.sync_switch import SyncSwitch
 from ndtrain.parallel.grad_norm import (
     GradPiece, Span, flat_pieces, local_squares, optimizer_param_grads, segment_spans,
 )
 from ndtrain.parallel.precision import DTYPES
 from ndtrain.parallel.tensor import gather_shard
+from ndtrain.parallel.zero3_split_passes import SplitBackwardPasses
 from ndtrain.parallel.zero3_unit import FlatUnit
 from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, _group_keys, _one_group
 
@@ -122,7 +127,7 @@ def _call(owner: weakref.ref, method: str, *args: Any) -> Any:
     return None if fsdp is None else getattr(fsdp, method)(*args)
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
     """Shard `module` over `ctx.group("dp_cp")` (ZeRO-3); see the module docstring."""
 
     gradients_sharded = True  # a pipeline runs it outside no_sync: every micro-batch is reduce-scattered
@@ -181,6 +186,8 @@ class FullyShardedDataParallel(nn.Module):
         self._awaiting: list[FlatUnit] = []  # the running backward's units not yet reduced, in order
         self._reducing: FlatUnit | None = None
         self._peak = 0
+        self._split: str | None = None  # "input" / "weight" inside zb's split-backward passes
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -236,6 +243,9 @@ class FullyShardedDataParallel(nn.Module):
     # ----------------------------------------------------------------------------- backward
     def _pre_backward(self, block: FlatUnit | None) -> None:
         """Before the backward of `block` (None: the root, i.e. the start of backward)."""
+        if self._split is not None:
+            self._split_pre_backward(block)
+            return
         key = id(block)
         if key in self._in_backward:
             return
@@ -401,9 +411,10 @@ class FSDPStrategy:
     grads_sharded = True
     forward_communicates = True
 
-    def __init__(self, fsdp: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, fsdp: FullyShardedDataParallel | FullyShardedChunks, optimizer: torch.optim.Optimizer) -> None:
+        """`fsdp`: the wrapper, or an interleaved pipeline's chunks each in its own."""
         self.module: nn.Module = fsdp
-        self.chunks: list[nn.Module] = [fsdp]
+        self.chunks: list[nn.Module] = list(fsdp) if isinstance(fsdp, FullyShardedChunks) else [fsdp]
         self.sharded_model = fsdp
         self.optimizer = optimizer
         self._norm_spans = unit_norm_spans(fsdp.units, fsdp.ctx.group("tp").size)
@@ -429,9 +440,13 @@ class FSDPStrategy:
 
 def build_zero3(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> FSDPStrategy:
     """ZeRO-3: the model cut into FSDP units as configured (`fsdp_wrap`, `reshard_after_forward`),
-    computing in the configured precision over fp32 shards."""
-    fsdp = FullyShardedDataParallel(
-        model, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
-        param_dtype=DTYPES[cfg.precision], reduce_dtype=DTYPES[cfg.comm_dtype],
-    )
+    computing in the configured precision over fp32 shards; an interleaved pipeline's chunks (a
+    ModuleList) each in a wrapper of their own, with one optimizer over all their shards."""
+    def shard(module: nn.Module) -> FullyShardedDataParallel:
+        return FullyShardedDataParallel(
+            module, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
+            param_dtype=DTYPES[cfg.precision], reduce_dtype=DTYPES[cfg.comm_dtype],
+        )
+
+    fsdp = FullyShardedChunks([shard(chunk) for chunk in model]) if isinstance(model, nn.ModuleList) else shard(model)
     return FSDPStrategy(fsdp, optimizer_fn(fsdp.parameter_groups(group_fn)))

@@ -1,30 +1,40 @@
-"""An interleaved pipeline's stage chunks, each in its own `DistributedDataParallel`, seen as one model.
+"""An interleaved pipeline's stage chunks, each in its own data-parallel wrapper, seen as one model.
 
-With `--vpp` v > 1 a rank holds v stage chunks; each is wrapped in DDP over dp×cp and synchronises
-in its own last backward (runner.py). `DataParallelChunks` is the list of those v wrappers, and is
-also the `GradientSource` that `ZeroOptimizer` reads (ZeRO-1, and the fp32 masters of bf16/fp16):
-the chunks' buckets in chunk order as one sequence, so the optimizer shards, updates and
-all-gathers every chunk's buckets as it would one model's. Nothing more is communicated than
-for one model of the chunks' combined size: ZeRO-1's all-gather of each bucket after the step.
+With `--vpp` v > 1 a rank holds v stage chunks, and each is wrapped on its own over dp×cp, so that
+each chunk's gradients are reduced in that chunk's own backwards (runner.py):
+
+- `DataParallelChunks`: v bucketed gradient wrappers, DDP's `DistributedDataParallel` (ZeRO-0/1,
+  and the fp32 masters of bf16/fp16) or ZeRO-2's `Zero2DataParallel`, as the one `GradientSource`
+  that `ZeroOptimizer` reads: the chunks' buckets in chunk order as one sequence, so the optimizer
+  shards, updates and all-gathers every chunk's buckets as it would one model's. DDP chunks
+  all-reduce in their last backward of the step (the others run under `no_sync`); ZeRO-2 chunks
+  reduce-scatter every backward into their gradient shards.
+- `FullyShardedChunks`: v ZeRO-3 `FullyShardedDataParallel` wrappers (each its own units over the
+  chunk's blocks and root) as one sharded model: all their units, one optimizer's parameter groups
+  over all their shards, and the rank's whole state dict.
+
+Nothing more is communicated than for one model of the chunks' combined size split into the same
+buckets or units; each chunk's collectives are issued in its own backwards (every rank of the
+dp×cp group runs the same action list, so they match).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ndtrain.parallel.ddp import DistributedDataParallel
-
 
 class DataParallelChunks(nn.ModuleList):
-    """v `DistributedDataParallel` stage chunks (index = chunk) with one bucket sequence over all of them."""
+    """v bucketed gradient wrappers (index = chunk) with one bucket sequence over all of them."""
 
-    gradients_sharded = False  # DDP all-reduces: every rank holds the whole averaged gradient
-
-    def __init__(self, chunks: list[DistributedDataParallel]) -> None:
+    def __init__(self, chunks: list[nn.Module]) -> None:
         super().__init__(chunks)
+        kinds = {bool(chunk.gradients_sharded) for chunk in chunks}
+        assert len(kinds) == 1, "the chunks of one rank are wrapped alike"
+        self.gradients_sharded: bool = kinds.pop()  # DDP: all-reduced, replicated; ZeRO-2: sharded
         self._owner = [(c, k) for c, chunk in enumerate(chunks) for k in range(len(chunk.buckets))]
 
     @property
@@ -43,3 +53,42 @@ class DataParallelChunks(nn.ModuleList):
     def zero_grad(self, set_to_none: bool = False) -> None:
         for chunk in self:
             chunk.zero_grad(set_to_none=set_to_none)
+
+
+class FullyShardedChunks(nn.ModuleList):
+    """v `FullyShardedDataParallel` stage chunks (index = chunk) seen as one sharded model."""
+
+    @property
+    def units(self) -> list[Any]:
+        """Every chunk's `FlatUnit`s, chunk by chunk."""
+        return [unit for chunk in self for unit in chunk.units]
+
+    @property
+    def ctx(self) -> Any:
+        return self[0].ctx
+
+    def parameter_groups(self, group_fn: Callable[[str, nn.Parameter], dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each chunk's `parameter_groups(group_fn)` merged by their options, in order of first appearance
+        over the chunks: one list of groups over all the chunks' shards (call once)."""
+        merged: dict[tuple, dict[str, Any]] = {}
+        for chunk in self:
+            for group in chunk.parameter_groups(group_fn):
+                options = {k: v for k, v in group.items() if k != "params"}
+                merged.setdefault(tuple(sorted(options.items())), {"params": [], **options})["params"] += group["params"]
+        return list(merged.values())
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for chunk in self:
+            chunk.zero_grad(set_to_none=set_to_none)
+
+    def state_bytes(self) -> dict[str, int]:
+        """"parameters" and "gradients" this rank holds now, summed over the chunks."""
+        held = [chunk.state_bytes() for chunk in self]
+        return {key: sum(h[key] for h in held) for key in held[0]}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The rank's stages' weights under the unsharded names (collective over dp×cp, chunk by chunk)."""
+        out: dict[str, torch.Tensor] = {}
+        for chunk in self:
+            out.update(chunk.full_state_dict())
+        return out

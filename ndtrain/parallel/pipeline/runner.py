@@ -41,9 +41,15 @@ copy is averaged over dp first, then the two are summed across the pipeline (lin
 Stages whose gradients are sharded (`gradients_sharded`: ZeRO-2's `Zero2DataParallel`, ZeRO-3's
 `FullyShardedDataParallel`) never run under `no_sync()`: each micro-batch's backward reduce-scatters
 its gradient into the shard, so the gradients stay sharded while several forwards wait for their
-backwards (FSDP pairs each backward with the oldest waiting forward: every schedule but zb runs a
-chunk's backwards in its forwards' order; zb's split backward is refused with them). Their copies
-of a tied embedding/head are summed from the shards after the schedule (`tied_shards.TiedShards`:
+backwards (FSDP pairs each backward with the oldest waiting forward: every schedule runs a chunk's
+backwards, and zb its W passes, in its forwards' order). With interleaved stages each chunk is a
+wrapper of its own (chunks.py), reducing in that chunk's backwards.
+zb with such a stage: I runs inside the stage's `input_pass()` when it has one (ZeRO-3 gathers the
+weights the input gradient needs, then frees them), and a split W inside its `weight_pass()`, which
+makes W's autograd calls (one per weight operation) one synchronising backward: ZeRO-2 stages the
+gradients and reduce-scatters at W's end, ZeRO-3 gathers each unit ahead of its calls and reduces
+it once its gradients are in. Every micro-batch is reduced once, in its W.
+The copies of a tied embedding/head under such stages are summed from the shards after the schedule (`tied_shards.TiedShards`:
 whole copy gathered over dp×cp, swapped, each rank adding the other copy's elements of its ranges).
 """
 
@@ -211,7 +217,8 @@ class _Step:
             self.grad_out[key] = grad
             if s > 0:
                 passes = WeightPasses(out, params)
-                (gx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+                with getattr(stage, "input_pass", contextlib.nullcontext)():
+                    (gx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
                 passes.input_pass_done()
                 self.weight_passes[key] = passes
                 self._hand_over("B", mb, chunk, gx)
@@ -220,7 +227,11 @@ class _Step:
         final = self.final[chunk] == index
         with stage.no_sync() if ddp and not final else contextlib.nullcontext():
             passes = self.weight_passes.pop(key, None)
-            if part == "W" and passes is not None and passes.complete and not (ddp and final):
+            split = part == "W" and passes is not None and passes.complete
+            if split and hasattr(stage, "weight_pass"):  # sharded gradients: W's calls are one backward
+                with stage.weight_pass() as before:
+                    passes.run(before)
+            elif split and not (ddp and final):
                 passes.run()  # DDP's sync needs the final W as one backward: re-walk instead
             elif part == "W":
                 torch.autograd.backward(out, grad, inputs=params)

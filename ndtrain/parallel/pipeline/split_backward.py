@@ -8,6 +8,12 @@ beneath it: only the weight halves of those operations run. Memory between I and
 (kept with retain_graph) plus one output gradient per boundary node, about one layer's worth of
 activations per weight matrix. When the graph does not split cleanly (a parameter under two
 boundary nodes, or a boundary node I did not reach), W re-walks the whole graph instead.
+
+W is one autograd call per boundary node: one call over all of them would also send each
+node's input gradient down to the boundary nodes beneath it (their weights are reachable that
+way), counting those weights twice. So a data-parallel wrapper that synchronises at the end of a
+backward must see the calls of one W as one backward (the runner's `weight_pass`), and
+`before(params)` lets a wrapper that shards its parameters (ZeRO-3) gather them first.
 """
 
 from __future__ import annotations
@@ -79,9 +85,12 @@ class WeightPasses:
         self._handles = []
         self.complete = self.complete and len(self.captured) == len(self.boundary)
 
-    def run(self) -> None:
-        """The weight gradients, accumulated into `.grad` (one accumulation per parameter)."""
+    def run(self, before: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
+        """The weight gradients, accumulated into `.grad` (one accumulation per parameter), boundary
+        node by boundary node in forward order; `before(params)` runs ahead of each node's call."""
         for node, params in self.boundary.items():
             grads = self.captured.pop(node)
+            if before is not None:
+                before(params)
             edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
             torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=params)
