@@ -52,6 +52,8 @@ LAYOUTS: dict[str, Layout] = {
     "cp2-tp2-sp-z3": (dict(dp=1, cp=2, tp=2, sequence_parallel=True, zero=3), False),
     "tp2-pp2-z3-tied": (dict(dp=1, tp=2, pp=2, zero=3), True),
     "dp2-pp2-gpipe-z3-tied": (dict(dp=2, pp=2, pp_schedule="gpipe", zero=3), True),
+    "dp2-pp2-vpp2-z3-tied": (dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, zero=3), True),
+    "dp2-pp2-zb-z2-tied": (dict(dp=2, pp=2, pp_schedule="zb", zero=2), True),
     # slow, 8 processes
     "dp2-tp2-pp2-z3": (dict(dp=2, tp=2, pp=2, zero=3), False),
     "dp2-tp2-pp2-z3-tied": (dict(dp=2, tp=2, pp=2, zero=3), True),
@@ -59,7 +61,8 @@ LAYOUTS: dict[str, Layout] = {
 }
 FAST = ["dp2-tp2-z3", "dp2-tp2-sp-z3", "dp2-pp2-z2-tied", "dp2-pp2-z3-tied"]
 HF_GPT2 = {"gpt2-dp2-pp2-z2": dict(dp=2, pp=2, zero=2), "gpt2-dp2-pp2-z3": dict(dp=2, pp=2, zero=3)}  # tied head
-SLOW = {4: ["dp2-tp2-z3-keep-tied", "cp2-tp2-sp-z3", "tp2-pp2-z3-tied", "dp2-pp2-gpipe-z3-tied", *HF_GPT2],
+SLOW = {4: ["dp2-tp2-z3-keep-tied", "cp2-tp2-sp-z3", "tp2-pp2-z3-tied", "dp2-pp2-gpipe-z3-tied", "dp2-pp2-vpp2-z3-tied",
+            "dp2-pp2-zb-z2-tied", *HF_GPT2],
         8: ["dp2-tp2-pp2-z3", "dp2-tp2-pp2-z3-tied", "dp2-tp2-pp2-sp-z2-tied"]}
 RESUMED = {"dp4-z0": dict(dp=4), "dp2-tp2-z1": dict(dp=2, tp=2, zero=1), "dp2-tp2-z3": dict(dp=2, tp=2, zero=3)}
 SAVED = "dp2-tp2-z3"  # the FAST case whose checkpoint of step K the RESUMED layouts continue
