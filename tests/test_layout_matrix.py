@@ -14,8 +14,7 @@ The cases, for every `(dp, cp, pp, tp)` with dp·cp·pp·tp = world:
   nothing and every stage is ZeRO 0 with extra copies (not a layout of its own).
 - Pipeline layouts: 1F1B at every stage, plus GPipe, interleaved (vpp2) and zero-bubble (zb) at
   ZeRO 0 and 1; and vpp2/zb at ZeRO 2 and 3, which are refused today (below; GPipe × ZeRO 2/3 is in
-  tests/test_compose_layouts.py). pp8 has no vpp2 case:
-  two chunks per rank would need 16 layers.
+  tests/test_compose_layouts.py). pp8 has no vpp2 case: two chunks per rank would need 16 layers.
 - Each rank takes max(2, pp) micro-batches of the global batch of 2 × world sequences (so gradient
   accumulation runs everywhere, and every schedule has m ≥ p micro-batches, a multiple of p).
 
