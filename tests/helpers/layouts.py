@@ -1,5 +1,5 @@
-"""What the composed-layout parity tests share (test_engine_layouts, test_compose_layouts): the tiny
-4-layer Llama config, the float64 run settings, AdamW with the eps those tests need, the global batch."""
+"""What the composed-layout parity tests share (test_engine_layouts, test_compose_layouts, test_layout_matrix):
+the tiny Llama configs, the float64 run settings, AdamW with the eps those tests need, the global batch."""
 
 from __future__ import annotations
 
@@ -30,3 +30,7 @@ def adamw(groups: Any) -> torch.optim.Optimizer:
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return token_batch(step, GLOBAL_BATCH, SEQ)
+
+# test_layout_matrix's model: 8 heads and kv heads (tp up to 8), 8 layers (pp up to 8; pp4 × vpp2 has a layer
+# per chunk), sequence 16 (cp up to 8: the ring's 2·cp load-balanced halves)
+MATRIX_MODEL = ModelConfig(preset="tiny", dim=32, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=64, seq_len=16)
