@@ -46,7 +46,7 @@ from ndtrain.comm import Pending
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
-from ndtrain.parallel.buckets import MB, AllReduceBucket, GradientBuckets, broadcast_state
+from ndtrain.parallel.buckets import MB, AllReduceBucket, BucketKind, GradientBuckets, broadcast_state
 from ndtrain.parallel.grad_norm import GradPiece, optimizer_param_grads, whole_pieces
 from ndtrain.parallel.precision import DTYPES
 
@@ -57,6 +57,8 @@ class DistributedDataParallel(nn.Module):
     The hooks hold the wrapper weakly; once it is dropped they are removed (the module's `.grad`s
     stay views of the old buckets until replaced).
     """
+
+    bucket_kind: BucketKind = AllReduceBucket  # what each bucket's collective is (ZeRO-1 reduce-scatters: zero1_gradients.py)
 
     def __init__(
         self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
@@ -74,7 +76,7 @@ class DistributedDataParallel(nn.Module):
         named.reverse()
         self._names = [name for name, _ in named]
         self._grads = GradientBuckets(
-            [p for _, p in named], ctx.comm, self.group, AllReduceBucket, cap_bytes=cap, comm_dtype=comm_dtype,
+            [p for _, p in named], ctx.comm, self.group, self.bucket_kind, cap_bytes=cap, comm_dtype=comm_dtype,
             end_of_backward=self._finish_sync,
         )
         self._buckets: list[AllReduceBucket] = self._grads.buckets  # type: ignore[assignment]
