@@ -66,6 +66,7 @@ from ndtrain.parallel.grad_norm import (
 )
 from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
+from ndtrain.parallel.zero1_gradients import zero1_chunks
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -268,20 +269,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient so its 2-norm is at most `max_norm`, like `torch.nn.utils.clip_grad_norm_`.
 
-        Call after backward, before `step()`. Replicated gradients (DDP): the local norm is the
-        global one and nothing is communicated. Sharded gradients (ZeRO-2): the squares of this
-        rank's shard (padding excluded) are summed with one 4-byte all-reduce over dp_cp. Each
+        Call after backward, before `step()`. Unsharded (`sharded=False`, DDP's replicated
+        gradients): the local norm is the global one and nothing is communicated. Sharded (ZeRO-1's
+        and ZeRO-2's gradients are averaged only in this rank's range): the squares of this
+        rank's segments (padding excluded) are summed with one 4-byte all-reduce over dp_cp. Each
         parameter's squares are weighted by its placement and summed over mp too under model
         parallelism (`grad_norm.global_grad_norm`). Returns the norm before clipping.
         """
         grads = self.prepare_grads()
         tp = self.ctx.group("tp").size
-        if self.model.gradients_sharded:
+        if self.sharded:  # the segments partition the gradient over dp_cp
             pieces = flat_pieces(grads, shard_norm_spans(self, tp))
         else:
             pieces = [piece for b in self.model.buckets
                       for piece in segment_pieces(b.flat, segment_spans(0, b.flat.numel(), b.flat_layout.placed_ranges(), tp))]
-        norm = global_grad_norm(pieces, self.ctx, sharded=self.model.gradients_sharded)
+        norm = global_grad_norm(pieces, self.ctx, sharded=self.sharded)
         clip_(grads, norm, max_norm)
         return norm
 
@@ -413,19 +415,20 @@ def build_replicated(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig
     masters = compute_copies(model, DTYPES[cfg.precision])
     if masters is None:
         return DDPStrategy(ddp_chunks(wrap(model), ctx, cfg), optimizer_fn(parameter_groups(model, group_fn)), ctx)
-    return _with_ddp(wrap(model), ctx, cfg, optimizer_fn, group_fn, masters=masters, sharded=False)
+    return _with_ddp(ddp_chunks(wrap(model), ctx, cfg), ctx, optimizer_fn, group_fn, masters=masters, sharded=False)
 
 
 def build_zero1(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
                 wrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> ZeroStrategy:
-    """ZeRO-1: DDP (over `wrap(model)`) with the optimizer state sharded over dp_cp."""
+    """ZeRO-1: `Zero1DataParallel` (over `wrap(model)`: DDP that reduce-scatters each bucket into
+    this rank's range) with the optimizer state sharded over dp_cp."""
     masters = compute_copies(model, DTYPES[cfg.precision])
-    return _with_ddp(wrap(model), ctx, cfg, optimizer_fn, group_fn, masters=masters, sharded=True)
+    return _with_ddp(zero1_chunks(wrap(model), ctx, cfg), ctx, optimizer_fn, group_fn, masters=masters, sharded=True)
 
 
-def _with_ddp(module: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
+def _with_ddp(chunks: list[DistributedDataParallel], ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
               masters: dict[int, torch.Tensor] | None, sharded: bool) -> ZeroStrategy:
-    chunks = ddp_chunks(module, ctx, cfg)  # an interleaved pipeline's chunks: one bucket sequence over all of them
+    """`chunks`: one wrapper, or an interleaved pipeline's chunks (one bucket sequence over all of them)."""
     source = chunks[0] if len(chunks) == 1 else DataParallelChunks(chunks)
     optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=sharded)
     return ZeroStrategy(source, optimizer, no_sync=functools.partial(all_no_sync, chunks),
