@@ -66,7 +66,7 @@ from ndtrain.parallel.grad_norm import (
 )
 from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
-from ndtrain.parallel.zero1_gradients import zero1_chunks
+from ndtrain.parallel.zero1_gradients import ShardReduceBucket, zero1_chunks
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -162,6 +162,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         n, rank = (self.group.size, self.group.rank) if sharded else (1, 0)
         self._gather = n > 1
         self._prepared = False
+        # Only this rank's range of the gradient is averaged (ZeRO-2 shards, ZeRO-1's reduce-scattered buckets)
+        self._grads_in_shard = model.gradients_sharded or any(isinstance(b, ShardReduceBucket) for b in model.buckets)
         names = {id(p): name for name, p in model.module.named_parameters()}
         keys, options = _group_keys(model.module, group_fn)
         segments: list[list[nn.Parameter]] = [[] for _ in options]
@@ -269,21 +271,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient so its 2-norm is at most `max_norm`, like `torch.nn.utils.clip_grad_norm_`.
 
-        Call after backward, before `step()`. Unsharded (`sharded=False`, DDP's replicated
-        gradients): the local norm is the global one and nothing is communicated. Sharded (ZeRO-1's
-        and ZeRO-2's gradients are averaged only in this rank's range): the squares of this
+        Call after backward, before `step()`. Replicated gradients (DDP): the local norm is the global one and nothing is communicated. Averaged only in
+        this rank's range (ZeRO-1's reduce-scattered buckets, ZeRO-2's shards): the squares of this
         rank's segments (padding excluded) are summed with one 4-byte all-reduce over dp_cp. Each
         parameter's squares are weighted by its placement and summed over mp too under model
         parallelism (`grad_norm.global_grad_norm`). Returns the norm before clipping.
         """
         grads = self.prepare_grads()
         tp = self.ctx.group("tp").size
-        if self.sharded:  # the segments partition the gradient over dp_cp
+        if self._grads_in_shard:
             pieces = flat_pieces(grads, shard_norm_spans(self, tp))
         else:
             pieces = [piece for b in self.model.buckets
                       for piece in segment_pieces(b.flat, segment_spans(0, b.flat.numel(), b.flat_layout.placed_ranges(), tp))]
-        norm = global_grad_norm(pieces, self.ctx, sharded=self.sharded)
+        norm = global_grad_norm(pieces, self.ctx, sharded=self._grads_in_shard)
         clip_(grads, norm, max_norm)
         return norm
 
