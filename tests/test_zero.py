@@ -227,11 +227,13 @@ def _check_run(runs: list[dict[str, Any]], world: int, kind: str, bucket_mb: flo
     if kind == "net" and clipped:
         assert max(ref_norms) > MAX_NORM  # the clipping path is exercised
     item = DTYPE.itemsize
-    ring = (world - 1) * item * layout["padded"] // world  # one reduce-scatter or all-gather of every bucket
+    ring = (world - 1) * item * layout["padded"] // world  # one reduce-scatter of every bucket
     expected_delta = {
         "reduce_scatter/dp_cp": {"calls": layout["buckets"], "payload_bytes": item * layout["padded"], "wire_bytes": ring},
         "all_reduce/dp_cp": {"calls": 1, "payload_bytes": item, "wire_bytes": 2 * (world - 1) * item // world},  # the norm
-        "all_gather/dp_cp": {"calls": layout["buckets"], "payload_bytes": item * layout["padded"], "wire_bytes": ring},
+        # gloo: every bucket gathered by N broadcasts of a rank's slice, each counted once, at its root
+        "broadcast/dp_cp": {"calls": layout["buckets"] * world, "payload_bytes": item * layout["padded"],
+                            "wire_bytes": item * layout["padded"] // world},
     }
     for rank, o in enumerate(runs):
         assert all(p.dtype == DTYPE for p in o["params"].values())

@@ -1,34 +1,40 @@
 """ZeRO stage 1: the optimizer state is sharded over the data-parallel ranks; parameters and gradients are not.
 
-What is split: the optimizer's work and state. `DistributedDataParallel` (ddp.py) has packed the trainable
-parameters into buckets; here every bucket also gets a flat *parameter* buffer with the same layout
-as its gradient bucket, padded with zeros to a multiple of N (the size of `ctx.group("dp_cp")`), and
-the module's parameters become views into it (`param.data = flat[a:b].view_as(param)`). Group rank
-r owns the contiguous slice [r·s, (r+1)·s) of every bucket, s = padded size / N. The real elements
-of that slice (padding excluded) are cut where the parameter group changes (e.g. weight decay on
-matrices, none on biases and norms) into *segments*: parameters that alias the flat buffer, whose
-`.grad` aliases the DDP gradient bucket. The inner optimizer (built by the caller's factory) sees
-only these segments, so its state exists only for this rank's slice, and its in-place update
-writes straight into the model's parameters. The segment is the fp32 (or fp64) master: no copy.
-The padded layout is `FlatLayout` (flat_layout.py, shared with ZeRO-2's buckets and ZeRO-3's units);
-`segments()` maps this rank's slice back to parameter pieces and their placements.
+What is split: the optimizer's work and state. `Zero1DataParallel` (zero1_gradients.py: DDP whose
+buckets are reduce-scattered) has packed the trainable parameters into buckets, each a flat gradient
+buffer padded with zeros to a multiple of N (the size of `ctx.group("dp_cp")`); here every bucket
+also gets a flat *parameter* buffer with the same layout, and the module's parameters become views
+into it (`param.data = flat[a:b].view_as(param)`). Group rank r owns the contiguous slice
+[r·s, (r+1)·s) of every bucket, s = padded size / N. The real elements of that slice (padding
+excluded) are cut where the parameter group changes (e.g. weight decay on matrices, none on biases
+and norms) into *segments*: parameters that alias the flat buffer, whose `.grad` aliases the
+gradient bucket's slice. The inner optimizer (built by the caller's factory) sees only these
+segments, so its state exists only for this rank's slice, and its in-place update writes straight
+into the model's parameters. The segment is the fp32 (or fp64) master: no copy. The padded layout
+is `FlatLayout` (flat_layout.py, shared with the gradient buckets and ZeRO-3's units); `segments()`
+maps this rank's slice back to parameter pieces and their placements. (Over a plain
+`DistributedDataParallel`, whose all-reduce leaves the whole gradient averaged, it works the same.)
 
 What is communicated, and when:
-- During backward, DDP all-reduces (averages) the gradient buckets as usual: every rank holds the
-  whole averaged gradient, so its slice of it is ready when backward returns.
-- In `step()`, after the inner optimizer has updated this rank's slices, every bucket is
-  all-gathered in place (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`): all launched
-  asynchronously, in bucket order, then waited for. Every rank ends with the same parameters.
-- `clip_grad_norm_` communicates nothing: after DDP the gradient is replicated, so the norm of the
-  local buckets is the global norm (assuming the dp_cp group holds whole model replicas, i.e. no
-  tensor or pipeline parallelism; with mp > 1 the squares would have to be summed over `mp`).
+- During the synchronising backward, each gradient bucket is reduce-scattered in place as soon as
+  it is complete (zero1_gradients.py): this rank's slice holds the averaged gradient when backward
+  returns; micro-batches under `no_sync` accumulate locally in the full gradient buffers.
+- In `step()`, after the inner optimizer has updated this rank's slices, every bucket's slices
+  are gathered in place into its flat buffer: all launched asynchronously, in bucket order, then
+  waited for. Every rank ends with the same parameters. NCCL: one all-gather per bucket
+  (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`); gloo: N broadcasts per bucket, each slice from
+  its owner, because gloo's all-gather stages its output in a temporary copy of the whole bucket
+  (4Ψ' of extra peak memory with every bucket in flight; the volume on the wire is the same).
+- `clip_grad_norm_`: the squares of this rank's gradient slices, one 4-byte all-reduce over dp_cp
+  (summed over mp too under tensor or pipeline parallelism, `grad_norm.global_grad_norm`).
 
 Cost, with Ψ trainable elements (fp32), Ψ' ≥ Ψ padded (Ψ' − Ψ < N per bucket), N ranks, ring
-algorithms: memory per rank 4Ψ' parameters + 4Ψ gradients + 8Ψ/N AdamW state (exp_avg and
+algorithms: memory per rank 4Ψ' parameters + 4Ψ' gradients + 8Ψ/N AdamW state (exp_avg and
 exp_avg_sq of the real elements of the slice; plus one 4-byte step counter per segment), instead
-of 4Ψ + 4Ψ + 8Ψ for DDP. Each rank sends per step 2(N−1)/N · 4Ψ bytes of all-reduce (DDP) +
-(N−1)/N · 4Ψ' of all-gather, in one call per bucket each: 1.5× DDP's volume, the price of the
-sharded state (ZeRO-2 would replace the all-reduce by a reduce-scatter and get back to 1×).
+of 4Ψ + 4Ψ + 8Ψ for DDP. Each rank sends per step (N−1)/N · 4Ψ' bytes of reduce-scatter +
+(N−1)/N · 4Ψ' of all-gather: 2(N−1)/N · 4Ψ', DDP's volume. (On gloo, whose reduce-scatter is an
+all-reduce of a copy, the reduce-scatter really sends 2(N−1)/N · 4Ψ'; `ctx.comm` counts textbook
+volumes, and counts a broadcast once, at its root: (N−1)/N·4Ψ' of gather only for N = 2.)
 
 The same class serves ZeRO-2 (zero2_gradients.py: the gradient slices are then this rank's reduce-scattered
 gradient shard, `model.gradients_sharded`) and mixed precision: when the model's parameters are
@@ -55,6 +61,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from ndtrain.comm import Pending
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
@@ -238,12 +245,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 shard.flat[shard.lo : shard.lo + shard.master.numel()].copy_(shard.master)
         if not self._gather:
             return
-        pending = [
-            self.ctx.comm.all_gather(s.flat, s.flat[s.lo : s.hi], self.group, async_op=True) for s in self._shards
-        ]
+        pending = [p for s in self._shards for p in self._launch_gather(s)]
         for p in pending:
             assert p is not None
             p.wait()
+
+    def _launch_gather(self, shard: _Shard) -> list[Pending | None]:
+        """Start gathering every rank's updated range of `shard.flat` into it, in place. gloo's
+        all-gather stages its whole output in a temporary copy (4Ψ' more at once with every bucket
+        in flight), so on gloo each rank's range is broadcast from its owner instead, as torch's
+        ZeroRedundancyOptimizer does: the same bytes on the wire, no copy."""
+        if self.ctx.backend != "gloo":
+            return [self.ctx.comm.all_gather(shard.flat, shard.flat[shard.lo : shard.hi], self.group, async_op=True)]
+        size = shard.flat_layout.size
+        return [self.ctx.comm.broadcast(shard.flat[r * size : (r + 1) * size], self.group, src=r, async_op=True)
+                for r in range(self.group.size)]
 
     @torch.no_grad()
     def prepare_grads(self) -> list[torch.Tensor]:
