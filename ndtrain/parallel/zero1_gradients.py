@@ -14,7 +14,10 @@ of buckets.py), the bucket is reduce-scattered *in place*: rank r's range [r·s,
 flat buffer then holds the sum over the ranks, divided by N when the bucket is completed. Only
 that range is the averaged gradient; the rest of the buffer keeps this rank's local gradient
 until `zero_grad`. `ZeroOptimizer` (zero1_optimizer.py) reads exactly that range, then
-all-gathers the updated parameters.
+gathers the updated parameters. Exception: under pipeline parallelism the bucket holding a tied
+embedding/head weight is all-reduced whole, because the pipeline runner sums the two stages'
+copies of that gradient elementwise after backward, and the copies sit at different offsets of
+different buckets on the two stages.
 
 Cost per synchronising step, Ψ' padded elements, G = Ψ'·comm itemsize, N ranks: each rank sends
 (N−1)/N·G (reduce-scatter) instead of DDP's 2(N−1)/N·G; with ZeroOptimizer's all-gather of the
