@@ -296,7 +296,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = self.prepare_grads()
         tp = self.ctx.group("tp").size
         if self._grads_in_shard:
-            pieces = flat_pieces(grads, shard_norm_spans(self, tp))
+            pieces = shard_pieces(self, grads, shard_norm_spans(self, tp))
         else:
             pieces = [piece for b in self.model.buckets
                       for piece in segment_pieces(b.flat, segment_spans(0, b.flat.numel(), b.flat_layout.placed_ranges(), tp))]
@@ -381,6 +381,18 @@ def shard_norm_spans(optimizer: ZeroOptimizer, tp: int) -> list[list[Span]]:
             for shard in optimizer._shards for a, b, *_ in shard.segments]
 
 
+def shard_pieces(optimizer: ZeroOptimizer, grads: list[torch.Tensor], spans: list[list[Span]]) -> list[GradPiece]:
+    """The norm's pieces of this rank's segments; on a rank whose slices are all padding, one empty
+    piece of the gradients' dtype, so that its Σg² is summed over dp_cp in the others' dtype (a
+    float32 zero against their float64 would be a mismatched all-reduce)."""
+    pieces = flat_pieces(grads, spans)
+    if pieces or not optimizer._shards:
+        return pieces
+    lo = optimizer._shards[0].lo
+    empty = optimizer.model.gradient_slice(0, lo, lo)
+    return [(empty if optimizer._shards[0].master is None else empty.float(), 1.0)]
+
+
 class ZeroStrategy:
     """`data_parallel.DataParallelStrategy` of a bucketed gradient wrapper with `ZeroOptimizer`:
     DistributedDataParallel for ZeRO-1 (and for ZeRO-0 in bf16/fp16, unsharded, for the fp32
@@ -417,7 +429,7 @@ class ZeroStrategy:
         return self.optimizer.prepare_grads()
 
     def grad_pieces(self) -> list[GradPiece]:
-        return flat_pieces(self.optimizer.prepare_grads(), self._norm_spans)
+        return shard_pieces(self.optimizer, self.optimizer.prepare_grads(), self._norm_spans)
 
     def state_bytes(self) -> dict[str, int]:
         return {"parameters": sum(tensor_bytes(s.flat) for s in self.optimizer._shards),
