@@ -88,8 +88,8 @@ def test_zero1_scenario_result_and_exact_bytes() -> None:
     grad_bytes, padded = facts["gradient_bytes"], facts["padded_parameters"]
     assert grad_bytes == 4 * facts["parameters"] and facts["parameters"] <= padded and padded % 2 == 0
     assert facts["expected_state_bytes"] == 8 * facts["parameters"] // 2
-    assert facts["all_reduce_bytes"] == grad_bytes and facts["all_gather_bytes"] == 4 * padded // 2
-    assert facts["comm_bytes"] == facts["all_reduce_bytes"] + facts["all_gather_bytes"]
+    assert facts["reduce_scatter_bytes"] == facts["all_gather_bytes"] == 4 * padded // 2
+    assert facts["comm_bytes"] == 2 * (2 - 1) * 4 * padded // 2  # 2(N-1)/N·4Ψ': DDP's volume
     # Rank 0's AdamW state: exp_avg + exp_avg_sq of its half (N = 2 splits Ψ' evenly), plus 4-byte step counters.
     ours_state = facts["ours_rank0_state_bytes"]
     assert ours_state >= 8 * (padded // 2 - (padded - facts["parameters"])) and ours_state % 4 == 0
@@ -101,9 +101,9 @@ def test_zero1_scenario_result_and_exact_bytes() -> None:
         assert len(runs) == OPTIONS.repeats
         assert all(len(r["step_s"]) == OPTIONS.steps and len(r["peak_bytes"]) == 2 for r in runs)
     assert data["summary"]["torch"]["ratio"] == 1.0 and data["summary"]["torch"]["comm_bytes_per_step"] is None
-    # Ours: exactly 2(N-1)/N·4Ψ all-reduce + (N-1)/N·4Ψ' all-gather per step, in every run.
-    expected = 2 * (2 - 1) / 2 * grad_bytes + (2 - 1) / 2 * 4 * padded
-    assert [r["comm_bytes_per_step"] for r in data["runs"]["ours"]] == [expected] * OPTIONS.repeats
+    # Ours: exactly (N-1)/N·4Ψ' reduce-scatter + 4Ψ'/N of broadcasts (gloo's gather) per step, in every run:
+    # 2(N-1)/N·4Ψ' at N = 2.
+    assert [r["comm_bytes_per_step"] for r in data["runs"]["ours"]] == [facts["comm_bytes"]] * OPTIONS.repeats
 
 
 def test_options_are_validated() -> None:

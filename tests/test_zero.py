@@ -31,6 +31,7 @@ from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.parallel.buckets import MB, pack
 from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.zero1_gradients import Zero1DataParallel
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer, no_decay_for_vectors
 from tests.helpers.models import make_llama
 from tests.helpers.parity import assert_params_close
@@ -152,7 +153,7 @@ def _train(ctx: ParallelContext, kind: str, bucket_mb: float, sizes: tuple[int, 
            steps: int = STEPS, resume_at: int | None = None) -> dict[str, Any]:
     rank, n = ctx.rank, ctx.world_size
     module = make_llama(DTYPE) if kind == "llama" else make_net(sizes, SEED + rank)  # broadcast makes them equal
-    model = DistributedDataParallel(module, ctx, bucket_mb=bucket_mb, comm_dtype=DTYPE)
+    model = Zero1DataParallel(module, ctx, bucket_mb=bucket_mb, comm_dtype=DTYPE)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
     out: dict[str, Any] = {"deltas": [], "norms": [], "saved": None}
@@ -182,7 +183,7 @@ def _train(ctx: ParallelContext, kind: str, bucket_mb: float, sizes: tuple[int, 
 def _resume(ctx: ParallelContext, saved: bytes, first: int) -> dict[str, Any]:
     """Rebuild from a checkpoint taken before step `first` and train to STEPS; also a wrong-layout load."""
     rank, n = ctx.rank, ctx.world_size
-    model = DistributedDataParallel(make_net(NET, SEED + 1000 + rank), ctx, bucket_mb=NET_BUCKET_MB, comm_dtype=DTYPE)
+    model = Zero1DataParallel(make_net(NET, SEED + 1000 + rank), ctx, bucket_mb=NET_BUCKET_MB, comm_dtype=DTYPE)
     zero = ZeroOptimizer(model, ctx, adamw, group_fn=no_decay_for_vectors)
     sched = LambdaLR(zero, schedule)
     ckpt = torch.load(io.BytesIO(saved), weights_only=True)
@@ -226,11 +227,13 @@ def _check_run(runs: list[dict[str, Any]], world: int, kind: str, bucket_mb: flo
     if kind == "net" and clipped:
         assert max(ref_norms) > MAX_NORM  # the clipping path is exercised
     item = DTYPE.itemsize
-    ring_all_reduce = 2 * (world - 1) * item * layout["numel"] // world
-    gather = (world - 1) * item * layout["padded"] // world
+    ring = (world - 1) * item * layout["padded"] // world  # one reduce-scatter of every bucket
     expected_delta = {
-        "all_reduce/dp_cp": {"calls": layout["buckets"], "payload_bytes": item * layout["numel"], "wire_bytes": ring_all_reduce},
-        "all_gather/dp_cp": {"calls": layout["buckets"], "payload_bytes": item * layout["padded"], "wire_bytes": gather},
+        "reduce_scatter/dp_cp": {"calls": layout["buckets"], "payload_bytes": item * layout["padded"], "wire_bytes": ring},
+        "all_reduce/dp_cp": {"calls": 1, "payload_bytes": item, "wire_bytes": 2 * (world - 1) * item // world},  # the norm
+        # gloo: every bucket gathered by N broadcasts of a rank's slice, each counted once, at its root
+        "broadcast/dp_cp": {"calls": layout["buckets"] * world, "payload_bytes": item * layout["padded"],
+                            "wire_bytes": item * layout["padded"] // world},
     }
     for rank, o in enumerate(runs):
         assert all(p.dtype == DTYPE for p in o["params"].values())

@@ -1,18 +1,22 @@
-"""Scenarios `zero1` (below) and `zero2` (`run_zero2`). `zero1`: ndtrain's `DistributedDataParallel` + `ZeroOptimizer` against PyTorch's DDP + `ZeroRedundancyOptimizer`.
+"""Scenarios `zero1` (below) and `zero2` (`run_zero2`). `zero1`: ndtrain's `Zero1DataParallel` + `ZeroOptimizer` against PyTorch's DDP + `ZeroRedundancyOptimizer`.
 
 Both train the same Llama (same preset, seed and initial weights) with AdamW (one parameter group,
 the same LR) on the same random token batches (a different stream per rank, the same for both
 contestants), with the same bucket cap, over the same `dp_cp` process group, with the same loop:
 forward, backward, step, `zero_grad(set_to_none=True)`. Both shard only the optimizer state
-(ZeRO stage 1): ours slices every flat bucket evenly over the ranks and all-gathers the buckets
-after the step; torch's assigns whole parameters to ranks (greedily, by size) and broadcasts each
-rank's parameters after the step. Torch's DDP gets the options of the `ddp` scenario: gradients
+(ZeRO stage 1): ours slices every flat bucket evenly over the ranks, reduce-scatters each gradient
+bucket into the slices during backward and gathers the buckets after the step (gloo: one broadcast
+per rank slice); torch's all-reduces the gradients, assigns whole parameters to ranks (greedily, by
+size) and broadcasts each rank's parameters after the step. Torch's DDP gets the options of the `ddp` scenario: gradients
 as bucket views, no per-forward buffer broadcast.
 
 Expected per rank, Ψ trainable fp32 elements, Ψ' ≥ Ψ the padded flat buffers (ours), N ranks:
-AdamW state 8Ψ/N bytes (exp_avg and exp_avg_sq; plus 4-byte step counters), and communication per
-step 2(N−1)/N · 4Ψ (gradient all-reduce) + (N−1)/N · 4Ψ' (parameter all-gather); ours is counted
-by `ctx.comm`, both are measured on the loopback interface. After the contest, each contestant is
+AdamW state 8Ψ/N bytes (exp_avg and exp_avg_sq; plus 4-byte step counters); communication per
+step, ours (N−1)/N · 4Ψ' (gradient reduce-scatter) + (N−1)/N · 4Ψ' (parameter gather) =
+2(N−1)/N · 4Ψ' (`comm_bytes`), torch's 2(N−1)/N · 4Ψ (all-reduce) + (N−1)/N · 4Ψ (broadcasts).
+Ours is counted by `ctx.comm` (a broadcast once, at its root: the counted gather is 4Ψ'/N, equal to
+the textbook volume at N = 2 only), both are measured on the loopback interface (gloo's
+reduce-scatter sends an all-reduce's volume, so there ours moves as much as torch's DDP+ZeRO). After the contest, each contestant is
 built once more and run for one step (AdamW's state is complete after its first step) to record
 the optimizer-state bytes rank 0 actually holds: `ours_rank0_state_bytes`, `torch_rank0_state_bytes`.
 Both scenarios have a third contestant, `limit` (`ndtrain.bench.limit`): the same step with no
@@ -36,7 +40,7 @@ from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.buckets import MB, pack
-from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.zero1_gradients import Zero1DataParallel
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
 from ndtrain.parallel.zero2_gradients import Zero2DataParallel
 
@@ -52,7 +56,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     group = ctx.group("dp_cp")
 
     def ours() -> Built:
-        model = DistributedDataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
+        model = Zero1DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
         optimizer = ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(groups, lr=LR))
         return training_step(model, optimizer, work.tokens), optimizer.state_bytes, lambda: optimizer.padded_numel
 
@@ -91,13 +95,11 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         if name == "ours":
             measured["padded_parameters"] = padded()  # Ψ', the same on every rank
         del step, state_bytes, padded
-    all_reduce_bytes = 2 * (n - 1) * grad_bytes // n
-    all_gather_bytes = (n - 1) * 4 * measured["padded_parameters"] // n
+    volume = (n - 1) * 4 * measured["padded_parameters"] // n
     result.facts = {
         **facts,
         "padded_parameters": measured["padded_parameters"],
-        "all_reduce_bytes": all_reduce_bytes, "all_gather_bytes": all_gather_bytes,
-        "comm_bytes": all_reduce_bytes + all_gather_bytes,
+        "reduce_scatter_bytes": volume, "all_gather_bytes": volume, "comm_bytes": 2 * volume,
         "ours_rank0_state_bytes": measured["ours_rank0_state_bytes"],
         "torch_rank0_state_bytes": measured["torch_rank0_state_bytes"],
     }

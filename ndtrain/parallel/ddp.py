@@ -65,15 +65,17 @@ class DistributedDataParallel(nn.Module):
     stay views of the old buckets until replaced).
     """
 
+    bucket_kind: BucketKind = AllReduceBucket  # what each bucket's collective is (ZeRO-1 reduce-scatters: zero1_gradients.py)
+
     def __init__(
         self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
         comm_dtype: torch.dtype = torch.float32, allow_unused: bool = False,
-        first_bucket_mb: float | None = None, reorder_buckets: bool = False, bucket_kind: BucketKind = AllReduceBucket,
+        first_bucket_mb: float | None = None, reorder_buckets: bool = False, bucket_kind: BucketKind | None = None,
     ) -> None:
         """`first_bucket_mb`: cap of the first bucket (None, or more than `bucket_mb`: `bucket_mb`);
         `reorder_buckets`: pack the buckets in the order the first synchronising backward produced
-        gradients; `bucket_kind`: the bucket class (AllReduceBucket; the no-communication benchmark
-        limit passes its own)."""
+        gradients; `bucket_kind`: the bucket class (None: the class's `bucket_kind`; the no-communication
+        benchmark limit passes its own)."""
         super().__init__()
         self.module = module
         self.ctx = ctx
@@ -87,8 +89,8 @@ class DistributedDataParallel(nn.Module):
         self._names = [name for name, _ in named]
         first_cap = None if first_bucket_mb is None else min(cap, max(1, int(first_bucket_mb * MB)))
         self._grads = GradientBuckets(
-            [p for _, p in named], ctx.comm, self.group, bucket_kind, cap_bytes=cap, comm_dtype=comm_dtype,
-            end_of_backward=self._finish_sync, first_cap_bytes=first_cap,
+            [p for _, p in named], ctx.comm, self.group, bucket_kind or self.bucket_kind, cap_bytes=cap,
+            comm_dtype=comm_dtype, end_of_backward=self._finish_sync, first_cap_bytes=first_cap,
         )
         self._buckets: list[AllReduceBucket] = self._grads.buckets  # type: ignore[assignment]
         self._checked_unused = allow_unused

@@ -1,34 +1,40 @@
 """ZeRO stage 1: the optimizer state is sharded over the data-parallel ranks; parameters and gradients are not.
 
-What is split: the optimizer's work and state. `DistributedDataParallel` (ddp.py) has packed the trainable
-parameters into buckets; here every bucket also gets a flat *parameter* buffer with the same layout
-as its gradient bucket, padded with zeros to a multiple of N (the size of `ctx.group("dp_cp")`), and
-the module's parameters become views into it (`param.data = flat[a:b].view_as(param)`). Group rank
-r owns the contiguous slice [r·s, (r+1)·s) of every bucket, s = padded size / N. The real elements
-of that slice (padding excluded) are cut where the parameter group changes (e.g. weight decay on
-matrices, none on biases and norms) into *segments*: parameters that alias the flat buffer, whose
-`.grad` aliases the DDP gradient bucket. The inner optimizer (built by the caller's factory) sees
-only these segments, so its state exists only for this rank's slice, and its in-place update
-writes straight into the model's parameters. The segment is the fp32 (or fp64) master: no copy.
-The padded layout is `FlatLayout` (flat_layout.py, shared with ZeRO-2's buckets and ZeRO-3's units);
-`segments()` maps this rank's slice back to parameter pieces and their placements.
+What is split: the optimizer's work and state. `Zero1DataParallel` (zero1_gradients.py: DDP whose
+buckets are reduce-scattered) has packed the trainable parameters into buckets, each a flat gradient
+buffer padded with zeros to a multiple of N (the size of `ctx.group("dp_cp")`); here every bucket
+also gets a flat *parameter* buffer with the same layout, and the module's parameters become views
+into it (`param.data = flat[a:b].view_as(param)`). Group rank r owns the contiguous slice
+[r·s, (r+1)·s) of every bucket, s = padded size / N. The real elements of that slice (padding
+excluded) are cut where the parameter group changes (e.g. weight decay on matrices, none on biases
+and norms) into *segments*: parameters that alias the flat buffer, whose `.grad` aliases the
+gradient bucket's slice. The inner optimizer (built by the caller's factory) sees only these
+segments, so its state exists only for this rank's slice, and its in-place update writes straight
+into the model's parameters. The segment is the fp32 (or fp64) master: no copy. The padded layout
+is `FlatLayout` (flat_layout.py, shared with the gradient buckets and ZeRO-3's units); `segments()`
+maps this rank's slice back to parameter pieces and their placements. (Over a plain
+`DistributedDataParallel`, whose all-reduce leaves the whole gradient averaged, it works the same.)
 
 What is communicated, and when:
-- During backward, DDP all-reduces (averages) the gradient buckets as usual: every rank holds the
-  whole averaged gradient, so its slice of it is ready when backward returns.
-- In `step()`, after the inner optimizer has updated this rank's slices, every bucket is
-  all-gathered in place (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`): all launched
-  asynchronously, in bucket order, then waited for. Every rank ends with the same parameters.
-- `clip_grad_norm_` communicates nothing: after DDP the gradient is replicated, so the norm of the
-  local buckets is the global norm (assuming the dp_cp group holds whole model replicas, i.e. no
-  tensor or pipeline parallelism; with mp > 1 the squares would have to be summed over `mp`).
+- During the synchronising backward, each gradient bucket is reduce-scattered in place as soon as
+  it is complete (zero1_gradients.py): this rank's slice holds the averaged gradient when backward
+  returns; micro-batches under `no_sync` accumulate locally in the full gradient buffers.
+- In `step()`, after the inner optimizer has updated this rank's slices, every bucket's slices
+  are gathered in place into its flat buffer: all launched asynchronously, in bucket order, then
+  waited for. Every rank ends with the same parameters. NCCL: one all-gather per bucket
+  (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`); gloo: N broadcasts per bucket, each slice from
+  its owner, because gloo's all-gather stages its output in a temporary copy of the whole bucket
+  (4Ψ' of extra peak memory with every bucket in flight; the volume on the wire is the same).
+- `clip_grad_norm_`: the squares of this rank's gradient slices, one 4-byte all-reduce over dp_cp
+  (summed over mp too under tensor or pipeline parallelism, `grad_norm.global_grad_norm`).
 
 Cost, with Ψ trainable elements (fp32), Ψ' ≥ Ψ padded (Ψ' − Ψ < N per bucket), N ranks, ring
-algorithms: memory per rank 4Ψ' parameters + 4Ψ gradients + 8Ψ/N AdamW state (exp_avg and
+algorithms: memory per rank 4Ψ' parameters + 4Ψ' gradients + 8Ψ/N AdamW state (exp_avg and
 exp_avg_sq of the real elements of the slice; plus one 4-byte step counter per segment), instead
-of 4Ψ + 4Ψ + 8Ψ for DDP. Each rank sends per step 2(N−1)/N · 4Ψ bytes of all-reduce (DDP) +
-(N−1)/N · 4Ψ' of all-gather, in one call per bucket each: 1.5× DDP's volume, the price of the
-sharded state (ZeRO-2 would replace the all-reduce by a reduce-scatter and get back to 1×).
+of 4Ψ + 4Ψ + 8Ψ for DDP. Each rank sends per step (N−1)/N · 4Ψ' bytes of reduce-scatter +
+(N−1)/N · 4Ψ' of all-gather: 2(N−1)/N · 4Ψ', DDP's volume. (On gloo, whose reduce-scatter is an
+all-reduce of a copy, the reduce-scatter really sends 2(N−1)/N · 4Ψ'; `ctx.comm` counts textbook
+volumes, and counts a broadcast once, at its root: (N−1)/N·4Ψ' of gather only for N = 2.)
 
 The same class serves ZeRO-2 (zero2_gradients.py: the gradient slices are then this rank's reduce-scattered
 gradient shard, `model.gradients_sharded`) and mixed precision: when the model's parameters are
@@ -55,6 +61,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from ndtrain.comm import Pending
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
@@ -66,6 +73,7 @@ from ndtrain.parallel.grad_norm import (
 )
 from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
+from ndtrain.parallel.zero1_gradients import ShardReduceBucket, zero1_chunks
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -161,6 +169,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         n, rank = (self.group.size, self.group.rank) if sharded else (1, 0)
         self._gather = n > 1
         self._prepared = False
+        # Only this rank's range of the gradient is averaged (ZeRO-2 shards, ZeRO-1's reduce-scattered buckets)
+        self._grads_in_shard = model.gradients_sharded or any(isinstance(b, ShardReduceBucket) for b in model.buckets)
         names = {id(p): name for name, p in model.module.named_parameters()}
         keys, options = _group_keys(model.module, group_fn)
         segments: list[list[nn.Parameter]] = [[] for _ in options]
@@ -235,12 +245,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 shard.flat[shard.lo : shard.lo + shard.master.numel()].copy_(shard.master)
         if not self._gather:
             return
-        pending = [
-            self.ctx.comm.all_gather(s.flat, s.flat[s.lo : s.hi], self.group, async_op=True) for s in self._shards
-        ]
+        pending = [p for s in self._shards for p in self._launch_gather(s)]
         for p in pending:
             assert p is not None
             p.wait()
+
+    def _launch_gather(self, shard: _Shard) -> list[Pending | None]:
+        """Start gathering every rank's updated range of `shard.flat` into it, in place. gloo's
+        all-gather stages its whole output in a temporary copy (4Ψ' more at once with every bucket
+        in flight), so on gloo each rank's range is broadcast from its owner instead, as torch's
+        ZeroRedundancyOptimizer does: the same bytes on the wire, no copy."""
+        if self.ctx.backend != "gloo":
+            return [self.ctx.comm.all_gather(shard.flat, shard.flat[shard.lo : shard.hi], self.group, async_op=True)]
+        size = shard.flat_layout.size
+        return [self.ctx.comm.broadcast(shard.flat[r * size : (r + 1) * size], self.group, src=r, async_op=True)
+                for r in range(self.group.size)]
 
     @torch.no_grad()
     def prepare_grads(self) -> list[torch.Tensor]:
@@ -268,20 +287,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient so its 2-norm is at most `max_norm`, like `torch.nn.utils.clip_grad_norm_`.
 
-        Call after backward, before `step()`. Replicated gradients (DDP): the local norm is the
-        global one and nothing is communicated. Sharded gradients (ZeRO-2): the squares of this
-        rank's shard (padding excluded) are summed with one 4-byte all-reduce over dp_cp. Each
+        Call after backward, before `step()`. Replicated gradients (DDP): the local norm is the global one and nothing is communicated. Averaged only in
+        this rank's range (ZeRO-1's reduce-scattered buckets, ZeRO-2's shards): the squares of this
+        rank's segments (padding excluded) are summed with one 4-byte all-reduce over dp_cp. Each
         parameter's squares are weighted by its placement and summed over mp too under model
         parallelism (`grad_norm.global_grad_norm`). Returns the norm before clipping.
         """
         grads = self.prepare_grads()
         tp = self.ctx.group("tp").size
-        if self.model.gradients_sharded:
-            pieces = flat_pieces(grads, shard_norm_spans(self, tp))
+        if self._grads_in_shard:
+            pieces = shard_pieces(self, grads, shard_norm_spans(self, tp))
         else:
             pieces = [piece for b in self.model.buckets
                       for piece in segment_pieces(b.flat, segment_spans(0, b.flat.numel(), b.flat_layout.placed_ranges(), tp))]
-        norm = global_grad_norm(pieces, self.ctx, sharded=self.model.gradients_sharded)
+        norm = global_grad_norm(pieces, self.ctx, sharded=self._grads_in_shard)
         clip_(grads, norm, max_norm)
         return norm
 
@@ -362,6 +381,18 @@ def shard_norm_spans(optimizer: ZeroOptimizer, tp: int) -> list[list[Span]]:
             for shard in optimizer._shards for a, b, *_ in shard.segments]
 
 
+def shard_pieces(optimizer: ZeroOptimizer, grads: list[torch.Tensor], spans: list[list[Span]]) -> list[GradPiece]:
+    """The norm's pieces of this rank's segments; on a rank whose slices are all padding, one empty
+    piece of the gradients' dtype, so that its Σg² is summed over dp_cp in the others' dtype (a
+    float32 zero against their float64 would be a mismatched all-reduce)."""
+    pieces = flat_pieces(grads, spans)
+    if pieces or not optimizer._shards:
+        return pieces
+    lo = optimizer._shards[0].lo
+    empty = optimizer.model.gradient_slice(0, lo, lo)
+    return [(empty if optimizer._shards[0].master is None else empty.float(), 1.0)]
+
+
 class ZeroStrategy:
     """`data_parallel.DataParallelStrategy` of a bucketed gradient wrapper with `ZeroOptimizer`:
     DistributedDataParallel for ZeRO-1 (and for ZeRO-0 in bf16/fp16, unsharded, for the fp32
@@ -401,7 +432,7 @@ class ZeroStrategy:
         return self.optimizer.prepare_grads()
 
     def grad_pieces(self) -> list[GradPiece]:
-        return flat_pieces(self.optimizer.prepare_grads(), self._norm_spans)
+        return shard_pieces(self.optimizer, self.optimizer.prepare_grads(), self._norm_spans)
 
     def state_bytes(self) -> dict[str, int]:
         return {"parameters": sum(tensor_bytes(s.flat) for s in self.optimizer._shards),
@@ -416,19 +447,20 @@ def build_replicated(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig
     masters = compute_copies(model, DTYPES[cfg.precision])
     if masters is None:
         return build_ddp(wrap(model), ctx, cfg, lambda: optimizer_fn(parameter_groups(model, group_fn)))
-    return _with_ddp(wrap(model), ctx, cfg, optimizer_fn, group_fn, masters=masters, sharded=False)
+    return _with_ddp(ddp_chunks(wrap(model), ctx, cfg), ctx, optimizer_fn, group_fn, masters=masters, sharded=False)
 
 
 def build_zero1(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
                 wrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> ZeroStrategy:
-    """ZeRO-1: DDP (over `wrap(model)`) with the optimizer state sharded over dp_cp."""
+    """ZeRO-1: `Zero1DataParallel` (over `wrap(model)`: DDP that reduce-scatters each bucket into
+    this rank's range) with the optimizer state sharded over dp_cp."""
     masters = compute_copies(model, DTYPES[cfg.precision])
-    return _with_ddp(wrap(model), ctx, cfg, optimizer_fn, group_fn, masters=masters, sharded=True)
+    return _with_ddp(zero1_chunks(wrap(model), ctx, cfg), ctx, optimizer_fn, group_fn, masters=masters, sharded=True)
 
 
-def _with_ddp(module: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
+def _with_ddp(chunks: list[DistributedDataParallel], ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
               masters: dict[int, torch.Tensor] | None, sharded: bool) -> ZeroStrategy:
-    chunks = ddp_chunks(module, ctx, cfg)  # an interleaved pipeline's chunks: one bucket sequence over all of them
+    """`chunks`: one wrapper, or an interleaved pipeline's chunks (one bucket sequence over all of them)."""
     source = chunks[0] if len(chunks) == 1 else DataParallelChunks(chunks)
     optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=sharded)
     return ZeroStrategy(source, optimizer, no_sync=functools.partial(all_no_sync, chunks),

@@ -1,0 +1,110 @@
+"""ZeRO stage 1's gradient side: DDP's full local gradients, reduce-scattered into this rank's shard.
+
+What is split: nothing of the gradient's memory. `Zero1DataParallel` is `DistributedDataParallel`
+(ddp.py: same packing, hooks, `no_sync`, unused-parameter handling) whose buckets are
+`ShardReduceBucket`s: each bucket is one flat gradient buffer laid out by a `FlatLayout` over the N
+ranks of `ctx.group("dp_cp")` (padded with zeros to a multiple of N), and every `param.grad` is a
+view of it, so autograd accumulates straight into it, inside `no_sync` too: gradient accumulation
+over micro-batches stays local, in full gradients (ZeRO-2, zero2_gradients.py, instead reduces
+every micro-batch and keeps only the shard).
+
+What is communicated, and when: at the synchronising backward, as soon as a bucket's gradients
+have all arrived (strictly in bucket order, overlapping the rest of backward, by the bucket layer
+of buckets.py), the bucket is reduce-scattered *in place*: rank r's range [r·s, (r+1)·s) of the
+flat buffer then holds the sum over the ranks, divided by N when the bucket is completed. Only
+that range is the averaged gradient; the rest of the buffer keeps this rank's local gradient
+until `zero_grad`. `ZeroOptimizer` (zero1_optimizer.py) reads exactly that range, then
+gathers the updated parameters. Exception: under pipeline parallelism the bucket holding a tied
+embedding/head weight is all-reduced whole, because the pipeline runner sums the two stages'
+copies of that gradient elementwise after backward, and the copies sit at different offsets of
+different buckets on the two stages.
+
+Cost per synchronising step, Ψ' padded elements, G = Ψ'·comm itemsize, N ranks: each rank sends
+(N−1)/N·G (reduce-scatter) instead of DDP's 2(N−1)/N·G; with ZeroOptimizer's all-gather of the
+parameters, 2(N−1)/N·4Ψ' in all for fp32 (DDP's volume). Memory: the full gradient 4Ψ' (as DDP),
+plus one comm-dtype copy of each bucket when the comm dtype differs from the gradients'.
+On gloo (CPU) `reduce_scatter_tensor` is carried out as an all-reduce of a copy of the input: it
+sends 2(N−1)/N·G, the volume of the all-reduce it replaces, and allocates a transient copy of the
+bucket; NCCL reduce-scatters in place at (N−1)/N·G.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from ndtrain.comm import Communicator, Group
+from ndtrain.config import ParallelConfig
+from ndtrain.mesh import ParallelContext
+from ndtrain.parallel.buckets import AllReduceBucket, Bucket
+from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.flat_layout import FlatLayout
+from ndtrain.parallel.precision import DTYPES, reduction_dtype
+
+
+class ShardReduceBucket(AllReduceBucket):
+    """A DDP bucket (full `flat` gradient, `.grad`s are its `views`) padded to a multiple of N and
+    reduce-scattered in place: after `complete()` only this rank's range [lo, hi) is averaged.
+    A bucket holding a parameter of `whole` (a pipeline-tied weight, whose two copies the pipeline
+    runner sums whole after backward) is all-reduced instead, as DDP does."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
+                 whole: frozenset[int] = frozenset()) -> None:
+        Bucket.__init__(self, params, comm, group, FlatLayout(params, group.size, group.rank))
+        self.flat = torch.zeros(self.flat_layout.padded, dtype=params[0].dtype, device=params[0].device)
+        self.views = self.flat_layout.views(self.flat)
+        dtype = reduction_dtype(comm_dtype, self.flat.dtype)
+        needs_cast = dtype != self.flat.dtype and group.size > 1
+        self.comm = torch.zeros_like(self.flat, dtype=dtype) if needs_cast else self.flat  # what is reduced
+        self.averaged = slice(0, None) if any(id(p) in whole for p in params) else slice(self.flat_layout.lo, self.flat_layout.hi)
+        for param, view in zip(params, self.views):
+            if param.grad is not None:
+                view.copy_(param.grad)
+            param.grad = view
+
+    def launch(self) -> None:
+        if self.group.size == 1:
+            return
+        if self.comm is not self.flat:
+            self.comm.copy_(self.flat)
+        if self.averaged.stop is None:
+            self.pending = self.communicator.all_reduce(self.comm, self.group, async_op=True)
+        else:
+            self.pending = self.communicator.reduce_scatter(self.comm[self.averaged], self.comm, self.group, async_op=True)
+
+    def complete(self) -> None:
+        if self.group.size == 1:
+            return
+        assert self.pending is not None
+        self.pending.wait()
+        self.pending = None
+        if self.comm is not self.flat:
+            self.flat[self.averaged].copy_(self.comm[self.averaged])
+        self.flat[self.averaged].div_(self.group.size)
+
+
+class Zero1DataParallel(DistributedDataParallel):
+    """`DistributedDataParallel` whose backward leaves the averaged gradient in this rank's range of
+    every bucket only (the rest stays local): build `ZeroOptimizer(wrapper, ctx, optimizer_fn)` on it.
+
+    `gradients_sharded` stays False: the gradient is kept whole and accumulates under `no_sync`
+    (the pipeline runner relies on that flag to decide whether micro-batches may skip the sync)."""
+
+    def __init__(self, module: nn.Module, ctx: ParallelContext, **options: Any) -> None:
+        tied = getattr(module, "tied", None) if ctx.group("pp").size > 1 else None
+        whole = frozenset([id(module.get_parameter(tied))] if tied else [])
+        self.bucket_kind = functools.partial(ShardReduceBucket, whole=whole)  # read by DistributedDataParallel
+        super().__init__(module, ctx, **options)
+
+
+def zero1_chunks(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig) -> list[DistributedDataParallel]:
+    """`model` wrapped in `Zero1DataParallel` as configured: one wrapper, or one per chunk of an
+    interleaved pipeline (a ModuleList of stage chunks, each with its own buckets)."""
+    comm_dtype = DTYPES[cfg.comm_dtype]
+    if isinstance(model, nn.ModuleList):
+        return [Zero1DataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in model]
+    return [Zero1DataParallel(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype,
+                              allow_unused=cfg.allow_unused_params)]
