@@ -210,13 +210,17 @@ class ParallelConfig:
             )
 
     def _check_combination(self) -> None:
-        """Refuse the layouts the engine does not support (no test covers them)."""
+        """Refuse the combinations the engine does not support, each in one line."""
         refused = {
             "parallel.sequence_parallel=true needs tp > 1": self.sequence_parallel and self.tp == 1,
             "dp_mode=single-process with tp/pp/cp > 1 is not supported": self.dp_mode != "ddp" and self.tp * self.pp * self.cp > 1,
         }
         refused["parallel.overlap_optimizer=true needs parallel.flat_adamw=true (it overlaps the flat AdamW's "
                 "bucket updates)"] = self.overlap_optimizer and not self.flat_adamw
+        levers = [f"parallel.{name}=true" for name in ("reorder_buckets", "flat_adamw", "overlap_optimizer") if getattr(self, name)]
+        refused[f"{levers[0] if levers else ''} is a DDP lever for zero=0 in fp32 (ZeRO and mixed precision lay their "
+                "buffers out over the buckets as built): set it false, or zero=0 and precision=fp32"] = \
+            bool(levers) and (self.zero > 0 or self.precision != "fp32" or self.dp_mode != "ddp")
         for message, bad in refused.items():
             if bad:
                 raise UserError(message)

@@ -196,6 +196,9 @@ def test_flat_adamw_keeps_an_optimizer_it_cannot_replace_and_overlap_needs_no_cl
     with pytest.raises(UserError, match="set optim.grad_clip=0"):
         load_config(None, {"parallel.flat_adamw": True, "parallel.overlap_optimizer": True})
     load_config(None, {"parallel.flat_adamw": True, "parallel.overlap_optimizer": True, "optim.grad_clip": 0})
+    for lever, other in (("flat_adamw", dict(zero=1)), ("reorder_buckets", dict(precision="bf16"))):
+        with pytest.raises(UserError, match=f"parallel.{lever}=true is a DDP lever for zero=0 in fp32"):
+            ParallelConfig(**{lever: True}, **other).validate()
 
 
 def test_the_first_bucket_has_its_own_smaller_cap() -> None:
