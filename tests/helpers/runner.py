@@ -65,9 +65,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 try:
                     rank, ok, value = results.get(timeout=0.5)
                 except queue.Empty:
-                    died = [f"rank {r} exited with status {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
-                    if died:  # a worker that died (not one that returned or raised) sends nothing
-                        failures.append(", ".join(died))
+                    if any(p.exitcode for p in procs):  # a worker that died (not one that returned or raised) sends nothing
+                        failures.append(_deaths(procs))
                         break
                     if time.monotonic() < deadline:
                         continue
@@ -87,6 +86,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         if failures:
             raise AssertionError("worker failed:\n" + "\n".join(failures))
     return [collected[r] for r in range(world_size)]
+
+
+def _deaths(procs: list[Any], grace_s: float = 5.0) -> str:
+    """The exit statuses of the workers that died, once the others ended too or `grace_s` passed: a
+    death often ends the rest (a watchdog kills a stopped peer, then exits), and all belong in the report."""
+    end = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    return ", ".join(f"rank {r} exited with status {p.exitcode}" for r, p in enumerate(procs) if p.exitcode)
 
 
 def init_method() -> str:
