@@ -187,6 +187,7 @@ def dropped(hosts: Hosts) -> int:
     return total
 
 
+@pytest.mark.slow  # ≈ 40 s; the two-host exactness and cut-link tests keep the namespaces' path in CI
 def test_delay_and_loss_on_the_link_still_train_exactly(hosts: Hosts, tmp_path: Path) -> None:
     impair(hosts)
     train_local(tmp_path, tmp_path / "local")
