@@ -65,17 +65,15 @@ class DistributedDataParallel(nn.Module):
     stay views of the old buckets until replaced).
     """
 
-    bucket_kind: BucketKind = AllReduceBucket  # what each bucket's collective is (ZeRO-1 reduce-scatters: zero1_gradients.py)
-
     def __init__(
         self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
         comm_dtype: torch.dtype = torch.float32, allow_unused: bool = False,
-        first_bucket_mb: float | None = None, reorder_buckets: bool = False, bucket_kind: BucketKind | None = None,
+        first_bucket_mb: float | None = None, reorder_buckets: bool = False, bucket_kind: BucketKind = AllReduceBucket,
     ) -> None:
         """`first_bucket_mb`: cap of the first bucket (None, or more than `bucket_mb`: `bucket_mb`);
         `reorder_buckets`: pack the buckets in the order the first synchronising backward produced
-        gradients; `bucket_kind`: the bucket class (None: the class's `bucket_kind`; the no-communication
-        benchmark limit passes its own)."""
+        gradients; `bucket_kind`: what each bucket's collective is (ZeRO-1's wrapper reduce-scatters,
+        zero1_gradients.py; the no-communication benchmark limit passes its own)."""
         super().__init__()
         self.module = module
         self.ctx = ctx
@@ -89,7 +87,7 @@ class DistributedDataParallel(nn.Module):
         self._names = [name for name, _ in named]
         first_cap = None if first_bucket_mb is None else min(cap, max(1, int(first_bucket_mb * MB)))
         self._grads = GradientBuckets(
-            [p for _, p in named], ctx.comm, self.group, bucket_kind or self.bucket_kind, cap_bytes=cap,
+            [p for _, p in named], ctx.comm, self.group, bucket_kind, cap_bytes=cap,
             comm_dtype=comm_dtype, end_of_backward=self._finish_sync, first_cap_bytes=first_cap,
         )
         self._buckets: list[AllReduceBucket] = self._grads.buckets  # type: ignore[assignment]
@@ -211,18 +209,19 @@ class DistributedDataParallel(nn.Module):
 # ----------------------------------------------------------------------------- data-parallel strategy (ZeRO-0)
 def ddp_chunks(
     model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, *, levers: bool = False,
+    wrapper: Callable[..., DistributedDataParallel] = DistributedDataParallel,
 ) -> list[DistributedDataParallel]:
     """`model` wrapped in DDP as configured (`cfg`): one wrapper, or one per chunk of an
     interleaved pipeline (a ModuleList of stage chunks, each with its own buckets). `levers`: also
     `first_bucket_mb` and `reorder_buckets` (for zero 0 in fp32 only: ZeRO-1 and the masters of
-    mixed precision lay their buffers out over the buckets as built)."""
+    mixed precision lay their buffers out over the buckets as built). `wrapper`: the DDP class
+    (ZeRO-1 passes its reduce-scattering `Zero1DataParallel`)."""
     comm_dtype = DTYPES[cfg.comm_dtype]
     options: dict[str, Any] = {"first_bucket_mb": cfg.first_bucket_mb, "reorder_buckets": cfg.reorder_buckets} if levers else {}
     if isinstance(model, nn.ModuleList):
-        return [DistributedDataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype, **options)
-                for chunk in model]
-    return [DistributedDataParallel(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype,
-                                    allow_unused=cfg.allow_unused_params, **options)]
+        return [wrapper(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype, **options) for chunk in model]
+    return [wrapper(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype, allow_unused=cfg.allow_unused_params,
+                    **options)]
 
 
 def build_ddp(module: nn.Module, ctx: ParallelContext, cfg: ParallelConfig,

@@ -37,12 +37,11 @@ import torch
 from torch import nn
 
 from ndtrain.comm import Communicator, Group
-from ndtrain.config import ParallelConfig
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.buckets import AllReduceBucket, Bucket
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.flat_layout import FlatLayout
-from ndtrain.parallel.precision import DTYPES, reduction_dtype
+from ndtrain.parallel.precision import reduction_dtype
 
 
 class ShardReduceBucket(AllReduceBucket):
@@ -96,15 +95,4 @@ class Zero1DataParallel(DistributedDataParallel):
     def __init__(self, module: nn.Module, ctx: ParallelContext, **options: Any) -> None:
         tied = getattr(module, "tied", None) if ctx.group("pp").size > 1 else None
         whole = frozenset([id(module.get_parameter(tied))] if tied else [])
-        self.bucket_kind = functools.partial(ShardReduceBucket, whole=whole)  # read by DistributedDataParallel
-        super().__init__(module, ctx, **options)
-
-
-def zero1_chunks(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig) -> list[DistributedDataParallel]:
-    """`model` wrapped in `Zero1DataParallel` as configured: one wrapper, or one per chunk of an
-    interleaved pipeline (a ModuleList of stage chunks, each with its own buckets)."""
-    comm_dtype = DTYPES[cfg.comm_dtype]
-    if isinstance(model, nn.ModuleList):
-        return [Zero1DataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype) for chunk in model]
-    return [Zero1DataParallel(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype,
-                              allow_unused=cfg.allow_unused_params)]
+        super().__init__(module, ctx, bucket_kind=functools.partial(ShardReduceBucket, whole=whole), **options)

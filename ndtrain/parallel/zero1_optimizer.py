@@ -73,7 +73,7 @@ from ndtrain.parallel.grad_norm import (
 )
 from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
-from ndtrain.parallel.zero1_gradients import ShardReduceBucket, zero1_chunks
+from ndtrain.parallel.zero1_gradients import ShardReduceBucket, Zero1DataParallel
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -455,7 +455,7 @@ def build_zero1(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, opt
     """ZeRO-1: `Zero1DataParallel` (over `wrap(model)`: DDP that reduce-scatters each bucket into
     this rank's range) with the optimizer state sharded over dp_cp."""
     masters = compute_copies(model, DTYPES[cfg.precision])
-    return _with_ddp(zero1_chunks(wrap(model), ctx, cfg), ctx, optimizer_fn, group_fn, masters=masters, sharded=True)
+    return _with_ddp(ddp_chunks(wrap(model), ctx, cfg, wrapper=Zero1DataParallel), ctx, optimizer_fn, group_fn, masters=masters, sharded=True)
 
 
 def _with_ddp(chunks: list[DistributedDataParallel], ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
