@@ -201,6 +201,17 @@ def test_flat_adamw_keeps_an_optimizer_it_cannot_replace_and_overlap_needs_no_cl
             ParallelConfig(**{lever: True}, **other).validate()
 
 
+def test_state_with_different_steps_in_one_bucket_is_one_line() -> None:
+    ctx = init(ParallelConfig(dp=1))
+    ddp = DistributedDataParallel(build_model(MODEL, seed=0), ctx)
+    optimizer = FlatAdamW(ddp, list(ddp.parameters()))
+    for step, param in enumerate(list(ddp.parameters())[:2], start=1):  # one bucket holds them all
+        optimizer.state[param].update(step=torch.tensor(float(step)), exp_avg=torch.zeros_like(param),
+                                      exp_avg_sq=torch.zeros_like(param))
+    with pytest.raises(UserError, match=r"different step counts \[1.0, 2.0\] within one bucket"):
+        optimizer.step()
+
+
 def test_the_first_bucket_has_its_own_smaller_cap() -> None:
     tensors = [torch.zeros(4) for _ in range(10)]  # 16 bytes each
     assert pack(tensors, 64, first_cap_bytes=16) == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
