@@ -283,6 +283,12 @@ class Communicator:
         peers = tuple(sorted({group.global_rank(peer) for _, peer in sends + recvs}))
         return self._pending(_AllWorks(works), name, group, seqs[0], peers)
 
+    def watch(self, work: Any, op: str, group: Group, payload: int, wire: int) -> Pending:
+        """Count and sequence an operation carried out outside c10d (`work`: `is_completed()` and
+        `wait(timeout)`, e.g. host_slots.py's shared-memory collectives); its wait is watched as any other."""
+        seq = self._issue(op, group, payload, wire)
+        return self._pending(work, op, group, seq)
+
     def barrier(self, group: Group) -> None:
         if group.size == 1:
             return

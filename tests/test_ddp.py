@@ -131,9 +131,9 @@ def _train(ctx: ParallelContext, model: DistributedDataParallel, *, micro_steps:
     return state(model.module)
 
 
-def _accounting_run(ctx: ParallelContext) -> dict[str, Any]:
+def _accounting_run(ctx: ParallelContext, host_slots: bool = False) -> dict[str, Any]:
     """Accumulation over 2 micro-steps with tiny buckets, recording the comm counters per backward."""
-    model = _wrap(ctx, bucket_mb=TINY_BUCKET_MB)
+    model = _wrap(ctx, bucket_mb=TINY_BUCKET_MB, host_slots=host_slots)
     deltas: list[tuple[bool, int, int]] = []
     last = [ctx.comm.stats.total_calls(), ctx.comm.stats.total_wire_bytes()]
 
@@ -143,7 +143,9 @@ def _accounting_run(ctx: ParallelContext) -> dict[str, Any]:
         last[:] = [calls, wire]
 
     params = _train(ctx, model, micro_steps=2, on_backward=record)
-    return {"params": params, "deltas": deltas, "buckets": model.bucket_count, "grad_bytes": model.gradient_bytes}
+    kinds = sorted({type(b).__name__ for b in model.buckets})
+    return {"params": params, "deltas": deltas, "buckets": model.bucket_count, "grad_bytes": model.gradient_bytes,
+            "kinds": kinds, "ops": sorted(ctx.comm.stats.snapshot())}
 
 
 def _first_gradients(ctx: ParallelContext, model: DistributedDataParallel) -> State:
@@ -166,6 +168,7 @@ def _suite(with_llama: bool) -> dict[str, Any]:
     model = _wrap(ctx, bucket_mb=TINY_BUCKET_MB)
     out["buckets"], out["bucket_count"] = _train(ctx, model, zero="wrapper"), model.bucket_count
     out["accumulate"] = _accounting_run(ctx)
+    out["host_accumulate"] = _accounting_run(ctx, host_slots=True)  # through shared-memory slots
     out["grads"] = _first_gradients(ctx, _wrap(ctx))
     out["bf16_grads"] = _first_gradients(ctx, _wrap(ctx, comm_dtype=torch.bfloat16))
     model = _wrap(ctx, comm_dtype=torch.bfloat16)
@@ -248,11 +251,11 @@ def test_broadcast_makes_the_ranks_equal(spawns: Spawns, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("scenario", ["plain", "buckets", "accumulate", "allow_unused"])
+@pytest.mark.parametrize("scenario", ["plain", "buckets", "accumulate", "host_accumulate", "allow_unused"])
 def test_training_matches_single_process(spawns: Spawns, world: int, scenario: str) -> None:
     ref = reference(world, extra=scenario == "allow_unused")
     for rank, o in enumerate(_out(spawns, world)):
-        got = o["accumulate"]["params"] if scenario == "accumulate" else o[scenario]
+        got = o[scenario]["params"] if scenario.endswith("accumulate") else o[scenario]
         assert_params_close(got, ref, TOL, f"{scenario} rank {rank}")
 
 
@@ -281,9 +284,13 @@ def test_unused_parameters_are_named(spawns: Spawns, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_accumulation_sends_once_per_step_with_exact_bytes(spawns: Spawns, world: int) -> None:
+@pytest.mark.parametrize("run", ["accumulate", "host_accumulate"])
+def test_accumulation_sends_once_per_step_with_exact_bytes(spawns: Spawns, world: int, run: str) -> None:
+    """Through gloo or through the shared-memory slots (one host): the same calls and ring volume."""
     out = _out(spawns, world)
-    acc = out[0]["accumulate"]
+    acc = out[0][run]
+    kind, op = ("HostAllReduceBucket", "all_reduce_shm/dp_cp") if run == "host_accumulate" else ("AllReduceBucket", "all_reduce/dp_cp")
+    assert acc["kinds"] == [kind] and op in acc["ops"]
     grad_bytes = sum(v.numel() * 4 for k, v in reference(world).items() if k != "shift")
     assert acc["grad_bytes"] == grad_bytes and out[0]["bf16_grad_bytes"] == grad_bytes // 2
     assert acc["buckets"] >= 3

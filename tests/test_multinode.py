@@ -1,8 +1,10 @@
 """Multi-node for real: two "hosts" as Linux network namespaces joined by a veth pair.
 
 Each namespace runs `torchrun --nnodes 2 --nproc-per-node 2` (c10d rendezvous on 10.231.0.1, an
-address that exists only inside the namespaces made here); gloo is pinned to the veth. Checks:
-the four ranks train to exactly the weights of `ndtrain train --nproc 4` (torch.equal); with
+address that exists only inside the namespaces made here) with a /dev/shm of its own, as two
+machines have (so the gradient buckets' shared-memory slots, host_slots.py, find that the group
+spans two hosts and leave the reduction to gloo); gloo is pinned to the veth. Checks:
+the four ranks train to exactly the weights of `ndtrain train --nproc 4` through gloo (torch.equal); with
 delay and loss on the link (`tc netem`, or a small `tbf` queue where the kernel lacks netem) they
 still do; with the link cut every rank exits with the watchdog's message.
 Skips (with the reason) only where namespaces cannot be made: not root, or no `ip`/`tc` (iproute2).
@@ -104,7 +106,10 @@ def start_nodes(hosts: Hosts, tmp_path: Path, out: Path, *args: str) -> list[Nod
     nodes = []
     for node, (ns, link, address) in enumerate(zip(hosts.namespaces, hosts.links, ADDRESSES)):
         cmd = [
-            "ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={link}",
+            # a /dev/shm of the host's own, as separate machines have (`ip netns exec` runs in a mount
+            # namespace of its own): the ranks' shared-memory slots cannot span the two hosts
+            "ip", "netns", "exec", ns, "sh", "-c", 'mount -t tmpfs -o size=1g ndtrain-host /dev/shm && exec "$@"', "sh",
+            "env", f"GLOO_SOCKET_IFNAME={link}",
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}", "--rdzv-id", "ndtrain-2hosts",
             "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", address,
@@ -138,8 +143,10 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def train_local(tmp_path: Path, out: Path) -> None:
+    """The same 4 ranks on this host, reducing through gloo as the two hosts must (not through shared
+    memory, whose summation order differs in the last bits)."""
     cmd = [sys.executable, "-m", "ndtrain", "train", "--nproc", "4", "--data", corpus_file(tmp_path),
-           "--out", str(out), *TRAIN, "--steps", "4"]
+           "--out", str(out), *TRAIN, "--steps", "4", "--set", "parallel.host_shared_memory=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

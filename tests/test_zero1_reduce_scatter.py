@@ -2,10 +2,13 @@
 
 One spawn of 4 processes trains, with clipping and 2 micro-batches per step (accumulated locally
 under `no_sync`, in full gradients):
-- dp=4, float64: parameters equal the single-process run (relative error ≤ 1e-5); every step
-  reduce-scatters every bucket once (not once per micro-batch): exactly (N−1)/N·8Ψ' counted (Ψ'
-  the buckets padded to a multiple of N), then gathers the parameters (gloo: N broadcasts per
-  bucket); no gradient is all-reduced (the norm's and the loss's scalars only);
+- dp=4, float64, through shared-memory slots (the default on one host): parameters equal the
+  single-process run (relative error ≤ 1e-5); every step reduce-scatters every bucket once (not
+  once per micro-batch): exactly (N−1)/N·8Ψ' counted (Ψ' the buckets padded to a multiple of N),
+  then gathers the parameters through the same slots, (N−1)/N·8Ψ' again: 2(N−1)/N·8Ψ' in all;
+  no gradient is all-reduced (the norm's and the loss's scalars only), nothing else is sent;
+- the same through gloo (`host_shared_memory=false`): the same reduce-scatter volume, the
+  parameters gathered by N broadcasts per bucket;
 - dp=2 × pp=2 with a tied embedding/head, float64: the tied weight's bucket is all-reduced whole
   (the runner sums the two copies), the others reduce-scattered: parity again;
 - dp=4, bf16 compute copies with fp32 masters: the loss curve and norms within bf16's rounding.
@@ -33,6 +36,7 @@ BUCKET_MB = 0.01  # several buckets, sizes not divisible by 4
 TIED = dataclasses.replace(MODEL, tie_embeddings=True)
 CASES: dict[str, dict[str, Any]] = {
     "dp4": dict(dp=4, zero=1),
+    "dp4-gloo": dict(dp=4, zero=1, host_shared_memory=False),
     "dp2-pp2-tied": dict(dp=2, pp=2, pp_schedule="1f1b", zero=1),
     "dp4-bf16": dict(dp=4, zero=1, precision="bf16"),
 }
@@ -103,7 +107,23 @@ def test_zero1_reduce_scatters_once_per_step_and_matches_one_process(results: li
         assert run["losses"] == pytest.approx(losses, rel=1e-5)
         assert run["norms"] == pytest.approx(norms, rel=1e-5)
         for delta in run["deltas"]:
-            # (N−1)/N·8Ψ' reduce-scattered, once per step although 2 micro-batches ran
+            # (N−1)/N·8Ψ' reduce-scattered, once per step although 2 micro-batches ran, then as much gathered
+            bucket_ops = {"calls": len(padded), "payload_bytes": e * sum(padded), "wire_bytes": ring}
+            assert delta["reduce_scatter_shm/dp_cp"] == bucket_ops
+            assert delta["all_gather_shm/dp_cp"] == bucket_ops
+            assert delta["all_reduce/dp_cp"]["payload_bytes"] <= 2 * e  # the norm and the loss only, no gradient
+            assert set(delta) == {"reduce_scatter_shm/dp_cp", "all_gather_shm/dp_cp", "all_reduce/dp_cp"}
+
+
+def test_zero1_through_gloo_reduce_scatters_and_broadcasts(results: list[dict[str, Any]]) -> None:
+    state, losses, norms = reference(tied=False)
+    padded, n, e = padded_buckets(4), 4, DTYPE.itemsize
+    ring = sum((n - 1) * e * p // n for p in padded)
+    for rank, result in enumerate(results):
+        run = result["dp4-gloo"]
+        assert_params_close(run["state"], state, 1e-5, f"dp4-gloo rank {rank}")
+        assert run["losses"] == pytest.approx(losses, rel=1e-5)
+        for delta in run["deltas"]:
             assert delta["reduce_scatter/dp_cp"] == {"calls": len(padded), "payload_bytes": e * sum(padded), "wire_bytes": ring}
             # gloo: the parameters gathered by N broadcasts per bucket (ctx.comm counts each once, at its root)
             assert delta["broadcast/dp_cp"] == {"calls": n * len(padded), "payload_bytes": e * sum(padded),
@@ -119,7 +139,8 @@ def test_zero1_with_a_pipeline_tied_weight_matches_one_process(results: list[dic
         run = result["dp2-pp2-tied"]
         assert run["losses"] == pytest.approx(losses, rel=1e-5)
         assert run["norms"] == pytest.approx(norms, rel=1e-5)
-        assert all(d["reduce_scatter/dp_cp"]["calls"] >= 1 for d in run["deltas"])
+        # the tied weight's bucket averaged whole, the others reduce-scattered (through the slots)
+        assert all(d["reduce_scatter_shm/dp_cp"]["calls"] >= 1 and d["all_reduce_shm/dp_cp"]["calls"] == 1 for d in run["deltas"])
         merged.update(run["state"])
     assert merged.keys() == state.keys()
     assert_params_close(merged, state, 1e-5, "dp2-pp2-tied")

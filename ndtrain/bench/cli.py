@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        ("--overlap-optimizer", "ours updates each bucket as soon as it is averaged (needs --flat-adamw)"),
                        ("--torch-fused-adamw", "torch's contestant uses torch.optim.AdamW(fused=True)")):
         levers.add_argument(flag, action="store_true", help=what)
+    parser.add_argument("--no-host-slots", dest="host_slots", action="store_false",
+                        help="ddp/zero1: ours reduces through the backend (gloo's sockets) instead of shared-memory "
+                             "slots between the ranks of one host (parallel.host_shared_memory=false)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result (default: bench-results/SCENARIO-nN.json)")
 
@@ -91,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
         micro_batch=args.micro_batch, seq_len=args.seq_len, preset=args.preset, seed=args.seed,
         first_bucket_mb=args.first_bucket_mb, reorder_buckets=args.reorder_buckets, flat_adamw=args.flat_adamw,
         overlap_optimizer=args.overlap_optimizer, torch_fused_adamw=args.torch_fused_adamw,
+        host_slots=args.host_slots,
     )
     options.validate()
     if not in_worker():
@@ -137,5 +141,6 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     ]
     argv += [flag for flag, on in (("--reorder-buckets", args.reorder_buckets), ("--flat-adamw", args.flat_adamw),
                                    ("--overlap-optimizer", args.overlap_optimizer),
-                                   ("--torch-fused-adamw", args.torch_fused_adamw)) if on]
+                                   ("--torch-fused-adamw", args.torch_fused_adamw),
+                                   ("--no-host-slots", not args.host_slots)) if on]
     return argv + (["--out", str(args.out)] if args.out is not None else [])

@@ -32,7 +32,6 @@ from ndtrain.bench.limit import NoCommBucket
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.buckets import AllReduceBucket
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.flat_adamw import FlatAdamW
 
@@ -44,7 +43,7 @@ def ours_step(ctx: ParallelContext, options: BenchOptions, work: Workload, *, co
     model = DistributedDataParallel(
         build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb,
         first_bucket_mb=options.first_bucket_mb, reorder_buckets=options.reorder_buckets,
-        bucket_kind=AllReduceBucket if communicate else NoCommBucket,
+        bucket_kind=None if communicate else NoCommBucket, host_slots=options.host_slots,
     )
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     if options.flat_adamw:

@@ -56,7 +56,8 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     group = ctx.group("dp_cp")
 
     def ours() -> Built:
-        model = Zero1DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
+        model = Zero1DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb,
+                                  host_slots=options.host_slots)
         optimizer = ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(groups, lr=LR))
         return training_step(model, optimizer, work.tokens), optimizer.state_bytes, lambda: optimizer.padded_numel
 

@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ndtrain.comm import Communicator, Group, Pending
+from ndtrain.host_slots import HostSlots
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.flat_layout import FlatLayout
 from ndtrain.parallel.precision import master_dtype, reduction_dtype
@@ -103,6 +104,7 @@ class Bucket(ABC):
         self.params, self.communicator, self.group, self.flat_layout = params, comm, group, layout
         self.waiting = len(params)  # gradients still expected in this synchronising backward
         self.pending: Pending | None = None
+        self.slots: HostSlots | None = None  # the shared-memory segment `flat` lives in (host_buckets.py)
 
     @abstractmethod
     def accept(self, index: int, param: nn.Parameter) -> None:
@@ -127,9 +129,11 @@ class Bucket(ABC):
 class AllReduceBucket(Bucket):
     """DDP: flat gradient storage (`flat`, the `.grad`s are its `views`) averaged over the group."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype) -> None:
+    def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
+                 storage: torch.Tensor | None = None) -> None:
+        """`storage`: the zeroed flat buffer to use (a shared-memory slot, host_buckets.py); None: a new one."""
         super().__init__(params, comm, group, FlatLayout(params, 1, 0))
-        self.flat = torch.zeros(self.flat_layout.numel, dtype=params[0].dtype, device=params[0].device)
+        self.flat = torch.zeros(self.flat_layout.numel, dtype=params[0].dtype, device=params[0].device) if storage is None else storage
         self.views = self.flat_layout.views(self.flat)
         dtype = reduction_dtype(comm_dtype, self.flat.dtype)
         needs_cast = dtype != self.flat.dtype and group.size > 1

@@ -9,7 +9,9 @@ What is communicated, and when:
   into chunks of at most one bucket), so ranks that initialised differently start equal.
   Buffers are not synchronised again (no running statistics are averaged).
 - During each synchronising backward, gradients are all-reduced in buckets, by the bucket layer
-  (buckets.py: `GradientBuckets` of `AllReduceBucket`s). The parameters that require grad, in
+  (buckets.py: `GradientBuckets` of `AllReduceBucket`s; with `host_slots`, on a CPU group whose
+  ranks share a host, `HostAllReduceBucket`s that live in shared memory and are averaged by the
+  ranks reading each other's slots, host_buckets.py). The parameters that require grad, in
   reverse registration order (about the order backward produces them), are packed per dtype and
   device into flat buffers of at most `bucket_mb` (a larger parameter gets a bucket of its own;
   the first bucket at most `first_bucket_mb`, when given, so that communication starts early).
@@ -54,6 +56,7 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.parallel.buckets import MB, AllReduceBucket, BucketKind, GradientBuckets, broadcast_state
 from ndtrain.parallel.flat_adamw import FlatAdamW
+from ndtrain.parallel.host_buckets import host_all_reduce_bucket
 from ndtrain.parallel.grad_norm import GradPiece, optimizer_param_grads, whole_pieces
 from ndtrain.parallel.precision import DTYPES
 
@@ -68,12 +71,15 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
         comm_dtype: torch.dtype = torch.float32, allow_unused: bool = False,
-        first_bucket_mb: float | None = None, reorder_buckets: bool = False, bucket_kind: BucketKind = AllReduceBucket,
+        first_bucket_mb: float | None = None, reorder_buckets: bool = False, bucket_kind: BucketKind | None = None,
+        host_slots: bool = False,
     ) -> None:
         """`first_bucket_mb`: cap of the first bucket (None, or more than `bucket_mb`: `bucket_mb`);
         `reorder_buckets`: pack the buckets in the order the first synchronising backward produced
         gradients; `bucket_kind`: what each bucket's collective is (ZeRO-1's wrapper reduce-scatters,
-        zero1_gradients.py; the no-communication benchmark limit passes its own)."""
+        zero1_gradients.py; the no-communication benchmark limit passes its own); default: all-reduce,
+        through shared-memory slots where the group's ranks share a host and `host_slots` is set
+        (host_buckets.py), else through the backend."""
         super().__init__()
         self.module = module
         self.ctx = ctx
@@ -87,7 +93,8 @@ class DistributedDataParallel(nn.Module):
         self._names = [name for name, _ in named]
         first_cap = None if first_bucket_mb is None else min(cap, max(1, int(first_bucket_mb * MB)))
         self._grads = GradientBuckets(
-            [p for _, p in named], ctx.comm, self.group, bucket_kind, cap_bytes=cap,
+            [p for _, p in named], ctx.comm, self.group,
+            bucket_kind or (host_all_reduce_bucket if host_slots else AllReduceBucket), cap_bytes=cap,
             comm_dtype=comm_dtype, end_of_backward=self._finish_sync, first_cap_bytes=first_cap,
         )
         self._buckets: list[AllReduceBucket] = self._grads.buckets  # type: ignore[assignment]
@@ -218,6 +225,7 @@ def ddp_chunks(
     (ZeRO-1 passes its reduce-scattering `Zero1DataParallel`)."""
     comm_dtype = DTYPES[cfg.comm_dtype]
     options: dict[str, Any] = {"first_bucket_mb": cfg.first_bucket_mb, "reorder_buckets": cfg.reorder_buckets} if levers else {}
+    options["host_slots"] = cfg.host_shared_memory
     if isinstance(model, nn.ModuleList):
         return [wrapper(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype, **options) for chunk in model]
     return [wrapper(model, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=comm_dtype, allow_unused=cfg.allow_unused_params,

@@ -25,7 +25,12 @@ parameters, 2(N−1)/N·4Ψ' in all for fp32 (DDP's volume). Memory: the full gr
 plus one comm-dtype copy of each bucket when the comm dtype differs from the gradients'.
 On gloo (CPU) `reduce_scatter_tensor` is carried out as an all-reduce of a copy of the input: it
 sends 2(N−1)/N·G, the volume of the all-reduce it replaces, and allocates a transient copy of the
-bucket; NCCL reduce-scatters in place at (N−1)/N·G.
+bucket; NCCL reduce-scatters in place at (N−1)/N·G. On one CPU host (`host_slots`, the engine's
+default there) the bucket is this rank's slot of a shared-memory segment (`HostShardReduceBucket`,
+host_slots.py): rank r averages its range straight out of the other slots, (N−1)/N·G read, no copy;
+`ZeroOptimizer` then gathers the updated parameters through the same slots, each rank writing its
+range into the others' slots, so after the step a slot's ranges outside its own rank's hold the
+other ranks' new parameters (not gradients) until `zero_grad`.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from ndtrain.comm import Communicator, Group
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.buckets import AllReduceBucket, Bucket
 from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.host_slots import HostSlots
 from ndtrain.parallel.flat_layout import FlatLayout
+from ndtrain.parallel.host_buckets import open_bucket_slots
 from ndtrain.parallel.precision import reduction_dtype
 
 
@@ -51,9 +58,11 @@ class ShardReduceBucket(AllReduceBucket):
     runner sums whole after backward) is all-reduced instead, as DDP does."""
 
     def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
-                 whole: frozenset[int] = frozenset()) -> None:
+                 whole: frozenset[int] = frozenset(), storage: torch.Tensor | None = None) -> None:
+        """`storage`: the zeroed flat buffer of `FlatLayout(params, N, rank).padded` elements to use (a
+        shared-memory slot, host_buckets.py); None: a new one."""
         Bucket.__init__(self, params, comm, group, FlatLayout(params, group.size, group.rank))
-        self.flat = torch.zeros(self.flat_layout.padded, dtype=params[0].dtype, device=params[0].device)
+        self.flat = torch.zeros(self.flat_layout.padded, dtype=params[0].dtype, device=params[0].device) if storage is None else storage
         self.views = self.flat_layout.views(self.flat)
         dtype = reduction_dtype(comm_dtype, self.flat.dtype)
         needs_cast = dtype != self.flat.dtype and group.size > 1
@@ -85,6 +94,34 @@ class ShardReduceBucket(AllReduceBucket):
         self.flat[self.averaged].div_(self.group.size)
 
 
+class HostShardReduceBucket(ShardReduceBucket):
+    """A ZeRO-1 bucket in this rank's shared-memory slot (host_buckets.py), reduce-scattered through the
+    slots into this rank's range, or averaged whole (a tied weight's bucket); nothing to divide after."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
+                 whole: frozenset[int], slots: HostSlots) -> None:
+        super().__init__(params, comm, group, comm_dtype, whole, storage=slots.mine)
+        self.slots: HostSlots = slots
+
+    def launch(self) -> None:
+        self.pending = self.slots.all_reduce_mean() if self.averaged.stop is None else self.slots.reduce_scatter_mean()
+
+    def complete(self) -> None:
+        assert self.pending is not None
+        self.pending.wait()
+        self.pending = None
+
+
+def host_shard_reduce_bucket(params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
+                             whole: frozenset[int] = frozenset()) -> Bucket:
+    """A `HostShardReduceBucket` where its slots can be shared, else a `ShardReduceBucket`."""
+    layout = FlatLayout(params, group.size, group.rank)
+    slots = open_bucket_slots(params, comm, group, comm_dtype, layout.padded, chunk=layout.size)
+    if slots is None:
+        return ShardReduceBucket(params, comm, group, comm_dtype, whole)
+    return HostShardReduceBucket(params, comm, group, comm_dtype, whole, slots)
+
+
 class Zero1DataParallel(DistributedDataParallel):
     """`DistributedDataParallel` whose backward leaves the averaged gradient in this rank's range of
     every bucket only (the rest stays local): build `ZeroOptimizer(wrapper, ctx, optimizer_fn)` on it.
@@ -92,7 +129,9 @@ class Zero1DataParallel(DistributedDataParallel):
     `gradients_sharded` stays False: the gradient is kept whole and accumulates under `no_sync`
     (the pipeline runner relies on that flag to decide whether micro-batches may skip the sync)."""
 
-    def __init__(self, module: nn.Module, ctx: ParallelContext, **options: Any) -> None:
+    def __init__(self, module: nn.Module, ctx: ParallelContext, *, host_slots: bool = False, **options: Any) -> None:
+        """`host_slots`: reduce through shared-memory slots where the group's ranks share a host (host_buckets.py)."""
         tied = getattr(module, "tied", None) if ctx.group("pp").size > 1 else None
         whole = frozenset([id(module.get_parameter(tied))] if tied else [])
-        super().__init__(module, ctx, bucket_kind=functools.partial(ShardReduceBucket, whole=whole), **options)
+        kind = host_shard_reduce_bucket if host_slots else ShardReduceBucket
+        super().__init__(module, ctx, bucket_kind=functools.partial(kind, whole=whole), **options)

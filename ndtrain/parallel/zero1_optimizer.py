@@ -22,7 +22,9 @@ What is communicated, and when:
 - In `step()`, after the inner optimizer has updated this rank's slices, every bucket's slices
   are gathered in place into its flat buffer: all launched asynchronously, in bucket order, then
   waited for. Every rank ends with the same parameters. NCCL: one all-gather per bucket
-  (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`); gloo: N broadcasts per bucket, each slice from
+  (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`); a gradient bucket in shared-memory slots (one
+  CPU host, zero1_gradients.py): `HostSlots.all_gather_into`, (N−1)/N·4Ψ' read and written between
+  the processes, counted exactly; other gloo groups: N broadcasts per bucket, each slice from
   its owner, because gloo's all-gather stages its output in a temporary copy of the whole bucket
   (4Ψ' of extra peak memory with every bucket in flight; the volume on the wire is the same).
 - `clip_grad_norm_`: the squares of this rank's gradient slices, one 4-byte all-reduce over dp_cp
@@ -64,6 +66,7 @@ from torch import nn
 from ndtrain.comm import Pending
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
+from ndtrain.host_slots import HostSlots
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DDPStrategy, DistributedDataParallel, all_no_sync, build_ddp, ddp_chunks, held_gradient_bytes
@@ -130,8 +133,8 @@ class _Shard:
     """One bucket's flat parameter buffer (its `flat_layout` over N ranks), this rank's [lo, hi) of it and
     its fp32 master (if separate)."""
 
-    def __init__(self, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor | None) -> None:
-        self.flat_layout, self.flat, self.master = layout, flat, master
+    def __init__(self, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor | None, slots: HostSlots | None) -> None:
+        self.flat_layout, self.flat, self.master, self.slots = layout, flat, master, slots
         self.lo, self.hi = layout.lo, layout.hi
         self.segments: list[tuple[int, int, int, nn.Parameter, torch.Tensor]] = []  # (a, b, group, param, grad)
 
@@ -181,7 +184,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             flat = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
             low_precision = torch.finfo(first.dtype).bits < 32  # bf16/fp16 compute copies; fp64 is its own master
             master = torch.zeros(layout.size, dtype=torch.float32, device=first.device) if low_precision else None
-            shard = _Shard(layout, flat, master)
+            shard = _Shard(layout, flat, master, bucket.slots if n > 1 else None)
             with torch.no_grad():
                 for p, view in zip(bucket.params, layout.views(flat)):
                     view.copy_(p.detach())
@@ -255,6 +258,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         all-gather stages its whole output in a temporary copy (4Ψ' more at once with every bucket
         in flight), so on gloo each rank's range is broadcast from its owner instead, as torch's
         ZeroRedundancyOptimizer does: the same bytes on the wire, no copy."""
+        if shard.slots is not None:  # the gradient bucket's shared-memory slots (zero1_gradients.py)
+            return [shard.slots.all_gather_into(shard.flat)]
         if self.ctx.backend != "gloo":
             return [self.ctx.comm.all_gather(shard.flat, shard.flat[shard.lo : shard.hi], self.group, async_op=True)]
         size = shard.flat_layout.size

@@ -1,0 +1,138 @@
+"""Shared-memory slots (ndtrain/host_slots.py) between real gloo worker processes.
+
+- 3 ranks (chunks of unequal use, one empty where numel < N): all-reduce, reduce-scatter and
+  all-gather against the arithmetic done here, every rank bit-identical, for float32 and float64
+  and sizes 1 to 100,003, repeated on one segment with new data (sequence numbers advance); the
+  exact counted bytes; no segment file is left behind.
+- Ranks that cannot map one segment (a rank with a /dev/shm of its own, as on another host) get
+  None on every rank, so they keep the backend's collectives alike.
+- A rank that stops (real SIGSTOP) before it arrives is named by the watchdog of the rank waiting in
+  the shared-memory collective, as for any collective.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ndtrain.config import ParallelConfig
+from ndtrain.host_slots import HostSlots, host_slots_supported
+from ndtrain.mesh import init
+from tests.helpers.runner import init_method, run_distributed
+
+pytestmark = pytest.mark.skipif(not host_slots_supported(torch.device("cpu")), reason="shared-memory slots need x86-64 Linux")
+SIZES = [(1, torch.float64), (37, torch.float64), (100_003, torch.float32)]
+ROUNDS = 3
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype, round_: int) -> torch.Tensor:
+    return torch.randn(numel, dtype=dtype, generator=torch.Generator().manual_seed(1000 * round_ + rank))
+
+
+def _collectives(directory: str) -> dict[str, Any]:
+    ctx = init(ParallelConfig(), init_method=init_method())
+    group = ctx.group("dp")
+    out: dict[str, Any] = {}
+    for numel, dtype in SIZES:
+        slots = HostSlots.open(ctx.comm, group, numel, dtype, directory=Path(directory))
+        assert slots is not None
+        before = ctx.comm.stats.snapshot()
+        for round_ in range(ROUNDS):
+            slots.mine.copy_(_data(group.rank, numel, dtype, round_))
+            slots.all_reduce_mean().wait()
+            out[f"all_reduce {numel} {round_}"] = slots.mine.clone()
+            slots.mine.copy_(_data(group.rank, numel, dtype, round_))
+            pending = slots.reduce_scatter_mean()
+            while not pending.done():  # the non-blocking path the bucket layer polls
+                pass
+            pending.wait()
+            out[f"reduce_scatter {numel} {round_}"] = slots.mine.clone()
+            values = _data(group.rank, numel, dtype, round_ + 100)
+            slots.all_gather_into(values).wait()
+            out[f"all_gather {numel} {round_}"] = values
+        after = ctx.comm.stats.snapshot()
+        out[f"counts {numel}"] = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items()
+                                  if k.endswith("_shm/dp")}
+        out[f"chunks {numel}"] = slots.chunks
+    out["left"] = os.listdir(directory)
+    return out
+
+
+def test_collectives_match_the_arithmetic_on_every_rank() -> None:
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        results = run_distributed(_collectives, 3, directory)
+    n = 3
+    for numel, dtype in SIZES:
+        chunks = results[0][f"chunks {numel}"]
+        assert chunks[0][0] == 0 and chunks[-1][1] == numel and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        for round_ in range(ROUNDS):
+            data = [_data(r, numel, dtype, round_) for r in range(n)]
+            mean = torch.stack(data).to(torch.float64).sum(0) / n
+            for rank, out in enumerate(results):
+                got = out[f"all_reduce {numel} {round_}"]
+                assert torch.equal(got, results[0][f"all_reduce {numel} {round_}"])  # bit-identical replicas
+                torch.testing.assert_close(got.to(torch.float64), mean, rtol=1e-6 if dtype == torch.float32 else 1e-14, atol=1e-7)
+                lo, hi = chunks[rank]
+                scattered = out[f"reduce_scatter {numel} {round_}"]
+                assert torch.equal(scattered[lo:hi], got[lo:hi])  # this rank's chunk: the mean, the same bits
+                outside = torch.ones(numel, dtype=torch.bool)
+                outside[lo:hi] = False
+                assert torch.equal(scattered[outside], data[rank][outside])  # the rest untouched
+                gathered = torch.cat([_data(k, numel, dtype, round_ + 100)[a:b] for k, (a, b) in enumerate(chunks)])
+                assert torch.equal(out[f"all_gather {numel} {round_}"], gathered)
+        size = numel * dtype.itemsize
+        moved = (n - 1) * size // n
+        for out in results:
+            assert out[f"counts {numel}"] == {
+                "all_reduce_shm/dp": {"calls": ROUNDS, "payload_bytes": ROUNDS * size, "wire_bytes": ROUNDS * 2 * moved},
+                "reduce_scatter_shm/dp": {"calls": ROUNDS, "payload_bytes": ROUNDS * size, "wire_bytes": ROUNDS * moved},
+                "all_gather_shm/dp": {"calls": ROUNDS, "payload_bytes": ROUNDS * size, "wire_bytes": ROUNDS * moved},
+            }
+    assert results[0][f"chunks {SIZES[0][0]}"][1:] == [(1, 1), (1, 1)]  # numel 1: two ranks own nothing
+    assert all(out["left"] == [] for out in results)  # the segments were unlinked once mapped
+
+
+def _split_hosts(directories: list[str]) -> dict[str, Any]:
+    ctx = init(ParallelConfig(), init_method=init_method())
+    group = ctx.group("dp")
+    own = HostSlots.open(ctx.comm, group, 64, torch.float32, directory=Path(directories[group.rank]))
+    shared = HostSlots.open(ctx.comm, group, 64, torch.float32, directory=Path(directories[0]))
+    return {"own": own is None, "shared": shared is not None, "left": sorted(os.listdir(directories[group.rank]))}
+
+
+def test_ranks_that_cannot_map_one_segment_all_keep_the_backend() -> None:
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as a, tempfile.TemporaryDirectory(dir="/dev/shm") as b:
+        results = run_distributed(_split_hosts, 2, [a, b])
+    assert [r["own"] for r in results] == [True, True]  # rank 1 looked in its own directory: nobody uses slots
+    assert [r["shared"] for r in results] == [True, True]
+    assert [r["left"] for r in results] == [[], []]
+
+
+def _stops_before_arriving(watchdog_s: float) -> None:
+    ctx = init(ParallelConfig(watchdog_s=watchdog_s, timeout_s=120), init_method=init_method())
+    slots = HostSlots.open(ctx.comm, ctx.group("dp"), 1000, torch.float32)
+    assert slots is not None
+    slots.all_reduce_mean().wait()  # everyone arrives once
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    slots.all_reduce_mean().wait()
+
+
+def test_a_rank_stopped_before_a_shared_memory_collective_is_named(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError, match="exited with status 1"):
+        run_distributed(_stops_before_arriving, 2, 2.0, timeout=60)
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:")]
+    assert len(errors) == 1, errors
+    assert re.fullmatch(
+        r"ndtrain: error: rank 0 waited \d+ s in collective #\d+ all_reduce_shm on axis 'dp' \(ranks \[0, 1\]\); "
+        r"ranks \[1\] did not arrive \(rank 1: last seen \d+ s ago at #\d+ on axis 'dp', its process is stopped "
+        r"\(SIGSTOP\), so killed\)",
+        errors[0],
+    ), errors[0]
