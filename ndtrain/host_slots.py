@@ -13,8 +13,9 @@ carried out by the ranks reading each other's slots directly:
   (S = slot bytes): 2(N−1)/N·S moved between processes, the ring all-reduce's volume, counted as
   that, with no copy through the kernel.
 - `reduce_scatter_mean()`: rank r averages chunk r into its own slot only: (N−1)/N·S read.
-- `publish()` / `gather()` (ZeRO-1's updated parameters): rank r writes its chunk of a value into
-  its own slot, and every rank copies the others' chunks out of theirs: (N−1)/N·S read.
+- `all_gather_into(values)` (ZeRO-1's updated parameters): rank r writes its chunk r of `values`
+  into chunk r of every other slot (the pages it read in the reduce-scatter), then copies the
+  other chunks out of its own slot into `values`: (N−1)/N·S written between the processes.
 
 Synchronisation: a header of per-rank sequence numbers, each written only by its rank:
 `arrived[r] = seq` once slot r holds the rank's data for the collective #seq, `done[r] = seq` once
@@ -124,14 +125,16 @@ class HostSlots:
         self._seq += 1
         n = self.group.size
         size = self.numel * self.dtype.itemsize
-        moved = (n - 1) * size // n
+        moved = (n - 1) * size // n * kind.passes
         work = kind(self, self._seq, values)
         self._flags[0, self.group.rank] = self._seq  # after every write of this slot, in program order
-        return self.comm.watch(work, f"{op}_shm", self.group, size, 2 * moved if kind is _AllReduceMean else moved)
+        return self.comm.watch(work, f"{op}_shm", self.group, size, moved)
 
 
 class _Collective:
     """One collective on the slots: `is_completed()` advances it without blocking, `wait` polls it."""
+
+    passes = 1  # times (N−1)/N of the slot moves between the processes
 
     def __init__(self, slots: HostSlots, seq: int, values: torch.Tensor | None) -> None:
         self.s, self.seq, self.values = slots, seq, values
@@ -174,33 +177,33 @@ class _Collective:
         return True
 
 
+class _ReduceScatterMean(_Collective):
+    def own_part(self) -> None:
+        _average_own_chunk(self.s)
+
+
 class _AllReduceMean(_Collective):
+    passes = 2
+
     def own_part(self) -> None:
         s = self.s
+        mean = _average_own_chunk(s)
         lo, hi = s.chunks[s.group.rank]
-        if lo == hi:
-            return
-        mean = s.mine[lo:hi]
         for k in range(s.group.size):
-            if k != s.group.rank:
-                mean.add_(s.slots[k, lo:hi])
-        mean.div_(s.group.size)
-        for k in range(s.group.size):
-            if k != s.group.rank:
+            if k != s.group.rank and lo < hi:
                 s.slots[k, lo:hi].copy_(mean)
 
 
-class _ReduceScatterMean(_AllReduceMean):
-    def own_part(self) -> None:
-        s = self.s
-        lo, hi = s.chunks[s.group.rank]
-        if lo == hi:
-            return
-        mean = s.mine[lo:hi]
+def _average_own_chunk(s: HostSlots) -> torch.Tensor:
+    """Chunk r of this rank's slot, replaced by its mean over the slots (summed in slot order from this rank's)."""
+    lo, hi = s.chunks[s.group.rank]
+    mean = s.mine[lo:hi]
+    if lo < hi:
         for k in range(s.group.size):
             if k != s.group.rank:
                 mean.add_(s.slots[k, lo:hi])
         mean.div_(s.group.size)
+    return mean
 
 
 class _PushGather(_Collective):
