@@ -55,9 +55,10 @@ _SPINS = 64  # yields before a waiting rank starts to sleep between polls
 _NAP_S = (20e-6, 1e-3)  # first and longest sleep between polls after the yields
 
 
-def host_slots_supported(device: torch.device) -> bool:
-    """Whether this process can use shared-memory slots at all (CPU tensors on x86-64 Linux)."""
-    return device.type == "cpu" and platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and SHARED_MEMORY.is_dir()
+def host_slots_supported() -> bool:
+    """Whether this process can use shared-memory slots at all (x86-64 Linux); `HostSlots.open` asks
+    every rank, so a group whose hosts differ falls back as a whole."""
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
 
 
 class HostSlots:
@@ -82,7 +83,8 @@ class HostSlots:
     @staticmethod
     def open(comm: Communicator, group: Group, numel: int, dtype: torch.dtype, *, chunk: int | None = None,
              directory: Path = SHARED_MEMORY) -> HostSlots | None:
-        """Collective over `group`: the segment, or None on every rank when some rank cannot map it.
+        """Collective over `group` (CPU tensors): the segment, or None on every rank when some rank cannot
+        map it (another host, another /dev/shm, not x86-64 Linux).
 
         `chunk`: elements of each rank's part (rank r's is [r·chunk, (r+1)·chunk) ∩ [0, numel)), to
         match a caller's layout (ZeRO-1's `FlatLayout`); default: numel / N rounded up to a cache line.
@@ -91,13 +93,13 @@ class HostSlots:
         size = _round_up(2 * n * 8, _LINE) + n * _round_up(numel * dtype.itemsize, _LINE)
         token = torch.zeros(2, dtype=torch.int64)  # the segment's name, 0 when rank 0 could not create it
         raw = None
-        if group.rank == 0:
+        if group.rank == 0 and host_slots_supported():
             token.copy_(torch.tensor([secrets.randbits(63) | 1, secrets.randbits(63)]))
             raw = _create(_segment(directory, token), size)
             if raw is None:
                 token.zero_()
         comm.broadcast(token, group, src=0)
-        if group.rank != 0 and token[0].item() != 0:
+        if group.rank != 0 and token[0].item() != 0 and host_slots_supported():
             raw = _map(_segment(directory, token), size)
         opened = torch.tensor([0 if raw is None else 1], dtype=torch.int64)
         comm.all_reduce(opened, group, op=torch.distributed.ReduceOp.MIN)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ndtrain.comm import Communicator, Group
-from ndtrain.host_slots import HostSlots, host_slots_supported
+from ndtrain.host_slots import HostSlots
 from ndtrain.parallel.buckets import AllReduceBucket, Bucket
 from ndtrain.parallel.flat_layout import FlatLayout
 from ndtrain.parallel.precision import reduction_dtype
@@ -25,7 +25,7 @@ def open_bucket_slots(params: list[nn.Parameter], comm: Communicator, group: Gro
     """Shared slots of `numel` elements for a bucket of `params`, or None where the backend must reduce
     it (one rank, not the CPU, or a comm dtype that differs from the gradients': the slots reduce in place)."""
     dtype = params[0].dtype
-    if group.size == 1 or not host_slots_supported(params[0].device) or reduction_dtype(comm_dtype, dtype) != dtype:
+    if group.size == 1 or params[0].device.type != "cpu" or reduction_dtype(comm_dtype, dtype) != dtype:
         return None
     return HostSlots.open(comm, group, numel, dtype, chunk=chunk)
 
