@@ -8,6 +8,9 @@
   None on every rank, so they keep the backend's collectives alike.
 - A rank that stops (real SIGSTOP) before it arrives is named by the watchdog of the rank waiting in
   the shared-memory collective, as for any collective.
+- `ZeroOptimizer` over a plain DDP whose buckets are slots (cut at cache lines, not at the
+  optimizer's ranges) trains as over gloo: it gathers through the slots only when they are cut as
+  its layout (ZeRO-1's buckets); before that check every parameter came out wrong.
 """
 
 from __future__ import annotations
@@ -136,3 +139,31 @@ def test_a_rank_stopped_before_a_shared_memory_collective_is_named(capfd: pytest
         r"\(SIGSTOP\), so killed\)",
         errors[0],
     ), errors[0]
+
+
+def _zero_over_plain_ddp(host_slots: bool) -> dict[str, torch.Tensor]:
+    """ZeroOptimizer over a plain DDP whose buckets are slots (chunks cut at cache lines, not at the
+    optimizer's ranges): the gather must not go through those slots."""
+    from ndtrain.parallel.ddp import DistributedDataParallel
+    from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
+
+    ctx = init(ParallelConfig(), init_method=init_method())
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)), ctx,
+                                    host_slots=host_slots)
+    zero = ZeroOptimizer(model, ctx, lambda groups: torch.optim.SGD(groups, lr=0.1))
+    for step in range(3):
+        x = torch.randn(6, 7, generator=torch.Generator().manual_seed(step))
+        model(x.chunk(3)[ctx.rank]).square().mean().backward()
+        zero.step()
+        zero.zero_grad()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def test_zero_optimizer_over_plain_ddp_in_slots_matches_gloo() -> None:
+    through_slots = run_distributed(_zero_over_plain_ddp, 3, True)
+    through_gloo = run_distributed(_zero_over_plain_ddp, 3, False)
+    for got, want in zip(through_slots, through_gloo):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(a[name], through_slots[0][name]) for a in through_slots for name in a)

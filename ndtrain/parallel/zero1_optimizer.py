@@ -184,7 +184,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             flat = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
             low_precision = torch.finfo(first.dtype).bits < 32  # bf16/fp16 compute copies; fp64 is its own master
             master = torch.zeros(layout.size, dtype=torch.float32, device=first.device) if low_precision else None
-            shard = _Shard(layout, flat, master, bucket.slots if n > 1 else None)
+            shard = _Shard(layout, flat, master, _slots_of_layout(bucket.slots, layout) if n > 1 else None)
             with torch.no_grad():
                 for p, view in zip(bucket.params, layout.views(flat)):
                     view.copy_(p.detach())
@@ -369,6 +369,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy (ZeRO-0 masters, 1, 2)
+def _slots_of_layout(slots: HostSlots | None, layout: FlatLayout) -> HostSlots | None:
+    """A gradient bucket's shared-memory slots, if they are cut exactly as `layout` (ZeRO-1's
+    reduce-scattering buckets), so the parameters can be gathered through them; else None (a plain
+    DDP bucket's slots are cut at cache lines)."""
+    if slots is None:
+        return None
+    ranges = [(k * layout.size, (k + 1) * layout.size) for k in range(slots.group.size)]
+    return slots if slots.numel == layout.padded and slots.chunks == ranges else None
+
+
 def compute_copies(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor] | None:
     """Cast `model` to the compute `dtype` (bf16/fp16) and return its fp32 initial weights by
     `id(param)`, for `ZeroOptimizer(masters=...)`; None (nothing cast) in fp32."""
