@@ -56,8 +56,8 @@ from ndtrain.mesh import ParallelContext
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.parallel.buckets import MB, AllReduceBucket, BucketKind, GradientBuckets, broadcast_state
 from ndtrain.parallel.flat_adamw import FlatAdamW
-from ndtrain.parallel.host_buckets import host_all_reduce_bucket
 from ndtrain.parallel.grad_norm import GradPiece, optimizer_param_grads, whole_pieces
+from ndtrain.parallel.host_buckets import host_all_reduce_bucket
 from ndtrain.parallel.precision import DTYPES
 
 

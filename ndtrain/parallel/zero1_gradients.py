@@ -42,12 +42,12 @@ import torch
 from torch import nn
 
 from ndtrain.comm import Communicator, Group
+from ndtrain.host_slots import HostSlots
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.buckets import AllReduceBucket, Bucket
 from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.host_slots import HostSlots
 from ndtrain.parallel.flat_layout import FlatLayout
-from ndtrain.parallel.host_buckets import open_bucket_slots
+from ndtrain.parallel.host_buckets import HostAllReduceBucket, open_bucket_slots
 from ndtrain.parallel.precision import reduction_dtype
 
 
@@ -106,10 +106,7 @@ class HostShardReduceBucket(ShardReduceBucket):
     def launch(self) -> None:
         self.pending = self.slots.all_reduce_mean() if self.averaged.stop is None else self.slots.reduce_scatter_mean()
 
-    def complete(self) -> None:
-        assert self.pending is not None
-        self.pending.wait()
-        self.pending = None
+    complete = HostAllReduceBucket.complete  # wait; the slots' mean needs no division
 
 
 def host_shard_reduce_bucket(params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
