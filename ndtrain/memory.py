@@ -3,6 +3,11 @@
 On Linux the CPU peak can be reset by writing 5 to /proc/self/clear_refs, so a peak can be
 measured per phase (per training step, per benchmark run). The CPU figure includes the
 process's own baseline (interpreter, torch libraries), reported separately by `baseline_bytes`.
+
+The resident set counts a shared-memory page (host_slots.py) in full in every process that maps
+it: `shared_overcount_bytes` is how much more than its proportional share (the page divided by
+the processes mapping it: Linux's PSS) this process's resident set counts, so that a per-rank
+peak can be stated without counting one physical page once per rank.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ import torch
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+_SMAPS_ROLLUP = Path("/proc/self/smaps_rollup")
 
 
-def _status_kib(field: str) -> int | None:
+def _status_kib(field: str, path: Path = _STATUS) -> int | None:
     try:
-        for line in _STATUS.read_text().splitlines():
+        for line in path.read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
@@ -53,6 +59,13 @@ def current_bytes(device: torch.device) -> int:
         return torch.cuda.memory_allocated(device)
     kib = _status_kib("VmRSS")
     return (kib or 0) * 1024
+
+
+def shared_overcount_bytes() -> int:
+    """Bytes of shared-memory pages the resident set counts beyond this process's share of them
+    (RssShmem − Pss_Shmem; 0 where Linux does not tell, and on CUDA's allocator figures)."""
+    rss, pss = _status_kib("RssShmem"), _status_kib("Pss_Shmem", _SMAPS_ROLLUP)
+    return 0 if rss is None or pss is None else max(0, rss - pss) * 1024
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

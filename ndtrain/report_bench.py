@@ -3,7 +3,8 @@
 Per benchmark (one JSON file, `ContestResult.to_json`): each contestant's median step time, the
 spread of its run medians, its ratio to the reference (PyTorch's native equivalent, or the
 baseline the scenario names) and to the no-communication `limit` where the bench has one, counted
-and loopback bytes per step and rank, and the peak memory of the largest rank, as a table; bar
+and loopback bytes per step and rank, and the peak memory of the largest rank (also less the
+shared-memory pages it counts beyond its share), as a table; bar
 plots of the ratios, the peaks and the loopback bytes of all benchmarks, and of each benchmark's
 median step times, with the result's noise warnings. Files that are not bench results are listed,
 not read (results written before the spread and limit fields render with "—" there).
@@ -53,11 +54,13 @@ def bench_page(directory: Path, files: list[tuple[Path, dict[str, Any] | str]]) 
         for name, s in summary.items():
             peak = max(s.get("peak_bytes") or [0])
             over = max(s.get("peak_over_baseline_bytes") or [0])
+            own = s.get("peak_own_share_bytes")  # absent in results written before it existed
             rows.append([
                 path.stem, data.get("world_size", "?"), name + (" (reference)" if name == reference else ""),
                 f"{s['median_step_s'] * 1e3:.2f}", _spread(s.get("spread_step_s")), f"{s['ratio']:.3f}",
                 _ratio(s.get("ratio_to_limit")), _bytes(s.get("comm_bytes_per_step")),
                 _bytes(s.get("loopback_bytes_per_step")), _bytes(peak), _bytes(over),
+                _bytes(max(own) if own else None),
             ])
             labels.append(f"{path.stem}: {name}")
             ratios.append(s["ratio"])
@@ -76,7 +79,7 @@ def bench_page(directory: Path, files: list[tuple[Path, dict[str, Any] | str]]) 
         ))
     header = ["benchmark", "ranks", "contestant", "median step (ms)", "spread of run medians (ms)", "ratio",
               "÷ limit", "counted comm/step",
-              "loopback/step", "peak (largest rank)", "peak over baseline"]
+              "loopback/step", "peak (largest rank)", "peak over baseline", "peak, own share of shared memory"]
     overview = [
         h.image("bench-ratio", bars(labels, {"ratio": ratios}, "Median step time ÷ the reference's", "ratio",
                                     reference_line=1.0), "ratio of each contestant's median step time to its reference"),

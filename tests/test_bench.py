@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ndtrain.bench.harness import BenchOptions, ContestResult, RunRecord, llama_
 from ndtrain.bench.limit import local_model
 from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
+from ndtrain.host_slots import host_slots_supported
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
 from tests.helpers.parity import assert_params_close
@@ -56,11 +58,16 @@ def test_ddp_scenario_result_and_exact_bytes(tmp_path: Path) -> None:
             assert len(run["step_s"]) == OPTIONS.steps and all(t > 0 for t in run["step_s"])
             assert len(run["peak_bytes"]) == 2 and all(p >= b > 0 for p, b in zip(run["peak_bytes"], run["baseline_bytes"]))
             assert run["loopback_bytes_per_step"] is None or run["loopback_bytes_per_step"] > 0
+            # only ours maps shared memory (its gradient slots): each rank maps half of the other's slot
+            shared = run["shared_overcount_bytes"]
+            assert all(v > 0 for v in shared) if name == "ours" and host_slots_supported() else shared == [0, 0], shared
         summary = data["summary"][name]
         assert set(summary) == {
             "median_step_s", "ratio", "ratio_to_limit", "run_median_step_s", "spread_step_s", "comm_bytes_per_step",
-            "loopback_bytes_per_step", "peak_bytes", "peak_over_baseline_bytes",
+            "loopback_bytes_per_step", "peak_bytes", "peak_over_baseline_bytes", "peak_own_share_bytes",
         }
+        assert summary["peak_own_share_bytes"] == [
+            int(statistics.median(r["peak_bytes"][k] - r["shared_overcount_bytes"][k] for r in runs)) for k in range(2)]
         medians = summary["run_median_step_s"]
         assert summary["spread_step_s"] == [min(medians), max(medians)]
         assert summary["ratio_to_limit"] == summary["median_step_s"] / data["summary"]["limit"]["median_step_s"]
@@ -166,7 +173,7 @@ def test_limit_is_in_zero2_and_zero3_with_zero_bytes() -> None:
 def _result(medians: dict[str, list[float]]) -> ContestResult:
     """A result whose contestants' runs have the given per-run medians (3 steps per run around each)."""
     result = ContestResult("ddp", 2, "torch", {}, {})
-    result.runs = {name: [RunRecord([m * 0.9, m, m * 1.2], 0.0, None, [1, 1], [1, 1]) for m in runs]
+    result.runs = {name: [RunRecord([m * 0.9, m, m * 1.2], 0.0, None, [1, 1], [1, 1], [0, 0]) for m in runs]
                    for name, runs in medians.items()}
     return result
 

@@ -56,6 +56,7 @@ def test_placement_is_read_at_construction_and_views_runs_follow_the_layout() ->
     assert layout.placements[2].pipeline_duplicate and layout.placements[0].tp == Shard(1, 4, 4, 8)
     assert [(s.index, s.start, s.stop, s.offset) for s in layout.segments(torch.zeros(10))] == [(0, 10, 12, 0), (1, 0, 5, 2), (2, 0, 3, 7)]
     assert layout.runs([0, 1, 1, 0, 0]) == [(10, 12, 0), (12, 20, 1)]
+    assert layout.runs([0, 1, 1, 0, 0], max_len=3) == [(10, 12, 0), (12, 15, 1), (15, 18, 1), (18, 20, 1)]
     flat = torch.arange(40.0)
     assert [v.shape for v in layout.views(flat)] == [p.shape for p in params]
     assert layout.views(flat)[3].item() == 29.0

@@ -167,7 +167,7 @@ def bench_result(scenario: str, names: list[str], reference: str) -> ContestResu
     result = ContestResult(scenario, 2, reference, asdict(BenchOptions()), {"parameters": 1234})
     result.runs = {
         name: [RunRecord([0.01 * (k + 1) + 0.001 * i for i in range(3)], 1000.0 * (k + 1) if k == 0 else None,
-                         2000.0 + r, [100 * MB + k, 110 * MB], [50 * MB, 50 * MB]) for r in range(3)]
+                         2000.0 + r, [100 * MB + k, 110 * MB], [50 * MB, 50 * MB], [0, 0]) for r in range(3)]
         for k, name in enumerate(names)
     }
     return result

@@ -26,9 +26,14 @@ first), each run W warmup steps then S timed steps:
   `torch.cuda.max_memory_allocated` since the run's `reset_peak_memory_stats`, the baseline
   `memory_allocated`; a timed step ends with `torch.cuda.synchronize`, so it includes the
   device's work; the loopback counter sees only what NCCL sends over sockets (not NVLink or
-  shared memory).
+  shared memory). The resident set counts a page of shared memory in every process that maps it
+  (ours' gradient slots on one CPU host, host_slots.py: each rank maps (N−1)/N of the others'
+  slots), so the summary also gives each rank's peak less what it counts of shared pages beyond
+  its share (`peak_own_share_bytes`: peak − (RssShmem − Pss_Shmem) read after the timed steps,
+  when every slot page has been touched; `ndtrain.memory.shared_overcount_bytes`): the host
+  holds the sum of those over the ranks, not the sum of the peaks.
 
-Bookkeeping costs one barrier per phase and one all-reduce of (S + 3) numbers per rank per run,
+Bookkeeping costs one barrier per phase and one all-reduce of (S + 4) numbers per rank per run,
 outside the timed steps. Results are one JSON-ready dict and a printed table (rank 0).
 """
 
@@ -48,7 +53,7 @@ import torch
 
 from ndtrain.config import MODEL_PRESETS, ModelConfig, config_from_dict
 from ndtrain.errors import UserError
-from ndtrain.memory import current_bytes, peak_bytes, reset_peak
+from ndtrain.memory import current_bytes, peak_bytes, reset_peak, shared_overcount_bytes
 from ndtrain.mesh import ParallelContext
 
 MB = 1024 * 1024
@@ -136,6 +141,7 @@ class RunRecord:
     loopback_bytes_per_step: float | None  # per rank
     peak_bytes: list[int]  # per rank
     baseline_bytes: list[int]  # per rank, resident before the build
+    shared_overcount_bytes: list[int]  # per rank, shared-memory pages counted beyond its share
 
 
 @dataclass
@@ -169,6 +175,10 @@ class ContestResult:
                 "peak_over_baseline_bytes": [
                     _median_int(r.peak_bytes[k] - r.baseline_bytes[k] for r in runs) for k in range(self.world_size)
                 ],
+                "peak_own_share_bytes": [
+                    _median_int(r.peak_bytes[k] - r.shared_overcount_bytes[k] for r in runs)
+                    for k in range(self.world_size)
+                ],
             }
         return out
 
@@ -200,7 +210,7 @@ class ContestResult:
             f"{self.scenario} on {self.world_size} ranks — {facts}",
             f"{'contestant':<12}{'median step':>13}{'spread (run medians)':>22}{'ratio':>8}{'/limit':>8}"
             f"{'counted/step':>14}{'loopback/step':>15}"
-            f"{'peak/rank':>11}{'over base':>11}",
+            f"{'peak/rank':>11}{'over base':>11}{'own share':>11}",
         ]
         for name, s in self.summary().items():
             lines.append(
@@ -208,11 +218,13 @@ class ContestResult:
                 f"{'-' if s['ratio_to_limit'] is None else format(s['ratio_to_limit'], '.3f'):>8}"
                 f"{_mb(s['comm_bytes_per_step']):>14}{_mb(s['loopback_bytes_per_step']):>15}"
                 f"{max(s['peak_bytes']) / MB:>8.0f} MB{max(s['peak_over_baseline_bytes']) / MB:>8.0f} MB"
+                f"{max(s['peak_own_share_bytes']) / MB:>8.0f} MB"
             )
         lines.append(
             f"ratio = median step / median step of {self.reference}; /limit = median step / median step of "
             f"{LIMIT} (no communication); spread = min–max of the per-run medians; bytes per rank; peaks: "
-            "median over runs of the largest rank; MB = 2^20 bytes"
+            "median over runs of the largest rank; own share = peak less the shared-memory pages it counts "
+            "beyond its share; MB = 2^20 bytes"
         )
         lines.extend(f"warning: {w}" for w in self.noise_warnings())
         return "\n".join(lines)
@@ -260,16 +272,19 @@ def _timed_run(ctx: ParallelContext, contestant: Contestant, options: BenchOptio
     ctx.comm.barrier(world)
     loop_after = loopback_tx_bytes()
     peak = peak_bytes(ctx.device)
+    shared = shared_overcount_bytes() if ctx.device.type == "cpu" else 0
+    ctx.comm.barrier(world)  # before any rank frees its model: the shared pages are still mapped everywhere
     del step
     loop = -1.0 if loop_before is None or loop_after is None else float(loop_after - loop_before)
-    per_rank = _gather(ctx, [*times, float(peak), float(baseline), loop])
+    per_rank = _gather(ctx, [*times, float(peak), float(baseline), float(shared), loop])
     loop_total = per_rank[0, -1].item()  # rank 0's reading, so that every rank reports the same
     return RunRecord(
         step_s=per_rank[:, : options.steps].max(dim=0).values.tolist(),
         comm_bytes_per_step=wire / options.steps if contestant.counted else None,
         loopback_bytes_per_step=None if loop_total < 0 else loop_total / options.steps / ctx.world_size,
-        peak_bytes=[int(v) for v in per_rank[:, -3].tolist()],
-        baseline_bytes=[int(v) for v in per_rank[:, -2].tolist()],
+        peak_bytes=[int(v) for v in per_rank[:, -4].tolist()],
+        baseline_bytes=[int(v) for v in per_rank[:, -3].tolist()],
+        shared_overcount_bytes=[int(v) for v in per_rank[:, -2].tolist()],
     )
 
 

@@ -10,7 +10,10 @@ concatenation (DDP's gradient buckets).
 A layout allocates nothing: the strategies own the flat tensors (parameter values, gradients, fp32
 masters, staging buffers) and ask the layout where each parameter sits (`views`), which pieces
 of parameters fall in this rank's range (`segments`) and where the optimizer's tensors are cut
-(`runs`). Users: ZeRO-1's `_Shard` (zero1_optimizer.py), the gradient buckets of DDP and ZeRO-2
+(`runs`; ZeRO's optimizers cut them also every `OPTIMIZER_RUN` elements: an elementwise optimizer
+makes temporaries of a tensor's size, torch's CPU AdamW two at once, and with runs of half a 25 MB
+bucket those 2 × 12.5 MB blocks stayed in glibc's heap after the step, ~20 MB more peak resident
+memory per rank in `ndtrain bench zero1` than with 4 MB runs; the update itself is the same). Users: ZeRO-1's `_Shard` (zero1_optimizer.py), the gradient buckets of DDP and ZeRO-2
 (buckets.py) and ZeRO-3's `FlatUnit` (zero3_unit.py).
 
 Each parameter's `Placement` (placement.py: unsharded name and shape, tp slice, pipeline
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from ndtrain.parallel.placement import Placement, placement_of
+
+OPTIMIZER_RUN = 1 << 20  # elements: the longest tensor ZeRO hands its (elementwise) optimizer
 
 
 @dataclass(frozen=True)
@@ -98,13 +103,16 @@ class FlatLayout:
             for i, lo, hi in self.pieces()
         ]
 
-    def runs(self, group_of: Sequence[int]) -> list[tuple[int, int, int]]:
+    def runs(self, group_of: Sequence[int], max_len: int | None = None) -> list[tuple[int, int, int]]:
         """(start, stop, group) in flat coordinates: this rank's real elements cut where the group
-        (`group_of[i]` for parameter i) changes, what one optimizer tensor covers."""
+        (`group_of[i]` for parameter i) changes, what one optimizer tensor covers; with `max_len`,
+        also cut every `max_len` elements (bounding the temporaries an optimizer makes per tensor)."""
         out: list[tuple[int, int, int]] = []
         for i, lo, hi in self.pieces():
             if out and out[-1][2] == group_of[i] and out[-1][1] == lo:
                 out[-1] = (out[-1][0], hi, group_of[i])
             else:
                 out.append((lo, hi, group_of[i]))
-        return out
+        if max_len is None:
+            return out
+        return [(a, min(a + max_len, b), g) for start, b, g in out for a in range(start, b, max_len)]

@@ -7,12 +7,12 @@ also gets a flat *parameter* buffer with the same layout, and the module's param
 into it (`param.data = flat[a:b].view_as(param)`). Group rank r owns the contiguous slice
 [r·s, (r+1)·s) of every bucket, s = padded size / N. The real elements of that slice (padding
 excluded) are cut where the parameter group changes (e.g. weight decay on matrices, none on biases
-and norms) into *segments*: parameters that alias the flat buffer, whose `.grad` aliases the
-gradient bucket's slice. The inner optimizer (built by the caller's factory) sees only these
-segments, so its state exists only for this rank's slice, and its in-place update writes straight
-into the model's parameters. The segment is the fp32 (or fp64) master: no copy. The padded layout
-is `FlatLayout` (flat_layout.py, shared with the gradient buckets and ZeRO-3's units); `segments()`
-maps this rank's slice back to parameter pieces and their placements. (Over a plain
+and norms) and every `OPTIMIZER_RUN` (2^20) elements (flat_layout.py) into *segments*:
+parameters that alias the flat buffer, whose `.grad` aliases the gradient bucket's slice. The
+inner optimizer (built by the caller's factory) sees only these segments, so its state exists
+only for this rank's slice, and its in-place update writes straight into the model's parameters.
+The segment is the fp32 (or fp64) master: no copy. The padded layout is `FlatLayout`
+(flat_layout.py, shared with the gradient buckets and ZeRO-3's units); `segments()` maps this rank's slice back to parameter pieces and their placements. (Over a plain
 `DistributedDataParallel`, whose all-reduce leaves the whole gradient averaged, it works the same.)
 
 What is communicated, and when:
@@ -70,7 +70,7 @@ from ndtrain.host_slots import HostSlots
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DDPStrategy, DistributedDataParallel, all_no_sync, build_ddp, ddp_chunks, held_gradient_bytes
-from ndtrain.parallel.flat_layout import FlatLayout, Segment
+from ndtrain.parallel.flat_layout import OPTIMIZER_RUN, FlatLayout, Segment
 from ndtrain.parallel.grad_norm import (
     GradPiece, Span, clip_, flat_pieces, global_grad_norm, segment_pieces, segment_spans,
 )
@@ -195,7 +195,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         source = (masters or {}).get(id(p), p.detach()).reshape(-1)
                         piece.flat_view.copy_(source[piece.start : piece.stop])
             group_of = [keys[tuple(sorted(dict(group_fn(names[id(p)], p)).items()))] for p in bucket.params]
-            for a, b, g in layout.runs(group_of):
+            for a, b, g in layout.runs(group_of, OPTIMIZER_RUN):
                 # the fp32 master: the flat buffer itself, or this rank's separate fp32 copy
                 segment = nn.Parameter(flat[a:b] if master is None else master[a - shard.lo : b - shard.lo])
                 grad = model.gradient_slice(k, a, b)

@@ -15,8 +15,8 @@ of `full`, a Ψᵤ'-element buffer in the compute dtype whose storage exists onl
   the reduction dtype, summed) and drops it; `finish_reduce()` waits and adds sum / N into
   `shard_grad`.
 - `build_segments()` cuts the real elements of the shard (padding excluded) where the parameter
-  group changes: `nn.Parameter`s aliasing `shard`, with `.grad` aliasing `shard_grad`, which is
-  what the optimizer updates in place.
+  group changes and every `OPTIMIZER_RUN` elements (flat_layout.py): `nn.Parameter`s aliasing
+  `shard`, with `.grad` aliasing `shard_grad`, which is what the optimizer updates in place.
 
 A float64 model keeps float64 masters, gradients and compute (`master_dtype`): "fp32" below means
 the master dtype; only a 16-bit `param_dtype` is mixed precision.
@@ -36,7 +36,7 @@ from torch import nn
 
 from ndtrain.comm import Communicator, Group, Pending
 from ndtrain.memory import tensor_bytes
-from ndtrain.parallel.flat_layout import FlatLayout
+from ndtrain.parallel.flat_layout import OPTIMIZER_RUN, FlatLayout
 from ndtrain.parallel.precision import master_dtype, reduction_dtype
 
 
@@ -173,7 +173,7 @@ class FlatUnit:
         """Cut the shard's real elements into parameters, one per run of the same group index
         (`group_of[i]` for parameter i); return (group index, segment) pairs in shard order."""
         lo = self.flat_layout.lo
-        runs = [(a - lo, b - lo, g) for a, b, g in self.flat_layout.runs(group_of)]  # in shard coordinates
+        runs = [(a - lo, b - lo, g) for a, b, g in self.flat_layout.runs(group_of, OPTIMIZER_RUN)]  # in shard coordinates
         self.segments = [(a, b, nn.Parameter(self.shard[a:b])) for a, b, _ in runs]
         self.attach_segment_grads()
         return [(g, seg) for (_, _, g), (_, _, seg) in zip(runs, self.segments)]
