@@ -170,7 +170,7 @@ def _run(param: torch.Tensor, start: int, end: int, owner: torch.Tensor, at: int
 
 def _zero_runs(shard: Any, tp_first: bool) -> list[Run]:
     """A ZeroOptimizer bucket: its optimizer segments (a, b) are in the bucket's flat coordinates."""
-    return _flat_runs(shard.flat_layout, [(a, b, segment) for a, b, _, segment, _ in shard.segments], tp_first)
+    return _flat_runs(shard.flat_layout, [(a, b, segment) for a, b, _, segment in shard.segments], tp_first)
 
 
 def _fsdp_runs(unit: Any, tp_first: bool) -> list[Run]:

@@ -1,7 +1,9 @@
 """ZeRO's optimizer tensors are cut every `OPTIMIZER_RUN` elements, and the update is unchanged by it.
 
 Two gloo processes train a 2048 × 1100 matrix (2,252,800 elements: 1,126,400 per rank, more
-than one `OPTIMIZER_RUN`) with ZeRO-1 and ZeRO-2 in float64 through `ZeroOptimizer` and AdamW.
+than one `OPTIMIZER_RUN`) with ZeRO-1 (through gloo, and through the shared-memory ring of one
+host, host_stream.py, in 5 rounds of at most `PIECE` elements per rank) and ZeRO-2 in float64
+through `ZeroOptimizer` and AdamW.
 Each rank's inner optimizer must see segments of at most `OPTIMIZER_RUN` elements that tile its
 range without gaps, and after three steps the matrix must equal single-process AdamW on the
 whole batch (relative error ≤ 1e-12: an elementwise update is the same however its tensor is cut).
@@ -9,6 +11,7 @@ whole batch (relative error ≤ 1e-12: an elementwise update is the same however
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -16,6 +19,8 @@ import torch
 from torch import nn
 
 from ndtrain.config import ParallelConfig
+from ndtrain.host_slots import host_slots_supported
+from ndtrain.host_stream import PIECE
 from ndtrain.mesh import init
 from ndtrain.parallel.flat_layout import OPTIMIZER_RUN
 from ndtrain.parallel.zero1_gradients import Zero1DataParallel
@@ -45,17 +50,23 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
 def _train() -> dict[str, Any]:
     ctx = init(ParallelConfig(dp=2), init_method=init_method())
     out: dict[str, Any] = {}
-    for name, wrapper in (("zero1", Zero1DataParallel), ("zero2", Zero2DataParallel)):
+    wrappers = {"zero1": Zero1DataParallel, "zero1-ring": functools.partial(Zero1DataParallel, host_slots=True),
+                "zero2": Zero2DataParallel}
+    for name, wrapper in wrappers.items():
         model = wrapper(_model(), ctx)
         optimizer = ZeroOptimizer(model, ctx, _adamw)
         segments = [p for group in optimizer.param_groups for p in group["params"]]
         cuts = [(a, b) for s in optimizer._shards for a, b, *_ in s.segments]
+        before = ctx.comm.stats.snapshot()
         for step in range(STEPS):
             x = _batch(step).chunk(2)[ctx.rank]
             model(x).square().mean().backward()
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+        after = ctx.comm.stats.snapshot()
         out[name] = {"sizes": [p.numel() for p in segments], "cuts": cuts,
+                     "shm": {k: v["calls"] - before.get(k, {}).get("calls", 0) for k, v in after.items()
+                             if "_shm" in k and v != before.get(k)},
                      "range": (optimizer._shards[0].lo, optimizer._shards[0].hi),
                      "weight": model.module.weight.detach().clone()}
     return out
@@ -78,7 +89,7 @@ def results() -> list[dict[str, Any]]:
     return run_distributed(_train, 2, timeout=180)
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2"])
+@pytest.mark.parametrize("name", ["zero1", "zero1-ring", "zero2"])
 def test_optimizer_segments_are_cut_and_the_update_is_unchanged(results: list[dict[str, Any]], name: str) -> None:
     expected = _reference()
     for rank, result in enumerate(results):
@@ -88,3 +99,6 @@ def test_optimizer_segments_are_cut_and_the_update_is_unchanged(results: list[di
         assert run["cuts"][0][0] == lo and run["cuts"][-1][1] == hi
         assert all(b0 == a1 for (_, b0), (a1, _) in zip(run["cuts"], run["cuts"][1:])), run["cuts"]
         assert_params_close({"weight": run["weight"]}, {"weight": expected}, 1e-12, f"{name} rank {rank}")
+        rounds = -(-(SHAPE[0] * SHAPE[1] // 2) // PIECE)  # 5 rounds of one rank's range per collective
+        ring = {"reduce_scatter_shm/dp_cp": STEPS * rounds, "all_gather_shm/dp_cp": STEPS * rounds}
+        assert run["shm"] == (ring if name == "zero1-ring" and host_slots_supported() else {}), run["shm"]

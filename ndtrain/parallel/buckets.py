@@ -51,6 +51,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ndtrain.comm import Communicator, Group, Pending
 from ndtrain.host_slots import HostSlots
+from ndtrain.memory import tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.flat_layout import FlatLayout
 from ndtrain.parallel.precision import master_dtype, reduction_dtype
@@ -100,6 +101,8 @@ def broadcast_state(ctx: ParallelContext, group: Group, tensors: list[torch.Tens
 class Bucket(ABC):
     """The parameters of one bucket, their flat layout over the group, and the collective on it."""
 
+    transient = False  # True: it holds gradient memory only from backward to zero_grad(set_to_none=True)
+
     def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, layout: FlatLayout) -> None:
         self.params, self.communicator, self.group, self.flat_layout = params, comm, group, layout
         self.waiting = len(params)  # gradients still expected in this synchronising backward
@@ -125,6 +128,29 @@ class Bucket(ABC):
     def zero_grad(self) -> None:
         """Zero the gradient this bucket keeps between steps."""
 
+    def release(self) -> None:
+        """`zero_grad(set_to_none=True)`: the `.grad`s are dropped (a `transient` bucket's memory with them;
+        the others keep their buffers)."""
+        for param in self.params:
+            param.grad = None
+
+
+def accept_into(view: torch.Tensor, param: nn.Parameter) -> None:
+    """A fresh gradient of `param` into its bucket `view`, which becomes `.grad` (autograd accumulates into it)."""
+    if param.grad is not view:  # replaced, e.g. after zero_grad(set_to_none=True)
+        view.copy_(param.grad)
+        param.grad = view
+
+
+def settle_views(params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
+    """End of backward: every `.grad` becomes its bucket view (zero where no gradient came)."""
+    for param, view in zip(params, views):
+        if param.grad is None:  # no gradient since .grad was dropped: a zero contribution
+            view.zero_()
+        elif param.grad is not view:  # assigned by the caller
+            view.copy_(param.grad)
+        param.grad = view
+
 
 class AllReduceBucket(Bucket):
     """DDP: flat gradient storage (`flat`, the `.grad`s are its `views`) averaged over the group."""
@@ -147,19 +173,19 @@ class AllReduceBucket(Bucket):
     def comm_bytes(self) -> int:
         return self.comm.numel() * self.comm.element_size()
 
+    def gradient_slice(self, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flat gradient (a view)."""
+        return self.flat[start:end]
+
+    def held_bytes(self) -> int:
+        """Bytes of gradient this bucket holds now: the flat buffer and its comm-dtype copy."""
+        return tensor_bytes(self.flat) + (tensor_bytes(self.comm) if self.comm is not self.flat else 0)
+
     def accept(self, index: int, param: nn.Parameter) -> None:
-        view = self.views[index]
-        if param.grad is not view:  # replaced, e.g. after zero_grad(set_to_none=True)
-            view.copy_(param.grad)
-            param.grad = view
+        accept_into(self.views[index], param)
 
     def settle(self) -> None:
-        for param, view in zip(self.params, self.views):
-            if param.grad is None:  # no gradient since .grad was dropped: a zero contribution
-                view.zero_()
-            elif param.grad is not view:  # assigned by the caller
-                view.copy_(param.grad)
-            param.grad = view
+        settle_views(self.params, self.views)
 
     def launch(self) -> None:
         if self.comm is not self.flat:
@@ -293,6 +319,11 @@ class GradientBuckets:
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.zero_grad()
+
+    def release(self) -> None:
+        """Drop every `.grad` (and the memory of buckets that hold gradients only during backward)."""
+        for bucket in self.buckets:
+            bucket.release()
 
     def _on_gradient(self, index: int, param: nn.Parameter) -> None:
         bucket, position = self._slot[index]

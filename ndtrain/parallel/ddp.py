@@ -115,7 +115,7 @@ class DistributedDataParallel(nn.Module):
 
     def gradient_slice(self, bucket: int, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of gradient bucket `bucket` (a view)."""
-        return self._buckets[bucket].flat[start:end]
+        return self._buckets[bucket].gradient_slice(start, end)
 
     @property
     def on_bucket_reduced(self) -> Callable[[int], None] | None:
@@ -152,7 +152,8 @@ class DistributedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the buckets in place, keeping every `.grad` a bucket view (`set_to_none` drops them)."""
         if set_to_none:
-            super().zero_grad(set_to_none=True)
+            super().zero_grad(set_to_none=True)  # also parameters outside the buckets
+            self._grads.release()
             return
         self._grads.zero_grad()
 
@@ -182,7 +183,7 @@ class DistributedDataParallel(nn.Module):
         arrived = list(dict.fromkeys(self._grads.arrival))
         seen = set(arrived)
         order = torch.tensor(arrived + [i for i in range(count) if i not in seen], dtype=torch.int64,
-                             device=self._buckets[0].flat.device)
+                             device=self._grads.params[0].device)
         self.ctx.comm.broadcast(order, self.group, src=0)
         none = [p for p in self._grads.params if p.grad is None]
         self._grads.reorder(order.tolist())
@@ -194,7 +195,7 @@ class DistributedDataParallel(nn.Module):
 
     def _launch_usage(self) -> tuple[torch.Tensor, Pending]:
         """One flag per parameter, max-reduced: was it used on any rank since the last sync?"""
-        flags = torch.tensor(self._grads.used, dtype=torch.uint8, device=self._buckets[0].flat.device)
+        flags = torch.tensor(self._grads.used, dtype=torch.uint8, device=self._grads.params[0].device)
         pending = self.ctx.comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX, async_op=True)
         assert pending is not None
         return flags, pending
@@ -256,9 +257,9 @@ def all_no_sync(chunks: Sequence[DistributedDataParallel]) -> Iterator[None]:
 
 
 def held_gradient_bytes(chunks: Sequence[DistributedDataParallel]) -> int:
-    """Bytes of gradient the wrappers hold: their buckets, plus the comm-dtype copies."""
-    return sum(tensor_bytes(b.flat) + (tensor_bytes(b.comm) if b.comm is not b.flat else 0)
-               for chunk in chunks for b in chunk.buckets)
+    """Bytes of gradient the wrappers hold now: their buckets, plus the comm-dtype copies (ZeRO-1 on one
+    host: the shards and the parameters' own `.grad`s, which exist from backward to `zero_grad`)."""
+    return sum(b.held_bytes() for chunk in chunks for b in chunk.buckets)
 
 
 class DDPStrategy:

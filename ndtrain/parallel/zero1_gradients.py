@@ -25,12 +25,20 @@ parameters, 2(N−1)/N·4Ψ' in all for fp32 (DDP's volume). Memory: the full gr
 plus one comm-dtype copy of each bucket when the comm dtype differs from the gradients'.
 On gloo (CPU) `reduce_scatter_tensor` is carried out as an all-reduce of a copy of the input: it
 sends 2(N−1)/N·G, the volume of the all-reduce it replaces, and allocates a transient copy of the
-bucket; NCCL reduce-scatters in place at (N−1)/N·G. On one CPU host (`host_slots`, the engine's
-default there) the bucket is this rank's slot of a shared-memory segment (`HostShardReduceBucket`,
-host_slots.py): rank r averages its range straight out of the other slots, (N−1)/N·G read, no copy;
-`ZeroOptimizer` then gathers the updated parameters through the same slots, each rank writing its
-range into the others' slots, so after the step a slot's ranges outside its own rank's hold the
-other ranks' new parameters (not gradients) until `zero_grad`.
+bucket; NCCL reduce-scatters in place at (N−1)/N·G.
+
+On one CPU host (`host_slots`, the engine's default there) the buckets are `HostShardReduceBucket`s
+and hold no flat gradient: the gradients stay autograd's own `.grad`s, made during backward, and a
+complete bucket is reduce-scattered through the wrapper's `SlotRing` (host_stream.py: two
+shared-memory segments of a few MB taken in turn by rounds of 2^18 elements of every rank's range;
+(N−1)/N·G read between the processes, no socket, no kernel copy) into `shard`, this rank's averaged
+range (4Ψ'/N), which the optimizer reads; `ZeroOptimizer` then gathers the updated parameters
+through the same ring. `zero_grad(set_to_none=True)` (what the engine calls at every step) drops
+the `.grad`s and the shard: between steps, and in the forward pass where activations peak, the
+gradient holds no memory, where a persistent bucket holds 4Ψ' (torch's DDP with gradient views).
+Memory then: 4Ψ'/N shard from the reduction to `zero_grad`, the `.grad`s (4Ψ) from backward to
+`zero_grad`, the ring's 2·N·2^18 elements of shared pages. The bucket of a pipeline-tied weight,
+which the runner needs averaged whole, is a backend `ShardReduceBucket` (all-reduced).
 """
 
 from __future__ import annotations
@@ -42,12 +50,12 @@ import torch
 from torch import nn
 
 from ndtrain.comm import Communicator, Group
-from ndtrain.host_slots import HostSlots
+from ndtrain.host_stream import SlotRing
+from ndtrain.memory import tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.buckets import AllReduceBucket, Bucket
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.flat_layout import FlatLayout
-from ndtrain.parallel.host_buckets import HostAllReduceBucket, open_bucket_slots
 from ndtrain.parallel.precision import reduction_dtype
 
 
@@ -58,11 +66,9 @@ class ShardReduceBucket(AllReduceBucket):
     runner sums whole after backward) is all-reduced instead, as DDP does."""
 
     def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
-                 whole: frozenset[int] = frozenset(), storage: torch.Tensor | None = None) -> None:
-        """`storage`: the zeroed flat buffer of `FlatLayout(params, N, rank).padded` elements to use (a
-        shared-memory slot, host_buckets.py); None: a new one."""
+                 whole: frozenset[int] = frozenset()) -> None:
         Bucket.__init__(self, params, comm, group, FlatLayout(params, group.size, group.rank))
-        self.flat = torch.zeros(self.flat_layout.padded, dtype=params[0].dtype, device=params[0].device) if storage is None else storage
+        self.flat = torch.zeros(self.flat_layout.padded, dtype=params[0].dtype, device=params[0].device)
         self.views = self.flat_layout.views(self.flat)
         dtype = reduction_dtype(comm_dtype, self.flat.dtype)
         needs_cast = dtype != self.flat.dtype and group.size > 1
@@ -94,29 +100,86 @@ class ShardReduceBucket(AllReduceBucket):
         self.flat[self.averaged].div_(self.group.size)
 
 
-class HostShardReduceBucket(ShardReduceBucket):
-    """A ZeRO-1 bucket in this rank's shared-memory slot (host_buckets.py), reduce-scattered through the
-    slots into this rank's range, or averaged whole (a tied weight's bucket); nothing to divide after."""
+class HostShardReduceBucket(Bucket):
+    """A ZeRO-1 bucket on one CPU host: the gradients stay autograd's own per-parameter `.grad`s (made
+    during backward, accumulated in place under `no_sync`), and the mean of this rank's range [lo, hi)
+    of the bucket's flat layout is reduced through the wrapper's `SlotRing` (host_stream.py) into
+    `shard` (s elements, the gradient the optimizer reads, made at the reduction). `release()`
+    (`zero_grad(set_to_none=True)`) drops both, so a forward pass after it holds no gradient."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
-                 whole: frozenset[int], slots: HostSlots) -> None:
-        super().__init__(params, comm, group, comm_dtype, whole, storage=slots.mine)
-        self.slots: HostSlots = slots
+    transient = True
+
+    def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, ring: SlotRing) -> None:
+        super().__init__(params, comm, group, FlatLayout(params, group.size, group.rank))
+        self.ring = ring
+        self.shard: torch.Tensor | None = None
+
+    @property
+    def comm_bytes(self) -> int:
+        return self.flat_layout.padded * self.params[0].element_size()
+
+    def _shard(self) -> torch.Tensor:
+        if self.shard is None:
+            first = self.params[0]
+            self.shard = torch.zeros(self.flat_layout.size, dtype=first.dtype, device=first.device)
+        return self.shard
+
+    def gradient_slice(self, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the averaged gradient; must lie in this rank's range (zeros before a reduction)."""
+        lo, hi = self.flat_layout.lo, self.flat_layout.hi
+        assert lo <= start <= end <= hi, (start, end, lo, hi)
+        return self._shard()[start - lo : end - lo]
+
+    def held_bytes(self) -> int:
+        shard = 0 if self.shard is None else tensor_bytes(self.shard)
+        return shard + sum(tensor_bytes(p.grad) for p in self.params if p.grad is not None)
+
+    def accept(self, index: int, param: nn.Parameter) -> None:
+        """Nothing to move: the gradient is read from `.grad` when the bucket is reduced."""
 
     def launch(self) -> None:
-        self.pending = self.slots.all_reduce_mean() if self.averaged.stop is None else self.slots.reduce_scatter_mean()
+        self.pending = self.ring.reduce_scatter_mean(self._read, self._shard(), self.flat_layout.size)  # type: ignore[assignment]
 
-    complete = HostAllReduceBucket.complete  # wait; the slots' mean needs no division
+    def complete(self) -> None:
+        assert self.pending is not None
+        self.pending.wait()
+        self.pending = None
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.zero_()
+
+    def release(self) -> None:
+        super().release()
+        self.shard = None
+
+    def _read(self, offset: int, into: torch.Tensor) -> None:
+        """Elements [offset, offset + len(into)) of the bucket's flat gradient into `into` (zero where a
+        parameter has no gradient, and in the padding)."""
+        end = offset + into.numel()
+        covered = offset
+        for param, start in zip(self.params, self.flat_layout.offsets):
+            lo, hi = max(offset, start), min(end, start + param.numel())
+            if lo >= hi:
+                continue
+            target = into[lo - offset : hi - offset]
+            if param.grad is None:
+                target.zero_()
+            else:
+                target.copy_(param.grad.reshape(-1)[lo - start : hi - start])
+            covered = hi
+        if covered < end:
+            into[covered - offset :].zero_()
 
 
 def host_shard_reduce_bucket(params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
-                             whole: frozenset[int] = frozenset()) -> Bucket:
-    """A `HostShardReduceBucket` where its slots can be shared, else a `ShardReduceBucket`."""
-    layout = FlatLayout(params, group.size, group.rank)
-    slots = open_bucket_slots(params, comm, group, comm_dtype, layout.padded, chunk=layout.size)
-    if slots is None:
+                             whole: frozenset[int] = frozenset(), ring: SlotRing | None = None) -> Bucket:
+    """A `HostShardReduceBucket` where `ring` carries the bucket's dtype (and it holds no pipeline-tied
+    weight, which the runner needs averaged whole), else a `ShardReduceBucket` (the backend's collectives)."""
+    if ring is None or ring.dtype != params[0].dtype or any(id(p) in whole for p in params):
         return ShardReduceBucket(params, comm, group, comm_dtype, whole)
-    return HostShardReduceBucket(params, comm, group, comm_dtype, whole, slots)
+    return HostShardReduceBucket(params, comm, group, ring)
 
 
 class Zero1DataParallel(DistributedDataParallel):
@@ -130,5 +193,12 @@ class Zero1DataParallel(DistributedDataParallel):
         """`host_slots`: reduce through shared-memory slots where the group's ranks share a host (host_buckets.py)."""
         tied = getattr(module, "tied", None) if ctx.group("pp").size > 1 else None
         whole = frozenset([id(module.get_parameter(tied))] if tied else [])
-        kind = host_shard_reduce_bucket if host_slots else ShardReduceBucket
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        group = ctx.group("dp_cp")
+        ring = None
+        dtype = trainable[0].dtype if trainable else None
+        if (host_slots and dtype is not None and trainable[0].device.type == "cpu" and group.size > 1
+                and reduction_dtype(options.get("comm_dtype", torch.float32), dtype) == dtype):
+            ring = SlotRing.open(ctx.comm, group, dtype)  # collective: a ring, or None on every rank
+        kind = ShardReduceBucket if ring is None else functools.partial(host_shard_reduce_bucket, ring=ring)
         super().__init__(module, ctx, bucket_kind=functools.partial(kind, whole=whole), **options)

@@ -12,19 +12,22 @@ parameters that alias the flat buffer, whose `.grad` aliases the gradient bucket
 inner optimizer (built by the caller's factory) sees only these segments, so its state exists
 only for this rank's slice, and its in-place update writes straight into the model's parameters.
 The segment is the fp32 (or fp64) master: no copy. The padded layout is `FlatLayout`
-(flat_layout.py, shared with the gradient buckets and ZeRO-3's units); `segments()` maps this rank's slice back to parameter pieces and their placements. (Over a plain
+(flat_layout.py, shared with the gradient buckets and ZeRO-3's units); `segments()` maps this
+rank's slice back to parameter pieces and their placements. (Over a plain
 `DistributedDataParallel`, whose all-reduce leaves the whole gradient averaged, it works the same.)
 
 What is communicated, and when:
 - During the synchronising backward, each gradient bucket is reduce-scattered in place as soon as
   it is complete (zero1_gradients.py): this rank's slice holds the averaged gradient when backward
-  returns; micro-batches under `no_sync` accumulate locally in the full gradient buffers.
+  returns; micro-batches under `no_sync` accumulate locally in the full gradients. (On one CPU
+  host the slice is the bucket's separate `shard`, dropped with the `.grad`s by
+  `zero_grad(set_to_none=True)`: each step's segments read their gradient in `prepare_grads()`.)
 - In `step()`, after the inner optimizer has updated this rank's slices, every bucket's slices
   are gathered in place into its flat buffer: all launched asynchronously, in bucket order, then
   waited for. Every rank ends with the same parameters. NCCL: one all-gather per bucket
-  (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`); a gradient bucket in shared-memory slots (one
-  CPU host, zero1_gradients.py): `HostSlots.all_gather_into`, (N−1)/N·4Ψ' read and written between
-  the processes, counted exactly; other gloo groups: N broadcasts per bucket, each slice from
+  (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`); a gradient bucket on one CPU host
+  (zero1_gradients.py): through its shared-memory ring (`SlotRing.all_gather`, host_stream.py),
+  (N−1)/N·4Ψ' read between the processes, counted exactly; other gloo groups: N broadcasts per bucket, each slice from
   its owner, because gloo's all-gather stages its output in a temporary copy of the whole bucket
   (4Ψ' of extra peak memory with every bucket in flight; the volume on the wire is the same).
 - `clip_grad_norm_`: the squares of this rank's gradient slices, one 4-byte all-reduce over dp_cp
@@ -33,7 +36,8 @@ What is communicated, and when:
 Cost, with Ψ trainable elements (fp32), Ψ' ≥ Ψ padded (Ψ' − Ψ < N per bucket), N ranks, ring
 algorithms: memory per rank 4Ψ' parameters + 4Ψ' gradients + 8Ψ/N AdamW state (exp_avg and
 exp_avg_sq of the real elements of the slice; plus one 4-byte step counter per segment), instead
-of 4Ψ + 4Ψ + 8Ψ for DDP. Each rank sends per step (N−1)/N · 4Ψ' bytes of reduce-scatter +
+of 4Ψ + 4Ψ + 8Ψ for DDP; on one CPU host the gradients (4Ψ + the 4Ψ'/N shard) exist only from
+backward to the next `zero_grad(set_to_none=True)`. Each rank sends per step (N−1)/N · 4Ψ' bytes of reduce-scatter +
 (N−1)/N · 4Ψ' of all-gather: 2(N−1)/N · 4Ψ', DDP's volume. (On gloo, whose reduce-scatter is an
 all-reduce of a copy, the reduce-scatter really sends 2(N−1)/N · 4Ψ'; `ctx.comm` counts textbook
 volumes, and counts a broadcast once, at its root: (N−1)/N·4Ψ' of gather only for N = 2.)
@@ -66,7 +70,7 @@ from torch import nn
 from ndtrain.comm import Pending
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.host_slots import HostSlots
+from ndtrain.host_stream import SlotRing
 from ndtrain.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.ddp import DDPStrategy, DistributedDataParallel, all_no_sync, build_ddp, ddp_chunks, held_gradient_bytes
@@ -76,7 +80,7 @@ from ndtrain.parallel.grad_norm import (
 )
 from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
-from ndtrain.parallel.zero1_gradients import ShardReduceBucket, Zero1DataParallel
+from ndtrain.parallel.zero1_gradients import HostShardReduceBucket, ShardReduceBucket, Zero1DataParallel
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -130,13 +134,14 @@ class GradientSource(Protocol):
 
 
 class _Shard:
-    """One bucket's flat parameter buffer (its `flat_layout` over N ranks), this rank's [lo, hi) of it and
-    its fp32 master (if separate)."""
+    """One bucket's flat parameter buffer (its `flat_layout` over N ranks), this rank's [lo, hi) of it,
+    its fp32 master (if separate) and the shared-memory ring its gradient bucket reduces through."""
 
-    def __init__(self, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor | None, slots: HostSlots | None) -> None:
-        self.flat_layout, self.flat, self.master, self.slots = layout, flat, master, slots
+    def __init__(self, index: int, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor | None,
+                 ring: SlotRing | None) -> None:
+        self.index, self.flat_layout, self.flat, self.master, self.ring = index, layout, flat, master, ring
         self.lo, self.hi = layout.lo, layout.hi
-        self.segments: list[tuple[int, int, int, nn.Parameter, torch.Tensor]] = []  # (a, b, group, param, grad)
+        self.segments: list[tuple[int, int, int, nn.Parameter]] = []  # (a, b, group, param)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -173,7 +178,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._gather = n > 1
         self._prepared = False
         # Only this rank's range of the gradient is averaged (ZeRO-2 shards, ZeRO-1's reduce-scattered buckets)
-        self._grads_in_shard = model.gradients_sharded or any(isinstance(b, ShardReduceBucket) for b in model.buckets)
+        self._grads_in_shard = model.gradients_sharded or any(
+            isinstance(b, (ShardReduceBucket, HostShardReduceBucket)) for b in model.buckets)
         names = {id(p): name for name, p in model.module.named_parameters()}
         keys, options = _group_keys(model.module, group_fn)
         segments: list[list[nn.Parameter]] = [[] for _ in options]
@@ -184,7 +190,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             flat = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
             low_precision = torch.finfo(first.dtype).bits < 32  # bf16/fp16 compute copies; fp64 is its own master
             master = torch.zeros(layout.size, dtype=torch.float32, device=first.device) if low_precision else None
-            shard = _Shard(layout, flat, master, _slots_of_layout(bucket.slots, layout) if n > 1 else None)
+            shard = _Shard(k, layout, flat, master, bucket.ring if isinstance(bucket, HostShardReduceBucket) and n > 1 else None)
             with torch.no_grad():
                 for p, view in zip(bucket.params, layout.views(flat)):
                     view.copy_(p.detach())
@@ -198,9 +204,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for a, b, g in layout.runs(group_of, OPTIMIZER_RUN):
                 # the fp32 master: the flat buffer itself, or this rank's separate fp32 copy
                 segment = nn.Parameter(flat[a:b] if master is None else master[a - shard.lo : b - shard.lo])
-                grad = model.gradient_slice(k, a, b)
-                segment.grad = grad if master is None else None
-                shard.segments.append((a, b, g, segment, grad))
+                shard.segments.append((a, b, g, segment))  # its .grad: the gradient slice, at prepare_grads()
                 segments[g].append(segment)
             self._shards.append(shard)
 
@@ -241,9 +245,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer.step()
         self._prepared = False
         for shard in self._shards:
-            for _, _, _, segment, _ in shard.segments:
-                if shard.master is not None:
-                    segment.grad = None  # the fp32 cast is temporary
+            for *_, segment in shard.segments:
+                segment.grad = None  # a view of the gradient (or its fp32 cast), fetched again next step
             if shard.master is not None:
                 shard.flat[shard.lo : shard.lo + shard.master.numel()].copy_(shard.master)
         if not self._gather:
@@ -258,8 +261,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         all-gather stages its whole output in a temporary copy (4Ψ' more at once with every bucket
         in flight), so on gloo each rank's range is broadcast from its owner instead, as torch's
         ZeroRedundancyOptimizer does: the same bytes on the wire, no copy."""
-        if shard.slots is not None:  # the gradient bucket's shared-memory slots (zero1_gradients.py)
-            return [shard.slots.all_gather_into(shard.flat)]
+        if shard.ring is not None:  # the gradient bucket's shared-memory ring (zero1_gradients.py)
+            return [shard.ring.all_gather(shard.flat, shard.flat_layout.size)]
         if self.ctx.backend != "gloo":
             return [self.ctx.comm.all_gather(shard.flat, shard.flat[shard.lo : shard.hi], self.group, async_op=True)]
         size = shard.flat_layout.size
@@ -274,17 +277,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         tensors in place is what `step()` then applies."""
         grads = []
         if self._prepared:
-            return [seg.grad for s in self._shards for *_, seg, _ in s.segments]
+            return [seg.grad for s in self._shards for *_, seg in s.segments]
         for shard in self._shards:
-            for _, _, _, segment, grad in shard.segments:
+            for a, b, _, segment in shard.segments:
+                grad = self.model.gradient_slice(shard.index, a, b)
                 segment.grad = grad if shard.master is None else grad.float()
                 grads.append(segment.grad)
         self._prepared = True
         return grads
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the gradient buckets or shards in place (`set_to_none` drops DDP's `.grad`s; the
-        buckets stay) and forget this step's prepared gradients."""
+        """Zero the gradient buckets or shards in place (`set_to_none` drops DDP's `.grad`s; the buckets
+        stay, but ZeRO-1's on one host hold nothing until the next backward) and forget this step's
+        prepared gradients."""
         self._prepared = False
         self.model.zero_grad(set_to_none=set_to_none)
 
@@ -369,16 +374,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 # ----------------------------------------------------------------------------- data-parallel strategy (ZeRO-0 masters, 1, 2)
-def _slots_of_layout(slots: HostSlots | None, layout: FlatLayout) -> HostSlots | None:
-    """A gradient bucket's shared-memory slots, if they are cut exactly as `layout` (ZeRO-1's
-    reduce-scattering buckets), so the parameters can be gathered through them; else None (a plain
-    DDP bucket's slots are cut at cache lines)."""
-    if slots is None:
-        return None
-    ranges = [(k * layout.size, (k + 1) * layout.size) for k in range(slots.group.size)]
-    return slots if slots.numel == layout.padded and slots.chunks == ranges else None
-
-
 def compute_copies(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor] | None:
     """Cast `model` to the compute `dtype` (bf16/fp16) and return its fp32 initial weights by
     `id(param)`, for `ZeroOptimizer(masters=...)`; None (nothing cast) in fp32."""
@@ -420,17 +415,19 @@ class ZeroStrategy:
 
     def __init__(
         self, gradients: GradientSource, optimizer: ZeroOptimizer, *,
-        no_sync: Callable[[], AbstractContextManager[None]], gradient_bytes: Callable[[], int],
+        no_sync: Callable[[], AbstractContextManager[None]], gradient_bytes: Callable[[], int], release: bool = False,
         chunks: Sequence[nn.Module] | None = None,
     ) -> None:
         """`no_sync()`: the context of a micro-batch whose gradient need not be synchronised yet;
-        `gradient_bytes()`: bytes of gradient `gradients` holds; `chunks`: the modules to run (an
-        interleaved pipeline's wrapped chunks; default `gradients` itself)."""
+        `gradient_bytes()`: bytes of gradient `gradients` holds; `release`: `zero_grad` drops the
+        parameters' `.grad`s (ZeRO-1 on one host, whose gradients are autograd's own until reduced);
+        `chunks`: the modules to run (an interleaved pipeline's wrapped chunks; default `gradients` itself)."""
         self.module: nn.Module = gradients  # type: ignore[assignment]
         self.chunks: list[nn.Module] = list(chunks) if chunks is not None else [self.module]
         self.optimizer = optimizer
         self.no_sync = no_sync
         self._gradient_bytes = gradient_bytes
+        self._release = release
         self._norm_spans = shard_norm_spans(optimizer, optimizer.ctx.group("tp").size)
 
     @property
@@ -438,7 +435,7 @@ class ZeroStrategy:
         return self.optimizer.sharded
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=self._release)
 
     def step_during_backward(self, allowed: bool) -> None:
         """Never: the step updates shards and all-gathers them after the norm."""
@@ -479,4 +476,5 @@ def _with_ddp(chunks: list[DistributedDataParallel], ctx: ParallelContext, optim
     source = chunks[0] if len(chunks) == 1 else DataParallelChunks(chunks)
     optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=sharded)
     return ZeroStrategy(source, optimizer, no_sync=functools.partial(all_no_sync, chunks),
-                        gradient_bytes=lambda: held_gradient_bytes(chunks), chunks=chunks)
+                        gradient_bytes=lambda: held_gradient_bytes(chunks), chunks=chunks,
+                        release=any(b.transient for b in source.buckets))
