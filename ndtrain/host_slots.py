@@ -17,6 +17,11 @@ carried out by the ranks reading each other's slots directly:
   into chunk r of every other slot (the pages it read in the reduce-scatter), then copies the
   other chunks out of its own slot into `values`: (N−1)/N·S written between the processes.
 
+`cut(numel, chunk)` sees the same segment as slots of their first `numel` elements, cut into parts of
+`chunk`: ZeRO-2's buckets, of different sizes, take turns on a few segments sized for the largest
+(zero2_gradients.py). A cut shares the segment's header and sequence numbers, so its collectives
+are the segment's, one at a time, in the same order on every rank; S is then the cut's bytes.
+
 Synchronisation: a header of per-rank sequence numbers, each written only by its rank:
 `arrived[r] = seq` once slot r holds the rank's data for the collective #seq, `done[r] = seq` once
 rank r's part is written. A rank reads another's slot only between everyone's arrival and its own
@@ -32,12 +37,15 @@ and broadcasts the name; every rank maps it; an all-reduce says whether every ra
 (not, when the ranks are on different hosts or in different /dev/shm namespaces: then `open`
 returns None on every rank and the caller keeps the backend's collectives); rank 0 unlinks the
 file, so nothing is left behind after the processes end, however they end. Memory: S bytes per
-rank of shared pages, replacing the S-byte private buffer the bucket held; a rank's resident set
-also counts the (N−1)/N·S of the other slots it touches (pages that are not duplicated).
+rank of shared pages, replacing the S-byte private buffer the bucket held (ZeRO-2: the staging
+buffers of the buckets that take turns on the segment); a rank's resident set also counts the
+(N−1)/N·S of the other slots it touches (pages that are not duplicated).
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 import platform
 import secrets
@@ -73,12 +81,8 @@ class HostSlots:
         self._flags = raw[:header].view(torch.int64)[: 2 * n].view(2, n)  # [arrived, done] per rank
         self.slots = raw[header : header + n * stride * dtype.itemsize].view(dtype).view(n, stride)[:, :numel]
         self.mine = self.slots[group.rank]
-        if chunk is None:
-            chunk = _round_up(-(-numel // n), _LINE // dtype.itemsize)
-        if chunk * n < numel:
-            raise ValueError(f"{n} chunks of {chunk} elements do not cover {numel}")
-        self.chunks = [(min(numel, k * chunk), min(numel, (k + 1) * chunk)) for k in range(n)]
-        self._seq = 0
+        self.chunks = _chunks(numel, n, _round_up(-(-numel // n), _LINE // dtype.itemsize) if chunk is None else chunk)
+        self._sequence = itertools.count(1)  # collective numbers on this segment, shared with its cuts
 
     @staticmethod
     def open(comm: Communicator, group: Group, numel: int, dtype: torch.dtype, *, chunk: int | None = None,
@@ -109,6 +113,17 @@ class HostSlots:
             return None
         return HostSlots(raw, comm, group, numel, dtype, chunk)
 
+    def cut(self, numel: int, chunk: int) -> HostSlots:
+        """The same segment as slots of their first `numel` elements, rank r's part [r·chunk, (r+1)·chunk)
+        (ZeRO-2's buckets of different sizes taking turns on one segment, zero2_gradients.py). It shares
+        the header and the sequence numbers: a collective on either is the segment's next collective."""
+        if numel > self.numel:
+            raise ValueError(f"a cut of {numel} elements does not fit slots of {self.numel}")
+        part = copy.copy(self)
+        part.numel, part.slots = numel, self.slots[:, :numel]
+        part.mine, part.chunks = part.slots[self.group.rank], _chunks(numel, self.group.size, chunk)
+        return part
+
     def all_reduce_mean(self) -> Pending:
         """Every slot becomes the mean of all slots (this rank's slot must hold its data)."""
         return self._start("all_reduce", _AllReduceMean)
@@ -124,12 +139,12 @@ class HostSlots:
         return self._start("all_gather", _PushGather, values)
 
     def _start(self, op: str, kind: type[_Collective], values: torch.Tensor | None = None) -> Pending:
-        self._seq += 1
+        seq = next(self._sequence)
         n = self.group.size
         size = self.numel * self.dtype.itemsize
         moved = (n - 1) * size // n * kind.passes
-        work = kind(self, self._seq, values)
-        self._flags[0, self.group.rank] = self._seq  # after every write of this slot, in program order
+        work = kind(self, seq, values)
+        self._flags[0, self.group.rank] = seq  # after every write of this slot, in program order
         return self.comm.watch(work, f"{op}_shm", self.group, size, moved)
 
 
@@ -223,6 +238,13 @@ class _PushGather(_Collective):
         for k, (lo, hi) in enumerate(s.chunks):
             if k != s.group.rank and lo < hi:
                 values[lo:hi].copy_(s.mine[lo:hi])
+
+
+def _chunks(numel: int, n: int, chunk: int) -> list[tuple[int, int]]:
+    """Rank r's part of a slot of `numel` elements: [r·chunk, (r+1)·chunk) ∩ [0, numel)."""
+    if chunk * n < numel:
+        raise ValueError(f"{n} chunks of {chunk} elements do not cover {numel}")
+    return [(min(numel, k * chunk), min(numel, (k + 1) * chunk)) for k in range(n)]
 
 
 def _segment(directory: Path, token: torch.Tensor) -> Path:
