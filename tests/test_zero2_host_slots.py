@@ -8,6 +8,10 @@ taken in turn by several buckets of different sizes in each backward.
   (relative error ≤ 1e-5) and the gloo run's; every micro-batch reduce-scatters every bucket once
   through the slots, exactly (N−1)/N·8Ψ' counted per micro-batch, and nothing through gloo;
 - through gloo (`host_shared_memory=false`): the same volume as `reduce_scatter`, no slots;
+- at 2 ranks, one backward inside `weight_pass()` (zb's W) stages every bucket before launching
+  any: the first bucket of each segment in its slot, the others privately, copied into their slot
+  at launch; the shards equal those of the same backward run as usual, bit for bit; a backward
+  that reaches one parameter only leaves exact zeros for all the others (the slots are zeroed);
 - at 2 ranks, a rank that cannot map the segments (its own /dev/shm directory, as on another host)
   makes every rank keep gloo's buckets, and the training still matches.
 Every run makes its segments in a directory of its own under /dev/shm, empty after construction
@@ -31,7 +35,7 @@ from ndtrain.engine import Engine
 from ndtrain.host_slots import HostSlots, host_slots_supported
 from ndtrain.mesh import init
 from ndtrain.parallel.buckets import MB, pack
-from ndtrain.parallel.zero2_gradients import MAX_IN_FLIGHT
+from ndtrain.parallel.zero2_gradients import MAX_IN_FLIGHT, Zero2DataParallel
 from tests.helpers.models import adamw, batch, make_llama, micro_batches
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import Reference, decay_groups, train_reference
@@ -85,10 +89,32 @@ def _train(name: str, directory: Path) -> dict[str, Any]:
             "kinds": {type(b).__name__ for w in engine.dp.chunks for b in w.buckets}}
 
 
+def _weight_pass() -> dict[str, Any]:
+    """One backward inside `weight_pass()` (zb's W: every bucket staged before any launch, most of
+    them privately) and the same backward as usual: the same shards, bit for bit."""
+    ctx = init(ParallelConfig(), init_method=init_method())
+    model = Zero2DataParallel(make_llama(DTYPE), ctx, bucket_mb=BUCKET_MB, host_slots=True)
+    x, y = micro_batches(0, ctx.rank, ctx.world_size, 1)[0]
+    with model.weight_pass():
+        model(x, y).backward()
+        staged = [(b.staging is not None, b.staging is not None and b.staging.data_ptr() == b.segment.mine.data_ptr())
+                  for b in model.buckets]
+    shards = [b.shard.clone() for b in model.buckets]
+    model.zero_grad()
+    model(x, y).backward()
+    same = all(torch.equal(a, b.shard) for a, b in zip(shards, model.buckets))
+    model.zero_grad()
+    first = next(model.module.parameters())  # in the last bucket, on a segment used before: the others' slots zeroed?
+    first.sum().backward()  # a gradient of ones for it, none for every other parameter (zero)
+    return {"staged": staged, "same": same, "kinds": {type(b).__name__ for b in model.buckets},
+            "ones": sum(b.shard.sum().item() for b in model.buckets), "numel": first.numel()}
+
+
 def _suite(directories: list[str]) -> dict[str, dict[str, Any]]:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     # fallback: each rank looks for rank 0's segments in a directory of its own, as on another host
-    return run_each(lambda name: _train(name, Path(directories[rank if name == "fallback" else 0])), WORLDS[world])
+    out = run_each(lambda name: _train(name, Path(directories[rank if name == "fallback" else 0])), WORLDS[world])
+    return {**out, **run_each(lambda _: _weight_pass(), ["weight-pass"] if world == 2 else [])}
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +162,14 @@ def test_a_rank_that_cannot_map_the_pool_keeps_every_rank_on_gloo(spawns: Spawns
         assert all("reduce_scatter/dp_cp" in d and "reduce_scatter_shm/dp_cp" not in d for d in run["deltas"])
         assert_params_close(run["params"], ref.state, 1e-5, f"fallback rank {rank}")
         assert run["left"] == []
+
+
+def test_buckets_staged_before_their_turn_go_through_the_slots_alike(spawns: Spawns, directories: list[str]) -> None:
+    runs = case_result(spawns.get(2, 2, directories), "weight-pass")
+    for run in runs:
+        assert run["kinds"] == {"HostReduceScatterBucket"}
+        assert all(staged for staged, _ in run["staged"])
+        in_slots = [in_slot for _, in_slot in run["staged"]]
+        assert in_slots == [k < MAX_IN_FLIGHT + 1 for k in range(len(in_slots))]  # the first bucket of each segment
+        assert run["same"]
+    assert sum(run["ones"] for run in runs) == runs[0]["numel"]  # mean 1 on its elements, exactly 0 elsewhere
