@@ -56,8 +56,8 @@ AdamW state; transiently up to MAX_IN_FLIGHT + 1 staging buckets (≤ (MAX_IN_FL
 plus the gradients autograd has produced for the bucket being filled. Through the slots the
 staging buffers of the P buckets holding a segment are the segment's pages: (MAX_IN_FLIGHT + 1)·B'max
 of shared memory per rank for as long as the wrapper lives (B'max: the largest padded bucket),
-plus the (N−1)/N of the others' slots a rank reads, counted in its resident set too; private
-staging only for a bucket staged before its turn (as without slots). With bf16/fp16 compute
+plus, per segment, the (N−1)/N·B'max of the others' slots a rank reads, counted in its resident
+set too (shared pages, not copies); private staging only for a bucket staged before its turn. With bf16/fp16 compute
 copies: 2Ψ parameters + 4Ψ/N gradient shard (fp32) + 12Ψ/N (fp32 master + AdamW state).
 
 Limitations: unused parameters count as zero gradients (no error, and weight decay still applies
