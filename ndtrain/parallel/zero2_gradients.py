@@ -127,10 +127,10 @@ class SlotPool:
         s = bucket % len(self.segments)
         return self._holder[s] is None and (bucket < len(self.segments) or self._turn[s] == bucket)
 
-    def take(self, bucket: int) -> HostSlots:
-        assert self.free_for(bucket), f"bucket {bucket}: its segment is held by bucket {self._holder[bucket % len(self.segments)]}"
-        self._holder[bucket % len(self.segments)] = bucket
-        return self.segments[bucket % len(self.segments)]
+    def take(self, bucket: int) -> None:
+        s = bucket % len(self.segments)
+        assert self.free_for(bucket), f"bucket {bucket}'s segment is held by bucket {self._holder[s]} (next turn: {self._turn[s]})"
+        self._holder[s] = bucket
 
     def release(self, bucket: int) -> None:
         s = bucket % len(self.segments)
