@@ -81,8 +81,8 @@ def _train(name: str, layout: dict[str, Any], accumulation: int) -> dict[str, An
 def _reduce_scatters(ctx: Any) -> int:
     """Reduce-scatters issued so far over dp × cp, through the backend or shared-memory slots (ZeRO-2 on
     one host); sequence parallel's over tp are not counted."""
-    counts = ctx.comm.stats.snapshot()
-    return sum(counts.get(f"{op}/{ctx.group('dp_cp').name}", {}).get("calls", 0) for op in ("reduce_scatter", "reduce_scatter_shm"))
+    counts, axis = ctx.comm.stats.snapshot(), ctx.group("dp_cp").name
+    return sum(counts.get(f"{op}/{axis}", {}).get("calls", 0) for op in ("reduce_scatter", "reduce_scatter_shm"))
 
 
 def _overflow() -> dict[str, Any]:

@@ -119,7 +119,8 @@ def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     communication is the same volume: per step (N−1)/N · 4Ψ' reduce-scattered and all-gathered.
     Same model, data, seed, LR and loop as `zero1`; ours reduce-scatters in buckets of `bucket_mb`, on
     one host through shared-memory slots (`--no-host-slots`: through gloo; the pool's pages, 3 of the
-    largest bucket per rank, are not counted in the state below). Expected model state per rank between steps: ours 4Ψ' + 4Ψ'/N + 8Ψ/N, torch's 4Ψ/N + 4Ψ/N + 8Ψ/N
+    largest bucket per rank, are not counted in the state below). Expected model state per rank
+    between steps: ours 4Ψ' + 4Ψ'/N + 8Ψ/N, torch's 4Ψ/N + 4Ψ/N + 8Ψ/N
     (`ours_rank0_state_bytes`, `torch_rank0_state_bytes`, measured after one step).
     """
     if ctx.world_size < 2:

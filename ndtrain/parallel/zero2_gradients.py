@@ -129,7 +129,7 @@ class SlotPool:
 
     def take(self, bucket: int) -> None:
         s = bucket % len(self.segments)
-        assert self.free_for(bucket), f"bucket {bucket}'s segment is held by bucket {self._holder[s]} (next turn: {self._turn[s]})"
+        assert self.free_for(bucket), f"bucket {bucket}'s segment: held by bucket {self._holder[s]}, turn of {self._turn[s]}"
         self._holder[s] = bucket
 
     def release(self, bucket: int) -> None:
