@@ -13,9 +13,6 @@ carried out by the ranks reading each other's slots directly:
   (S = slot bytes): 2(N−1)/N·S moved between processes, the ring all-reduce's volume, counted as
   that, with no copy through the kernel.
 - `reduce_scatter_mean()`: rank r averages chunk r into its own slot only: (N−1)/N·S read.
-- `all_gather_into(values)` (ZeRO-1's updated parameters): rank r writes its chunk r of `values`
-  into chunk r of every other slot (the pages it read in the reduce-scatter), then copies the
-  other chunks out of its own slot into `values`: (N−1)/N·S written between the processes.
 
 `exchange(op, own_part)` is a collective whose part on each rank is the caller's: host_stream.py
 streams a buffer through a ring of small segments, each round reading the others' slots straight
@@ -49,6 +46,7 @@ buffers of the buckets that take turns on the segment); a rank's resident set al
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import os
 import platform
@@ -131,48 +129,35 @@ class HostSlots:
 
     def all_reduce_mean(self) -> Pending:
         """Every slot becomes the mean of all slots (this rank's slot must hold its data)."""
-        return self._start("all_reduce", _AllReduceMean)
+        return self._start("all_reduce", functools.partial(_average_into_every_slot, self), passes=2)
 
     def reduce_scatter_mean(self) -> Pending:
         """Chunk r of this rank's slot becomes the mean of chunk r over all slots (the rest is untouched)."""
-        return self._start("reduce_scatter", _ReduceScatterMean)
-
-    def all_gather_into(self, values: torch.Tensor) -> Pending:
-        """Every rank's chunk of `values` ([numel], this rank's own), into every rank's `values`: rank r
-        writes its chunk r into chunk r of every other slot, then copies the others' chunks out of
-        its own slot. Afterwards this rank's slot holds the others' chunks of `values` outside its own."""
-        return self._start("all_gather", _PushGather, values)
+        return self._start("reduce_scatter", functools.partial(_average_own_chunk, self))
 
     def exchange(self, op: str, own_part: Callable[[], None]) -> Pending:
         """A collective whose part on this rank is `own_part()`, run once every rank's slot holds its data
         (this rank's slot must hold its own): it may read the others' slots and write anywhere but into
         them (host_stream.py's rounds). Counted under `{op}_shm` as (N−1)/N of the slot bytes moved."""
-        return self._start(op, _Exchange, own_part)
+        return self._start(op, own_part)
 
-    def _start(self, op: str, kind: type[_Collective], argument: Any = None) -> Pending:
+    def _start(self, op: str, own_part: Callable[[], Any], passes: int = 1) -> Pending:
+        """`passes`: times (N−1)/N of the slot moves between the processes."""
         seq = next(self._sequence)
         n = self.group.size
         size = self.numel * self.dtype.itemsize
-        moved = (n - 1) * size // n * kind.passes
-        work = kind(self, seq, argument)
+        work = _Collective(self, seq, own_part)
         self._flags[0, self.group.rank] = seq  # after every write of this slot, in program order
-        return self.comm.watch(work, f"{op}_shm", self.group, size, moved)
+        return self.comm.watch(work, f"{op}_shm", self.group, size, (n - 1) * size // n * passes)
 
 
 class _Collective:
-    """One collective on the slots: `is_completed()` advances it without blocking, `wait` polls it."""
+    """One collective on the slots: `is_completed()` advances it without blocking (this rank's part,
+    `own_part()`, once every rank has arrived), `wait` polls it."""
 
-    passes = 1  # times (N−1)/N of the slot moves between the processes
-
-    def __init__(self, slots: HostSlots, seq: int, values: torch.Tensor | None) -> None:
-        self.s, self.seq, self.values = slots, seq, values
+    def __init__(self, slots: HostSlots, seq: int, own_part: Callable[[], Any]) -> None:
+        self.s, self.seq, self.own_part = slots, seq, own_part
         self._mine_done = self._complete = False
-
-    def own_part(self) -> None:
-        raise NotImplementedError
-
-    def after_all(self) -> None:
-        """Once every rank's part is done (before this rank's slot is released)."""
 
     def is_completed(self) -> bool:
         if self._complete:
@@ -186,7 +171,6 @@ class _Collective:
             self._mine_done = True
         if int(flags[1].min()) < self.seq:
             return False
-        self.after_all()
         self._complete = True
         return True
 
@@ -205,30 +189,13 @@ class _Collective:
         return True
 
 
-class _Exchange(_Collective):
-    def __init__(self, slots: HostSlots, seq: int, own_part: Callable[[], None]) -> None:
-        super().__init__(slots, seq, None)
-        self._own_part = own_part
-
-    def own_part(self) -> None:
-        self._own_part()
-
-
-class _ReduceScatterMean(_Collective):
-    def own_part(self) -> None:
-        _average_own_chunk(self.s)
-
-
-class _AllReduceMean(_Collective):
-    passes = 2
-
-    def own_part(self) -> None:
-        s = self.s
-        mean = _average_own_chunk(s)
-        lo, hi = s.chunks[s.group.rank]
-        for k in range(s.group.size):
-            if k != s.group.rank and lo < hi:
-                s.slots[k, lo:hi].copy_(mean)
+def _average_into_every_slot(s: HostSlots) -> None:
+    """All-reduce: chunk r's mean (`_average_own_chunk`) written into chunk r of every other slot too."""
+    mean = _average_own_chunk(s)
+    lo, hi = s.chunks[s.group.rank]
+    for k in range(s.group.size):
+        if k != s.group.rank and lo < hi:
+            s.slots[k, lo:hi].copy_(mean)
 
 
 def _average_own_chunk(s: HostSlots) -> torch.Tensor:
@@ -241,23 +208,6 @@ def _average_own_chunk(s: HostSlots) -> torch.Tensor:
                 mean.add_(s.slots[k, lo:hi])
         mean.div_(s.group.size)
     return mean
-
-
-class _PushGather(_Collective):
-    def own_part(self) -> None:
-        s, values = self.s, self.values
-        assert values is not None
-        lo, hi = s.chunks[s.group.rank]
-        for k in range(s.group.size):
-            if k != s.group.rank and lo < hi:
-                s.slots[k, lo:hi].copy_(values[lo:hi])
-
-    def after_all(self) -> None:
-        s, values = self.s, self.values
-        assert values is not None
-        for k, (lo, hi) in enumerate(s.chunks):
-            if k != s.group.rank and lo < hi:
-                values[lo:hi].copy_(s.mine[lo:hi])
 
 
 def _chunks(numel: int, n: int, chunk: int) -> list[tuple[int, int]]:

@@ -79,8 +79,10 @@ def _train(name: str, layout: dict[str, Any], accumulation: int) -> dict[str, An
 
 
 def _reduce_scatters(ctx: Any) -> int:
-    """Reduce-scatters issued so far over dp × cp (sequence parallel's over tp are not counted)."""
-    return ctx.comm.stats.snapshot().get(f"reduce_scatter/{ctx.group('dp_cp').name}", {}).get("calls", 0)
+    """Reduce-scatters issued so far over dp × cp, through the backend or shared-memory slots (ZeRO-2 on
+    one host); sequence parallel's over tp are not counted."""
+    counts, axis = ctx.comm.stats.snapshot(), ctx.group("dp_cp").name
+    return sum(counts.get(f"{op}/{axis}", {}).get("calls", 0) for op in ("reduce_scatter", "reduce_scatter_shm"))
 
 
 def _overflow() -> dict[str, Any]:

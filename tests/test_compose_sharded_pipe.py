@@ -76,8 +76,9 @@ def _step(engine: Engine, ctx: Any, step: int, accumulation: int) -> Any:
 
 
 def _calls(ctx: Any, op: str) -> int:
-    """`op` collectives issued so far over dp × cp."""
-    return ctx.comm.stats.snapshot().get(f"{op}/{ctx.group('dp_cp').name}", {}).get("calls", 0)
+    """`op` collectives issued so far over dp × cp, through the backend or shared-memory slots (ZeRO-2 on one host)."""
+    counts = ctx.comm.stats.snapshot()
+    return sum(counts.get(f"{name}/{ctx.group('dp_cp').name}", {}).get("calls", 0) for name in (op, f"{op}_shm"))
 
 
 def _count_weight_passes(engine: Engine) -> list[int]:

@@ -97,7 +97,8 @@ def test_stage_matches_single_process(name: str, spawns: Spawns) -> None:
         torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref.norms), rtol=1e-5, atol=0)
         if zero == 2:
             expected = _zero2_reduce_scatter(world, acc)
-            assert all(d["reduce_scatter/dp_cp"] == expected for d in run["deltas"]), (name, run["deltas"][0])
+            # through shared-memory slots (the default on one host), the textbook volume as gloo's
+            assert all(d["reduce_scatter_shm/dp_cp"] == expected for d in run["deltas"]), (name, run["deltas"][0])
             assert all("all_reduce/dp_cp" in d and d["all_reduce/dp_cp"]["calls"] == 2 for d in run["deltas"])  # norm, loss
 
 

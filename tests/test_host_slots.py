@@ -1,9 +1,11 @@
 """Shared-memory slots (ndtrain/host_slots.py) between real gloo worker processes.
 
-- 3 ranks (chunks of unequal use, one empty where numel < N): all-reduce, reduce-scatter and
-  all-gather against the arithmetic done here, every rank bit-identical, for float32 and float64
+- 3 ranks (chunks of unequal use, one empty where numel < N): all-reduce, reduce-scatter and an
+  all-gather by `exchange` (each rank reading the owners' chunks) against the arithmetic done here, every rank bit-identical, for float32 and float64
   and sizes 1 to 100,003, repeated on one segment with new data (sequence numbers advance); the
   exact counted bytes; no segment file is left behind.
+- `cut`s of one segment (other sizes and chunks, sharing its sequence numbers), one after the other:
+  each reduce-scatter averages this rank's part of the cut only.
 - Ranks that cannot map one segment (a rank with a /dev/shm of its own, as on another host) get
   None on every rank, so they keep the backend's collectives alike.
 - A rank that stops (real SIGSTOP) before it arrives is named by the watchdog of the rank waiting in
@@ -58,13 +60,40 @@ def _collectives(directory: str) -> dict[str, Any]:
             pending.wait()
             out[f"reduce_scatter {numel} {round_}"] = slots.mine.clone()
             values = _data(group.rank, numel, dtype, round_ + 100)
-            slots.all_gather_into(values).wait()
+            slots.mine.copy_(values)
+
+            def pull(values: torch.Tensor = values) -> None:  # exchange: an all-gather read from the owners' slots
+                for k, (a, b) in enumerate(slots.chunks):
+                    if k != group.rank:
+                        values[a:b].copy_(slots.slots[k, a:b])
+
+            slots.exchange("all_gather", pull).wait()
             out[f"all_gather {numel} {round_}"] = values
         after = ctx.comm.stats.snapshot()
         out[f"counts {numel}"] = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items()
                                   if k.endswith("_shm/dp")}
         out[f"chunks {numel}"] = slots.chunks
+    out["cuts"] = _cuts(ctx, directory)
     out["left"] = os.listdir(directory)
+    return out
+
+
+CUTS = [(37, 13), (100, 40), (10, 4), (37, 13)]  # (numel, chunk) of successive collectives on one segment of 100
+
+
+def _cuts(ctx: Any, directory: str) -> list[torch.Tensor]:
+    """Reduce-scatters on cuts of different sizes and chunks of one segment, one after the other (ZeRO-2's
+    buckets taking turns): each rank's slot after each."""
+    segment = HostSlots.open(ctx.comm, ctx.group("dp"), 100, torch.float64, directory=Path(directory))
+    assert segment is not None
+    with pytest.raises(ValueError, match="does not fit"):
+        segment.cut(101, 34)
+    out = []
+    for round_, (numel, chunk) in enumerate(CUTS):
+        cut = segment.cut(numel, chunk)
+        cut.mine.copy_(_data(ctx.group("dp").rank, numel, torch.float64, round_))
+        cut.reduce_scatter_mean().wait()
+        out.append(segment.mine.clone())
     return out
 
 
@@ -99,6 +128,13 @@ def test_collectives_match_the_arithmetic_on_every_rank() -> None:
                 "all_gather_shm/dp": {"calls": ROUNDS, "payload_bytes": ROUNDS * size, "wire_bytes": ROUNDS * moved},
             }
     assert results[0][f"chunks {SIZES[0][0]}"][1:] == [(1, 1), (1, 1)]  # numel 1: two ranks own nothing
+    for rank, out in enumerate(results):  # cuts of one segment: this rank's part of each averaged, the rest as written
+        for round_, ((numel, chunk), got) in enumerate(zip(CUTS, out["cuts"])):
+            data = [_data(r, numel, torch.float64, round_) for r in range(n)]
+            lo, hi = min(numel, rank * chunk), min(numel, (rank + 1) * chunk)
+            want = data[rank].clone()
+            want[lo:hi] = sum(d[lo:hi] for d in data) / n
+            torch.testing.assert_close(got[:numel], want, rtol=1e-14, atol=1e-15)
     assert all(out["left"] == [] for out in results)  # the segments were unlinked once mapped
 
 

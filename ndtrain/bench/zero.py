@@ -117,8 +117,10 @@ def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     parameters after backward (4Ψ/N between steps, then gathers them in the next forward) where ours
     keeps the whole 4Ψ parameters and all-gathers them right after the optimizer step. The
     communication is the same volume: per step (N−1)/N · 4Ψ' reduce-scattered and all-gathered.
-    Same model, data, seed, LR and loop as `zero1`; ours reduce-scatters in buckets of `bucket_mb`.
-    Expected model state per rank between steps: ours 4Ψ' + 4Ψ'/N + 8Ψ/N, torch's 4Ψ/N + 4Ψ/N + 8Ψ/N
+    Same model, data, seed, LR and loop as `zero1`; ours reduce-scatters in buckets of `bucket_mb`, on
+    one host through shared-memory slots (`--no-host-slots`: through gloo; the pool's pages, 3 of the
+    largest bucket per rank, are not counted in the state below). Expected model state per rank
+    between steps: ours 4Ψ' + 4Ψ'/N + 8Ψ/N, torch's 4Ψ/N + 4Ψ/N + 8Ψ/N
     (`ours_rank0_state_bytes`, `torch_rank0_state_bytes`, measured after one step).
     """
     if ctx.world_size < 2:
@@ -128,7 +130,8 @@ def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     n = group.size
 
     def ours() -> tuple[Step, Callable[[], int]]:
-        model = Zero2DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb)
+        model = Zero2DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb,
+                                  host_slots=options.host_slots)
         optimizer = ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(groups, lr=LR))
 
         def state_bytes() -> int:

@@ -32,7 +32,9 @@ The collective is the bucket kind, a parameter of `GradientBuckets`:
   `.grad` is dropped at once; launch reduce-scatters the staging buffer into a B'/N received
   shard, complete adds received / N into this rank's persistent gradient shard (master dtype:
   fp32, float64 for a float64 model) and frees both. Each rank sends (N−1)/N·B' per bucket and
-  holds the shard plus at most max_in_flight + 1 staging buffers.
+  holds the shard plus at most max_in_flight + 1 staging buffers. On one CPU host ZeRO-2 uses
+  `HostReduceScatterBucket` (zero2_gradients.py): the staging buffer is a shared-memory slot taken
+  from a pool of max_in_flight + 1 segments, reduce-scattered through the slots, no received shard.
 
 Nothing autograd holds keeps the owner alive: the hooks reference the `GradientBuckets` weakly and
 are removed once it is collected.

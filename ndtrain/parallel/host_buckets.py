@@ -3,9 +3,13 @@
 For CPU groups whose ranks all run on one host: DDP's bucket of B bytes is averaged by the ranks
 reading and writing each other's slots (`HostSlots.all_reduce_mean`: 2(N−1)/N·B bytes moved
 between processes, the ring's volume, without the kernel's socket copies or gloo's threads).
-ZeRO-1's bucket (zero1_gradients.py) is reduce-scattered the same way. Where the slots cannot be
-shared (ranks on several hosts, a device other than the CPU, a comm dtype other than the
-gradients'), the factories return the backend's bucket, decided alike on every rank.
+ZeRO-1's bucket (zero1_gradients.py) is reduce-scattered the same way. ZeRO-2's buckets
+(zero2_gradients.py) take turns on a pool of MAX_IN_FLIGHT + 1 segments opened here too, each sized
+for the largest bucket: a bucket's staging buffer is its slot while it is filled and in flight,
+(N−1)/N·B' read per bucket; the pool's pages, (MAX_IN_FLIGHT + 1)·B'max per rank, replace the
+transient private staging buffers. Where the slots cannot be shared (ranks on several hosts, a
+device other than the CPU, a comm dtype other than the gradients'), the factories return the
+backend's bucket (ZeRO-2: no pool), decided alike on every rank.
 """
 
 from __future__ import annotations

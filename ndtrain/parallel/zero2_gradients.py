@@ -20,6 +20,16 @@ What is communicated, and when:
   result /N into the gradient shard and frees its staging buffers. A callback queued on the
   autograd engine at the first hook launches what is left at the end of backward (a parameter that
   got no gradient counts as zero) and waits for everything.
+- On one CPU host (`host_slots`, the engine's default there: `parallel.host_shared_memory`), the
+  reduce-scatter goes through shared memory instead of gloo's loopback sockets: the wrapper opens
+  (collectively, at construction) a `SlotPool` of P = MAX_IN_FLIGHT + 1 segments of N slots, each
+  slot the largest bucket's padded size; bucket k takes segment k mod P (`HostReduceScatterBucket`),
+  its staging buffer is this rank's slot, zeroed when taken, and `HostSlots.reduce_scatter_mean`
+  leaves this rank's range of it averaged, straight out of the other slots ((N−1)/N·B' read, no
+  copy, counted as `reduce_scatter_shm`), which completion adds into the shard. Launching in order
+  with at most MAX_IN_FLIGHT in flight frees a segment before its next bucket launches; a bucket
+  whose gradients come before its turn stages privately and is copied into the slot at launch.
+  Where a rank cannot map a segment (another host), every rank keeps gloo's reduce-scatter.
 - Gradient accumulation: every micro-batch's backward reduce-scatters (there is no `no_sync`), and
   the results are *summed into the shard*. Exact (the sum over micro-batches and ranks of the
   gradients, divided by N), memory stays 4Ψ/N, at the price of k reduce-scatters for k
@@ -36,13 +46,18 @@ What is communicated, and when:
 - zb's split backward: the input-gradient pass I produces no weight gradient (nothing reaches the
   hooks); the weight pass W runs one autograd call per weight operation (split_backward.py), so it
   runs inside `weight_pass()`: the hooks stage each gradient as it is produced and the buckets are
-  reduce-scattered when W ends (not overlapped with W's compute), exactly once per micro-batch.
+  reduce-scattered when W ends (not overlapped with W's compute), exactly once per micro-batch
+  (through the slots: the first P buckets staged in their slots, the others privately).
 
 Cost, Ψ trainable elements, G = Ψ · comm itemsize, N ranks, k micro-batches, ring algorithms:
 each rank sends k·(N−1)/N·G (reduce-scatter) + (N−1)/N·Ψ'·param itemsize (all-gather) per step,
 1× DDP's volume for k = 1. Memory per rank, fp32: 4Ψ parameters + 4Ψ/N gradient shard + 8Ψ/N
 AdamW state; transiently up to MAX_IN_FLIGHT + 1 staging buckets (≤ (MAX_IN_FLIGHT + 1)·bucket_mb)
-plus the gradients autograd has produced for the bucket being filled. With bf16/fp16 compute
+plus the gradients autograd has produced for the bucket being filled. Through the slots the
+staging buffers of the P buckets holding a segment are the segment's pages: (MAX_IN_FLIGHT + 1)·B'max
+of shared memory per rank for as long as the wrapper lives (B'max: the largest padded bucket),
+plus, per segment, the (N−1)/N·B'max of the others' slots a rank reads, counted in its resident
+set too (shared pages, not copies); private staging only for a bucket staged before its turn. With bf16/fp16 compute
 copies: 2Ψ parameters + 4Ψ/N gradient shard (fp32) + 12Ψ/N (fp32 master + AdamW state).
 
 Limitations: unused parameters count as zero gradients (no error, and weight decay still applies
@@ -52,21 +67,118 @@ to them); the parameters must keep being the views `ZeroOptimizer` makes of its 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from ndtrain.comm import Communicator, Group
 from ndtrain.config import ParallelConfig
+from ndtrain.host_slots import HostSlots
 from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.buckets import MB, GradientBuckets, ReduceScatterBucket, broadcast_state
-from ndtrain.parallel.flat_layout import Segment
+from ndtrain.parallel.buckets import MB, GradientBuckets, ReduceScatterBucket, broadcast_state, pack
+from ndtrain.parallel.flat_layout import FlatLayout, Segment
+from ndtrain.parallel.host_buckets import open_bucket_slots
 from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
 from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, ZeroOptimizer, ZeroStrategy, compute_copies
 
 MAX_IN_FLIGHT = 2  # reduce-scatters in flight during backward (bounds the staging memory)
+
+
+class SlotPool:
+    """Shared-memory segments (host_slots.py) that the buckets take turns on: bucket k on segment k mod P.
+
+    A bucket holds its segment from its first gradient (or its launch) to its completion. Bucket k's
+    turn on segment s = k mod P comes once bucket k − P has released it in this backward (the first
+    P buckets: once the last user of the previous backward has, as every backward completes all)."""
+
+    def __init__(self, segments: list[HostSlots]) -> None:
+        self.segments = segments
+        self._holder: list[int | None] = [None] * len(segments)  # the bucket holding each segment
+        self._turn = list(range(len(segments)))  # the bucket whose turn each segment is in this backward
+        self._enlisted = 0
+
+    @staticmethod
+    def open(params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype, cap: int) -> SlotPool | None:
+        """Collective: MAX_IN_FLIGHT + 1 segments (fewer when there are fewer buckets) of the largest
+        bucket's padded size, or None on every rank where the backend must reduce-scatter (see
+        `open_bucket_slots`; also parameters of several dtypes)."""
+        if not params or len({p.dtype for p in params}) > 1:
+            return None
+        runs = pack(params, cap)
+        numel = max(FlatLayout([params[i] for i in run], group.size, group.rank).padded for run in runs)
+        segments = []
+        for _ in range(min(MAX_IN_FLIGHT + 1, len(runs))):
+            slots = open_bucket_slots(params, comm, group, comm_dtype, numel)
+            if slots is None:  # decided alike on every rank
+                return None
+            segments.append(slots)
+        return SlotPool(segments)
+
+    def enlist(self) -> int:
+        """The index of a new bucket (buckets enlist in bucket order)."""
+        self._enlisted += 1
+        return self._enlisted - 1
+
+    def free_for(self, bucket: int) -> bool:
+        s = bucket % len(self.segments)
+        return self._holder[s] is None and (bucket < len(self.segments) or self._turn[s] == bucket)
+
+    def take(self, bucket: int) -> None:
+        s = bucket % len(self.segments)
+        assert self.free_for(bucket), f"bucket {bucket}'s segment: held by bucket {self._holder[s]}, turn of {self._turn[s]}"
+        self._holder[s] = bucket
+
+    def release(self, bucket: int) -> None:
+        s = bucket % len(self.segments)
+        assert self._holder[s] == bucket, (bucket, self._holder[s])
+        self._holder[s], self._turn[s] = None, bucket + len(self.segments)
+
+
+class HostReduceScatterBucket(ReduceScatterBucket):
+    """A ZeRO-2 bucket staged in this rank's slot of a pool segment and reduce-scattered through the
+    slots (`HostSlots.reduce_scatter_mean`: this rank's range of its slot becomes the mean, added to
+    the shard at completion). A bucket whose first gradient comes before its turn on the segment
+    (gradients out of bucket order, or zb's weight pass staging every bucket) stages in a private
+    buffer as `ReduceScatterBucket` does and copies it into the slot at launch: by then the buckets
+    before it on the segment are complete (launch order, at most MAX_IN_FLIGHT in flight)."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,
+                 pool: SlotPool) -> None:
+        super().__init__(params, comm, group, comm_dtype)
+        self.pool, self.index = pool, pool.enlist()
+        # `slots` stays None: the segment is shared, so ZeroOptimizer must not gather through it
+        self.segment = pool.segments[self.index % len(pool.segments)].cut(self.flat_layout.padded, self.flat_layout.size)
+        self._holding = False
+
+    def _staging(self) -> torch.Tensor:
+        if self.staging is None and self.pool.free_for(self.index):
+            self._take()
+            self.staging = self.segment.mine.zero_()
+        return super()._staging()
+
+    def _take(self) -> None:
+        self.pool.take(self.index)
+        self._holding = True
+
+    def launch(self) -> None:
+        staging = self._staging()
+        if not self._holding:  # staged privately
+            self._take()
+            self.segment.mine.copy_(staging)
+        self.pending = self.segment.reduce_scatter_mean()
+
+    def complete(self) -> None:
+        assert self.pending is not None and self._holding
+        self.pending.wait()
+        lo, hi = self.segment.chunks[self.group.rank]
+        self.shard.add_(self.segment.mine[lo:hi])  # already divided by N
+        self.pool.release(self.index)
+        self.staging = self.pending = None
+        self._holding = False
 
 
 class Zero2DataParallel(nn.Module):
@@ -80,8 +192,10 @@ class Zero2DataParallel(nn.Module):
 
     def __init__(
         self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
-        comm_dtype: torch.dtype = torch.float32,
+        comm_dtype: torch.dtype = torch.float32, host_slots: bool = False,
     ) -> None:
+        """`host_slots`: reduce-scatter through a pool of shared-memory segments where the group's
+        ranks share a host (`SlotPool`, `HostReduceScatterBucket`)."""
         super().__init__()
         self.module = module
         self.ctx = ctx
@@ -89,9 +203,10 @@ class Zero2DataParallel(nn.Module):
         cap = max(1, int(bucket_mb * MB))
         broadcast_state(ctx, self.group, [*module.parameters(), *module.buffers()], cap)
         params = [p for p in module.parameters() if p.requires_grad][::-1]
+        pool = SlotPool.open(params, ctx.comm, self.group, comm_dtype, cap) if host_slots else None
+        kind = ReduceScatterBucket if pool is None else functools.partial(HostReduceScatterBucket, pool=pool)
         self._grads = GradientBuckets(
-            params, ctx.comm, self.group, ReduceScatterBucket, cap_bytes=cap, comm_dtype=comm_dtype,
-            max_in_flight=MAX_IN_FLIGHT,
+            params, ctx.comm, self.group, kind, cap_bytes=cap, comm_dtype=comm_dtype, max_in_flight=MAX_IN_FLIGHT,
         )
         self._buckets: list[ReduceScatterBucket] = self._grads.buckets  # type: ignore[assignment]
 
@@ -150,7 +265,8 @@ def build_zero2(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, opt
     the shard (no `no_sync`), keeping the gradient memory sharded."""
     masters = compute_copies(model, DTYPES[cfg.precision])
     chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
-    wrappers = [Zero2DataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype]) for chunk in chunks]
+    wrappers = [Zero2DataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype],
+                                  host_slots=cfg.host_shared_memory) for chunk in chunks]
     source = wrappers[0] if len(wrappers) == 1 else DataParallelChunks(wrappers)
     optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=True)
     return ZeroStrategy(source, optimizer, no_sync=contextlib.nullcontext,
