@@ -19,6 +19,7 @@ from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.parallel.buckets import MB, pack
+from tests.helpers.counts import counted_since
 from tests.helpers.models import adamw, batch, make_llama, micro_batches
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import Reference, decay_groups, train_reference
@@ -56,7 +57,7 @@ def _train(ctx: ParallelContext, zero: int, accumulation: int, clip: float) -> d
         before = ctx.comm.stats.snapshot()
         result = engine.train_step(micro_batches(step, ctx.rank, ctx.world_size, accumulation))
         after = ctx.comm.stats.snapshot()
-        deltas.append({k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items() if v != before.get(k)})
+        deltas.append(counted_since(before, after))
         norms.append(result.grad_norm)
     return {"params": engine.full_state_dict(), "norms": norms, "deltas": deltas}
 

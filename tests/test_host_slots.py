@@ -30,6 +30,7 @@ import torch
 from ndtrain.config import ParallelConfig
 from ndtrain.host_slots import HostSlots, host_slots_supported
 from ndtrain.mesh import init
+from tests.helpers.counts import counted_since
 from tests.helpers.runner import init_method, run_distributed
 
 pytestmark = pytest.mark.skipif(not host_slots_supported(), reason="shared-memory slots need x86-64 Linux")
@@ -70,8 +71,7 @@ def _collectives(directory: str) -> dict[str, Any]:
             slots.exchange("all_gather", pull).wait()
             out[f"all_gather {numel} {round_}"] = values
         after = ctx.comm.stats.snapshot()
-        out[f"counts {numel}"] = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items()
-                                  if k.endswith("_shm/dp")}
+        out[f"counts {numel}"] = {k: v for k, v in counted_since(before, after).items() if k.endswith("_shm/dp")}
         out[f"chunks {numel}"] = slots.chunks
     out["cuts"] = _cuts(ctx, directory)
     out["left"] = os.listdir(directory)

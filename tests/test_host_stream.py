@@ -25,6 +25,7 @@ from ndtrain.config import ParallelConfig
 from ndtrain.host_slots import host_slots_supported
 from ndtrain.host_stream import SlotRing
 from ndtrain.mesh import init
+from tests.helpers.counts import counted_since
 from tests.helpers.runner import init_method, run_distributed
 
 pytestmark = pytest.mark.skipif(not host_slots_supported(), reason="shared-memory slots need x86-64 Linux")
@@ -62,7 +63,7 @@ def _streams() -> dict[str, Any]:
         p.wait()
     assert all(p.done() for p in pending)
     after = ctx.comm.stats.snapshot()
-    counts = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items() if k.endswith("_shm/dp")}
+    counts = {k: v for k, v in counted_since(before, after).items() if k.endswith("_shm/dp")}
     return {"outs": outs, "gathers": gathers, "counts": counts, "reads": reads}
 
 

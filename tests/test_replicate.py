@@ -206,9 +206,9 @@ def test_trainer_single_process_mode_equals_single_device(tmp_path) -> None:
 
     data = corpus_file(tmp_path)
     common = {"parallel.dp": 1, "schedule.micro_batch": 4}
-    single = train(tiny_config(data, str(tmp_path / "one"), **common))
+    single = train(tiny_config(data, str(tmp_path / "one"), **common), torch.float64)
     cfg = tiny_config(data, str(tmp_path / "three"), **common, **{"parallel.dp_mode": "single-process", "parallel.replicas": 3})
-    replicated = train(cfg)
+    replicated = train(cfg, torch.float64)
     assert_params_close(replicated, single, TOL, "3 replicas")
     initial = {k: v.detach() for k, v in tiny_llama().state_dict().items()}
     assert max_relative_error(initial, single) > 1e-3  # training moved the weights: the check can fail

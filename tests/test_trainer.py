@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ndtrain.errors import UserError
+from ndtrain.host_slots import host_slots_supported
 from ndtrain.mesh import init
 from ndtrain.trainer import Trainer
 from tests.helpers.parity import assert_params_close
@@ -19,18 +20,19 @@ from tests.helpers.runs import corpus_file, tiny_config, train
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path) -> None:
     data = corpus_file(tmp_path)
-    big = train(tiny_config(data, str(tmp_path / "big"), **{"schedule.micro_batch": 8, "parallel.dp": 1}))
-    accumulated = train(tiny_config(data, str(tmp_path / "acc"), **{"schedule.micro_batch": 2, "parallel.dp": 1}))
+    big = train(tiny_config(data, str(tmp_path / "big"), **{"schedule.micro_batch": 8, "parallel.dp": 1}), torch.float64)
+    accumulated = train(tiny_config(data, str(tmp_path / "acc"), **{"schedule.micro_batch": 2, "parallel.dp": 1}),
+                        torch.float64)
     assert_params_close(accumulated, big, 1e-5, "accumulated")
 
 
 def _dp_worker(data: str, out: str, steps: int, micro: int) -> dict[str, torch.Tensor]:
-    return train(tiny_config(data, out, **{"schedule.steps": steps, "schedule.micro_batch": micro}))
+    return train(tiny_config(data, out, **{"schedule.steps": steps, "schedule.micro_batch": micro}), torch.float64)
 
 
 def test_data_parallel_training_equals_single_process(tmp_path: Path) -> None:
     data = corpus_file(tmp_path)
-    reference = train(tiny_config(data, str(tmp_path / "ref"), **{"parallel.dp": 1, "schedule.micro_batch": 8}))
+    reference = train(tiny_config(data, str(tmp_path / "ref"), **{"parallel.dp": 1, "schedule.micro_batch": 8}), torch.float64)
     ranks = run_distributed(_dp_worker, 2, data, str(tmp_path / "dp2"), 6, 2)
     assert torch.equal(ranks[0]["layers.0.attention.wq.weight"], ranks[1]["layers.0.attention.wq.weight"])
     assert_params_close(ranks[0], reference, 1e-5, "rank 0")
@@ -103,7 +105,7 @@ def test_resume_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def _zero1_worker(data: str, root: str) -> tuple[dict, dict, dict, list[int]]:
     zero = {"parallel.zero": 1, "parallel.bucket_mb": 0.01}  # several buckets, sizes not divisible by 2
-    sharded = train(tiny_config(data, f"{root}/zero", **{"schedule.micro_batch": 2, **zero}))
+    sharded = train(tiny_config(data, f"{root}/zero", **{"schedule.micro_batch": 2, **zero}), torch.float64)
     full = train(tiny_config(data, f"{root}/full", **{"schedule.steps": 10, **zero}))
     train(tiny_config(data, f"{root}/split", **{"schedule.steps": 10, "checkpoint.exit_after": 5, **zero}))
     resumed = train(tiny_config(data, f"{root}/split", **{"schedule.steps": 10, **zero}))
@@ -114,7 +116,7 @@ def _zero1_worker(data: str, root: str) -> tuple[dict, dict, dict, list[int]]:
 
 def test_zero1_training_equals_single_process_and_resumes_exactly(tmp_path: Path) -> None:
     data = corpus_file(tmp_path)
-    reference = train(tiny_config(data, str(tmp_path / "ref"), **{"parallel.dp": 1, "schedule.micro_batch": 8}))
+    reference = train(tiny_config(data, str(tmp_path / "ref"), **{"parallel.dp": 1, "schedule.micro_batch": 8}), torch.float64)
     sharded, full, resumed, shards = run_distributed(_zero1_worker, 2, data, str(tmp_path))[0]
     assert_params_close(sharded, reference, 1e-5, "sharded")
     for name in full:
@@ -130,7 +132,8 @@ def _state_bytes_worker(data: str, out: str, zero: int) -> dict[str, int]:
 
 
 def test_model_state_bytes_follow_the_zero_formulas(tmp_path: Path) -> None:
-    """fp32 AdamW: 4Ψ parameters, 4Ψ gradients, and 8Ψ of optimizer state (8Ψ/N with ZeRO-1)."""
+    """fp32 AdamW: 4Ψ parameters, 4Ψ gradients, and 8Ψ of optimizer state (8Ψ/N with ZeRO-1); ZeRO-1 on
+    one CPU host also holds its reduced gradient shard, 4Ψ'/N, from backward to the next zero_grad."""
     data = corpus_file(tmp_path)
     psi = 34_976  # the tiny preset
     plain = run_distributed(_state_bytes_worker, 2, data, str(tmp_path / "z0"), 0)
@@ -138,7 +141,9 @@ def test_model_state_bytes_follow_the_zero_formulas(tmp_path: Path) -> None:
     step_counters = 4  # AdamW's per-tensor `step` (one fp32 scalar per parameter tensor or ZeRO segment)
     for rank in range(2):
         assert plain[rank]["parameters"] == sharded[rank]["parameters"] == 4 * psi
-        assert plain[rank]["gradients"] == sharded[rank]["gradients"] == 4 * psi
+        assert plain[rank]["gradients"] == 4 * psi
+        shard = -(-psi // 2) if host_slots_supported() else 0  # one bucket (25 MB cap): ⌈Ψ/N⌉ elements
+        assert sharded[rank]["gradients"] == 4 * (psi + shard)
         assert plain[rank]["optimizer"] == 8 * psi + step_counters * 21  # 21 parameter tensors
     # Every real element has its two moments on exactly one rank, plus one step counter per segment.
     assert 0 < sum(r["optimizer"] for r in sharded) - 8 * psi <= step_counters * 2 * 21

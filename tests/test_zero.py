@@ -33,6 +33,7 @@ from ndtrain.parallel.buckets import MB, pack
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.zero1_gradients import Zero1DataParallel
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer, no_decay_for_vectors
+from tests.helpers.counts import counted_since
 from tests.helpers.models import make_llama
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import train_reference
@@ -168,8 +169,7 @@ def _train(ctx: ParallelContext, kind: str, bucket_mb: float, sizes: tuple[int, 
         out["norms"].append(zero.clip_grad_norm_(MAX_NORM).item())
         zero.step()
         after = ctx.comm.stats.snapshot()
-        out["deltas"].append({k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items()
-                              if v != before.get(k)})
+        out["deltas"].append(counted_since(before, after))
         sched.step()
         zero.zero_grad()
     out["params"] = state(model.module)

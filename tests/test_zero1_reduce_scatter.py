@@ -30,6 +30,7 @@ from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.buckets import MB, pack
 from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
+from tests.helpers.counts import counted_since
 from tests.helpers.layouts import BF16_LOSS_TOLERANCE, DTYPE, MAX_NORM, MODEL, STEPS, State, adamw, batch
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed
@@ -60,7 +61,7 @@ def _train(name: str, layout: dict[str, Any]) -> dict[str, Any]:
         before = ctx.comm.stats.snapshot()
         result = engine.train_step(list(zip(x.chunk(2), y.chunk(2))))
         after = ctx.comm.stats.snapshot()
-        deltas.append({k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items() if v != before.get(k)})
+        deltas.append(counted_since(before, after))
         losses.append(result.loss)
         norms.append(result.grad_norm)
     return {"losses": losses, "norms": norms, "deltas": deltas, "state": engine.full_state_dict()}

@@ -26,6 +26,7 @@ from ndtrain.parallel.flat_layout import OPTIMIZER_RUN
 from ndtrain.parallel.zero1_gradients import Zero1DataParallel
 from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
 from ndtrain.parallel.zero2_gradients import Zero2DataParallel
+from tests.helpers.counts import counted_since
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed
 
@@ -65,8 +66,7 @@ def _train() -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=step % 2 == 0)
         after = ctx.comm.stats.snapshot()
         out[name] = {"sizes": [p.numel() for p in segments], "cuts": cuts,
-                     "shm": {k: v["calls"] - before.get(k, {}).get("calls", 0) for k, v in after.items()
-                             if "_shm" in k and v != before.get(k)},
+                     "shm": {k: v["calls"] for k, v in counted_since(before, after).items() if "_shm" in k},
                      "range": (optimizer._shards[0].lo, optimizer._shards[0].hi),
                      "weight": model.module.weight.detach().clone()}
     return out

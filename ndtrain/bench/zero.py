@@ -5,8 +5,10 @@ the same LR) on the same random token batches (a different stream per rank, the 
 contestants), with the same bucket cap, over the same `dp_cp` process group, with the same loop:
 forward, backward, step, `zero_grad(set_to_none=True)`. Both shard only the optimizer state
 (ZeRO stage 1): ours slices every flat bucket evenly over the ranks, reduce-scatters each gradient
-bucket into the slices during backward and gathers the buckets after the step (gloo: one broadcast
-per rank slice); torch's all-reduces the gradients, assigns whole parameters to ranks (greedily, by
+bucket into the slices during backward and gathers the buckets after the step (on one CPU host
+through its shared-memory ring, host_stream.py, with the gradients left as autograd's own
+`.grad`s, freed by `zero_grad(set_to_none=True)`; with `--no-host-slots` through gloo, one
+broadcast per rank slice); torch's all-reduces the gradients, assigns whole parameters to ranks (greedily, by
 size) and broadcasts each rank's parameters after the step. Torch's DDP gets the options of the `ddp` scenario: gradients
 as bucket views, no per-forward buffer broadcast.
 

@@ -3,7 +3,7 @@
 For CPU groups whose ranks all run on one host: DDP's bucket of B bytes is averaged by the ranks
 reading and writing each other's slots (`HostSlots.all_reduce_mean`: 2(N−1)/N·B bytes moved
 between processes, the ring's volume, without the kernel's socket copies or gloo's threads).
-ZeRO-1's bucket (zero1_gradients.py) is reduce-scattered the same way. ZeRO-2's buckets
+(ZeRO-1 streams its buckets through a ring of small segments instead: host_stream.py.) ZeRO-2's buckets
 (zero2_gradients.py) take turns on a pool of MAX_IN_FLIGHT + 1 segments opened here too, each sized
 for the largest bucket: a bucket's staging buffer is its slot while it is filled and in flight,
 (N−1)/N·B' read per bucket; the pool's pages, (MAX_IN_FLIGHT + 1)·B'max per rank, replace the

@@ -15,6 +15,7 @@ import torch
 
 from ndtrain.config import TrainConfig, load_config
 from ndtrain.mesh import init
+from ndtrain.models.build import build_run_model
 from ndtrain.trainer import Trainer
 from tests.helpers.runner import init_method
 
@@ -77,10 +78,15 @@ def tiny_config(data: str, out: str, **overrides: object) -> TrainConfig:
     return load_config(None, base)
 
 
-def train(cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """Run the trainer on `cfg` (under the test runner's rendezvous when dp > 1); its model's state."""
+def train(cfg: TrainConfig, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Run the trainer on `cfg` (under the test runner's rendezvous when dp > 1); its model's state.
+
+    `dtype=torch.float64`: the config's model in float64 (parity runs: in fp32, AdamW turns the
+    last-bit rounding of a differently ordered gradient sum into ~1e-5 parameter differences, more
+    or less depending on the CPU's kernels; in float64 they are ~1e-14)."""
     ctx = init(cfg.parallel, init_method=init_method()) if cfg.parallel.dp != 1 else init(cfg.parallel)
-    trainer = Trainer(cfg, ctx)
+    model_fn = None if dtype is None else lambda: build_run_model(cfg.model, cfg.seed).to(dtype)
+    trainer = Trainer(cfg, ctx, model_fn=model_fn)
     trainer.run()
     return {k: v.detach().clone() for k, v in trainer.engine.model.state_dict().items()}
 
