@@ -43,6 +43,7 @@ which the runner needs averaged whole, is a backend `ShardReduceBucket` (all-red
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import Any
 
@@ -118,10 +119,12 @@ class HostShardReduceBucket(Bucket):
     def comm_bytes(self) -> int:
         return self.flat_layout.padded * self.params[0].element_size()
 
-    def _shard(self) -> torch.Tensor:
+    def _shard(self, zeroed: bool = True) -> torch.Tensor:
+        """The averaged range's buffer (made now if released; `zeroed=False`: a reduction will fill it)."""
         if self.shard is None:
             first = self.params[0]
-            self.shard = torch.zeros(self.flat_layout.size, dtype=first.dtype, device=first.device)
+            make = torch.zeros if zeroed else torch.empty
+            self.shard = make(self.flat_layout.size, dtype=first.dtype, device=first.device)
         return self.shard
 
     def gradient_slice(self, start: int, end: int) -> torch.Tensor:
@@ -138,7 +141,7 @@ class HostShardReduceBucket(Bucket):
         """Nothing to move: the gradient is read from `.grad` when the bucket is reduced."""
 
     def launch(self) -> None:
-        self.pending = self.ring.reduce_scatter_mean(self._read, self._shard(), self.flat_layout.size)  # type: ignore[assignment]
+        self.pending = self.ring.reduce_scatter_mean(self._read, self._shard(zeroed=False), self.flat_layout.size)  # type: ignore[assignment]
 
     def complete(self) -> None:
         assert self.pending is not None
@@ -159,7 +162,11 @@ class HostShardReduceBucket(Bucket):
         parameter has no gradient, and in the padding)."""
         end = offset + into.numel()
         covered = offset
-        for param, start in zip(self.params, self.flat_layout.offsets):
+        offsets = self.flat_layout.offsets
+        for i in range(max(0, bisect.bisect_right(offsets, offset) - 1), len(self.params)):
+            param, start = self.params[i], offsets[i]
+            if start >= end:
+                break
             lo, hi = max(offset, start), min(end, start + param.numel())
             if lo >= hi:
                 continue
