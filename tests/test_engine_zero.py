@@ -19,8 +19,8 @@ from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.parallel.buckets import MB, pack
-from tests.helpers.counts import counted_since
-from tests.helpers.models import adamw, batch, make_llama, micro_batches
+from tests.helpers.counts import train_counted
+from tests.helpers.models import adamw, batch, make_llama
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import Reference, decay_groups, train_reference
 from tests.helpers.runner import Spawns, case_result, init_method, run_each
@@ -52,13 +52,7 @@ def reference(clip: float, pieces: int = 1) -> Reference:
 # ------------------------------------------------------------------------------------ worker
 def _train(ctx: ParallelContext, zero: int, accumulation: int, clip: float) -> dict[str, Any]:
     engine = Engine(lambda: make_llama(DTYPE), adamw, ctx, ParallelConfig(zero=zero, bucket_mb=BUCKET_MB), grad_clip=clip)
-    norms, deltas = [], []
-    for step in range(STEPS):
-        before = ctx.comm.stats.snapshot()
-        result = engine.train_step(micro_batches(step, ctx.rank, ctx.world_size, accumulation))
-        after = ctx.comm.stats.snapshot()
-        deltas.append(counted_since(before, after))
-        norms.append(result.grad_norm)
+    norms, deltas = train_counted(engine, ctx, STEPS, accumulation)
     return {"params": engine.full_state_dict(), "norms": norms, "deltas": deltas}
 
 

@@ -36,7 +36,7 @@ from ndtrain.host_slots import HostSlots, host_slots_supported
 from ndtrain.mesh import init
 from ndtrain.parallel.buckets import MB, pack
 from ndtrain.parallel.zero2_gradients import MAX_IN_FLIGHT, Zero2DataParallel
-from tests.helpers.counts import counted_since
+from tests.helpers.counts import train_counted
 from tests.helpers.models import adamw, batch, make_llama, micro_batches
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import Reference, decay_groups, train_reference
@@ -79,13 +79,7 @@ def _train(name: str, directory: Path) -> dict[str, Any]:
     finally:
         HostSlots.open = opens  # type: ignore[method-assign]
     left = os.listdir(directory)
-    norms, deltas = [], []
-    for step in range(STEPS):
-        before = ctx.comm.stats.snapshot()
-        result = engine.train_step(micro_batches(step, ctx.rank, ctx.world_size, ACCUMULATION))
-        after = ctx.comm.stats.snapshot()
-        deltas.append(counted_since(before, after))
-        norms.append(result.grad_norm)
+    norms, deltas = train_counted(engine, ctx, STEPS, ACCUMULATION)
     return {"params": engine.full_state_dict(), "norms": norms, "deltas": deltas, "left": left + os.listdir(directory),
             "kinds": {type(b).__name__ for w in engine.dp.chunks for b in w.buckets}}
 

@@ -197,7 +197,8 @@ class Zero1DataParallel(DistributedDataParallel):
     (the pipeline runner relies on that flag to decide whether micro-batches may skip the sync)."""
 
     def __init__(self, module: nn.Module, ctx: ParallelContext, *, host_slots: bool = False, **options: Any) -> None:
-        """`host_slots`: reduce through shared-memory slots where the group's ranks share a host (host_buckets.py)."""
+        """`host_slots`: reduce through a ring of shared-memory segments where the group's ranks share a
+        CPU host and the comm dtype is the gradients' (host_stream.py; opening it is collective)."""
         tied = getattr(module, "tied", None) if ctx.group("pp").size > 1 else None
         whole = frozenset([id(module.get_parameter(tied))] if tied else [])
         trainable = [p for p in module.parameters() if p.requires_grad]
