@@ -11,11 +11,13 @@ gloo's sockets: a `SlotRing` is `depth` HostSlots segments of N slots of N·p el
 [j·p, j·p + L) of every range (L = min(p, s − j·p)), each on the ring's next segment, cut to N
 parts of L (`HostSlots.cut`):
 
-- `reduce_scatter_mean(flat, s)`: this rank copies the other ranks' pieces of its buffer into its
-  slot (part k for rank k); once every rank has, it adds part r of every other slot to its own
-  piece, in slot order, and divides by N. Afterwards `flat`'s range r holds the mean over the
-  ranks (the rest is this rank's own gradient). (N−1)/N·N·L read per round: (N−1)/N·N·s in all,
-  counted as `reduce_scatter_shm`; the copy-in is one extra pass over (N−1)/N of the buffer.
+- `reduce_scatter_mean(read, out, s)`: the buffer is the caller's, read through `read(offset,
+  into)` (ZeRO-1: the parameters' own `.grad`s, laid out by the bucket's `FlatLayout`). This rank
+  copies the other ranks' pieces of it into its slot (part k for rank k); once every rank has, it
+  reads its own piece into `out` (this range's s elements), adds part r of every other slot, in
+  slot order, and divides by N: `out` is the mean over the ranks. (N−1)/N·N·L read per round:
+  (N−1)/N·N·s in all, counted as `reduce_scatter_shm`; the copy-in is one extra pass over
+  (N−1)/N of the buffer.
 - `all_gather(flat, s)`: this rank copies its piece into part r of its slot; once every rank has,
   it copies part k of slot k into its buffer for every k ≠ r: (N−1)/N·N·s read in all, counted as
   `all_gather_shm`.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 from collections import deque
 from typing import Callable
+
 import torch
 
 from ndtrain.comm import Communicator, Group, Pending
@@ -180,4 +183,3 @@ class _GatherRounds(_Stream):
         for k in range(self.ring.n):
             if k != self.ring.rank:
                 self.piece(k, start, length).copy_(cut.slots[k, k * length : (k + 1) * length])
-

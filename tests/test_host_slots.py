@@ -11,8 +11,8 @@
 - A rank that stops (real SIGSTOP) before it arrives is named by the watchdog of the rank waiting in
   the shared-memory collective, as for any collective.
 - `ZeroOptimizer` over a plain DDP whose buckets are slots (cut at cache lines, not at the
-  optimizer's ranges) trains as over gloo: it gathers through the slots only when they are cut as
-  its layout (ZeRO-1's buckets); before that check every parameter came out wrong.
+  optimizer's ranges) trains as over gloo: it gathers through a ring only over ZeRO-1's own
+  buckets (host_stream.py); gathering through a plain DDP's slots once made every parameter wrong.
 """
 
 from __future__ import annotations

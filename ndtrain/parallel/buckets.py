@@ -52,7 +52,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ndtrain.comm import Communicator, Group, Pending
-from ndtrain.host_slots import HostSlots
 from ndtrain.memory import tensor_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel.flat_layout import FlatLayout
@@ -109,7 +108,6 @@ class Bucket(ABC):
         self.params, self.communicator, self.group, self.flat_layout = params, comm, group, layout
         self.waiting = len(params)  # gradients still expected in this synchronising backward
         self.pending: Pending | None = None
-        self.slots: HostSlots | None = None  # the shared-memory segment `flat` lives in (host_buckets.py)
 
     @abstractmethod
     def accept(self, index: int, param: nn.Parameter) -> None:
@@ -135,23 +133,6 @@ class Bucket(ABC):
         the others keep their buffers)."""
         for param in self.params:
             param.grad = None
-
-
-def accept_into(view: torch.Tensor, param: nn.Parameter) -> None:
-    """A fresh gradient of `param` into its bucket `view`, which becomes `.grad` (autograd accumulates into it)."""
-    if param.grad is not view:  # replaced, e.g. after zero_grad(set_to_none=True)
-        view.copy_(param.grad)
-        param.grad = view
-
-
-def settle_views(params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
-    """End of backward: every `.grad` becomes its bucket view (zero where no gradient came)."""
-    for param, view in zip(params, views):
-        if param.grad is None:  # no gradient since .grad was dropped: a zero contribution
-            view.zero_()
-        elif param.grad is not view:  # assigned by the caller
-            view.copy_(param.grad)
-        param.grad = view
 
 
 class AllReduceBucket(Bucket):
@@ -184,10 +165,18 @@ class AllReduceBucket(Bucket):
         return tensor_bytes(self.flat) + (tensor_bytes(self.comm) if self.comm is not self.flat else 0)
 
     def accept(self, index: int, param: nn.Parameter) -> None:
-        accept_into(self.views[index], param)
+        view = self.views[index]
+        if param.grad is not view:  # replaced, e.g. after zero_grad(set_to_none=True)
+            view.copy_(param.grad)
+            param.grad = view
 
     def settle(self) -> None:
-        settle_views(self.params, self.views)
+        for param, view in zip(self.params, self.views):
+            if param.grad is None:  # no gradient since .grad was dropped: a zero contribution
+                view.zero_()
+            elif param.grad is not view:  # assigned by the caller
+                view.copy_(param.grad)
+            param.grad = view
 
     def launch(self) -> None:
         if self.comm is not self.flat:

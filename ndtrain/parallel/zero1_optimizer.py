@@ -27,8 +27,8 @@ What is communicated, and when:
   waited for. Every rank ends with the same parameters. NCCL: one all-gather per bucket
   (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`); a gradient bucket on one CPU host
   (zero1_gradients.py): through its shared-memory ring (`SlotRing.all_gather`, host_stream.py),
-  (N−1)/N·4Ψ' read between the processes, counted exactly; other gloo groups: N broadcasts per bucket, each slice from
-  its owner, because gloo's all-gather stages its output in a temporary copy of the whole bucket
+  (N−1)/N·4Ψ' read between the processes, counted exactly; other gloo groups: N broadcasts per
+  bucket, each slice from its owner, because gloo's all-gather stages its output in a temporary copy of the whole bucket
   (4Ψ' of extra peak memory with every bucket in flight; the volume on the wire is the same).
 - `clip_grad_norm_`: the squares of this rank's gradient slices, one 4-byte all-reduce over dp_cp
   (summed over mp too under tensor or pipeline parallelism, `grad_norm.global_grad_norm`).
@@ -37,8 +37,8 @@ Cost, with Ψ trainable elements (fp32), Ψ' ≥ Ψ padded (Ψ' − Ψ < N per b
 algorithms: memory per rank 4Ψ' parameters + 4Ψ' gradients + 8Ψ/N AdamW state (exp_avg and
 exp_avg_sq of the real elements of the slice; plus one 4-byte step counter per segment), instead
 of 4Ψ + 4Ψ + 8Ψ for DDP; on one CPU host the gradients (4Ψ + the 4Ψ'/N shard) exist only from
-backward to the next `zero_grad(set_to_none=True)`. Each rank sends per step (N−1)/N · 4Ψ' bytes of reduce-scatter +
-(N−1)/N · 4Ψ' of all-gather: 2(N−1)/N · 4Ψ', DDP's volume. (On gloo, whose reduce-scatter is an
+backward to the next `zero_grad(set_to_none=True)`. Each rank sends per step (N−1)/N · 4Ψ' bytes
+of reduce-scatter + (N−1)/N · 4Ψ' of all-gather: 2(N−1)/N · 4Ψ', DDP's volume. (On gloo, whose reduce-scatter is an
 all-reduce of a copy, the reduce-scatter really sends 2(N−1)/N · 4Ψ'; `ctx.comm` counts textbook
 volumes, and counts a broadcast once, at its root: (N−1)/N·4Ψ' of gather only for N = 2.)
 

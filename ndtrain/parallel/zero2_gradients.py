@@ -57,8 +57,8 @@ plus the gradients autograd has produced for the bucket being filled. Through th
 staging buffers of the P buckets holding a segment are the segment's pages: (MAX_IN_FLIGHT + 1)·B'max
 of shared memory per rank for as long as the wrapper lives (B'max: the largest padded bucket),
 plus, per segment, the (N−1)/N·B'max of the others' slots a rank reads, counted in its resident
-set too (shared pages, not copies); private staging only for a bucket staged before its turn. With bf16/fp16 compute
-copies: 2Ψ parameters + 4Ψ/N gradient shard (fp32) + 12Ψ/N (fp32 master + AdamW state).
+set too (shared pages, not copies); private staging only for a bucket staged before its turn.
+With bf16/fp16 compute copies: 2Ψ parameters + 4Ψ/N gradient shard (fp32) + 12Ψ/N (fp32 master + AdamW state).
 
 Limitations: unused parameters count as zero gradients (no error, and weight decay still applies
 to them); the parameters must keep being the views `ZeroOptimizer` makes of its flat buffers.
@@ -150,7 +150,6 @@ class HostReduceScatterBucket(ReduceScatterBucket):
                  pool: SlotPool) -> None:
         super().__init__(params, comm, group, comm_dtype)
         self.pool, self.index = pool, pool.enlist()
-        # `slots` stays None: the segment is shared, so ZeroOptimizer must not gather through it
         self.segment = pool.segments[self.index % len(pool.segments)].cut(self.flat_layout.padded, self.flat_layout.size)
         self._holding = False
 
