@@ -155,7 +155,7 @@ class ParallelConfig:
     reorder_buckets: bool = False
     flat_adamw: bool = False
     overlap_optimizer: bool = False
-    # DDP / ZeRO-1 / ZeRO-2 gradient buckets on CPU: ranks of one host reduce through shared memory (host_slots.py)
+    # DDP / ZeRO-1 / ZeRO-2 buckets and ZeRO-3 units on CPU: ranks of one host communicate through shared memory (host_slots.py)
     host_shared_memory: bool = True
     comm_dtype: CommDtype = "fp32"    # dtype of gradient reductions (the "reduce dtype")
     allow_unused_params: bool = False

@@ -1,5 +1,9 @@
 """Bucket-sized collectives streamed through a small ring of shared-memory segments (one CPU host).
 
+Users: ZeRO-1's gradient buckets and parameter gathers (below), and ZeRO-3's unit gathers and
+gradient reduce-scatters (zero3_unit.py: the unit's flat `full` and `grad_full` buffers are laid
+out as N ranges of s, as here).
+
 ZeRO-1's gradient buckets on one host (zero1_gradients.py, `HostShardReduceBucket`) are private
 memory that exists only from the first gradient of a backward to `zero_grad(set_to_none=True)`,
 so the forward pass, where activations peak, holds no gradient (a bucket that lived in shared

@@ -1,7 +1,8 @@
 """ZeRO-3 / FSDP: parity with single-process AdamW (weight-decay groups, clipping over shards,
 accumulation with `no_sync`, both reshard modes, padded units, a non-Llama model), exact
 collective counts and bytes, model-state memory, prefetch depth, bf16 compute, state dicts and
-bad wrap policies.
+bad wrap policies; the `*_ring` scenarios gather and reduce-scatter through the shared-memory ring
+(`host_slots=True`, host_stream.py) instead of gloo, and are held to the same bounds and counts.
 
 One spawn per world size runs every scenario; the parent trains the single-process references.
 The Llama parity scenarios and their references are float64 (masters, gradients, reduce-scatters,
@@ -110,11 +111,12 @@ def reference(kind: str, chunks: int, clip: bool, dtype: torch.dtype = torch.flo
 # ------------------------------------------------------------------------------------ workers
 def _train(ctx: ParallelContext, kind: str, *, accumulate: int = 1, clip: bool = True, reshard: bool = True,
            param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-           dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+           dtype: torch.dtype = torch.float32, host_slots: bool = False) -> dict[str, Any]:
     n, rank = ctx.world_size, ctx.rank
     group = ctx.group("dp_cp")
     model = FullyShardedDataParallel(make(kind, dtype), ctx, wrap=WRAP[kind], reshard_after_forward=reshard,
-                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype, host_slots=host_slots)
+    assert (model.ring is not None) == host_slots
     opt = torch.optim.AdamW(model.parameter_groups(no_decay_for_vectors), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
     out: dict[str, Any] = {"losses": [], "comm": [], "bytes": [],
                            "units": [(u.name, u.numel, u.padded) for u in model.units]}
@@ -204,6 +206,14 @@ SCENARIOS: list[tuple[str, dict[str, Any]]] = [
     ("mlp_keep", {"kind": "mlp", "reshard": False, "clip": False}),
     ("llama_bf16", {"kind": "llama", "param_dtype": torch.bfloat16, "clip": False}),
     ("llama_bf16_reduce", {"kind": "llama", "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16, "clip": False}),
+    ("llama_ring", {"kind": "llama", "dtype": LLAMA_DTYPE, "host_slots": True}),
+    ("llama_keep_accumulate_ring", {"kind": "llama", "reshard": False, "accumulate": 2, "dtype": LLAMA_DTYPE,
+                                    "host_slots": True}),
+    ("mlp_ring", {"kind": "mlp", "accumulate": 2, "host_slots": True}),
+    # the ring carries bf16: gathers through it, fp32 reduce-scatters through gloo
+    ("llama_bf16_ring", {"kind": "llama", "param_dtype": torch.bfloat16, "clip": False, "host_slots": True}),
+    ("llama_bf16_reduce_ring", {"kind": "llama", "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16,
+                                "clip": False, "host_slots": True}),
 ]
 
 
@@ -228,7 +238,9 @@ def test_parity_with_single_process_adamw(world: tuple[int, dict[str, Any]], nam
 @pytest.mark.parametrize("name", [s for s, _ in SCENARIOS])
 def test_collective_calls_and_bytes_match_the_formula(world: tuple[int, dict[str, Any]], name: str) -> None:
     """Per step: all-gathers k·(R + U + U·reshard) of Ψ'ᵤ·c bytes, reduce-scatters R + U of Ψ'ᵤ·r bytes;
-    all-reduces the fp32 loss and (clipping) the master-dtype sum of squares."""
+    all-reduces the fp32 loss and (clipping) the master-dtype sum of squares. Through the ring
+    (`*_ring`: every unit here is one round of it) the same calls and bytes are counted under the
+    `_shm` operations, where the ring carries the dtype (c for gathers; r = c for reduce-scatters)."""
     n, results = world
     kw = dict(SCENARIOS)[name]
     got = results[name]
@@ -241,11 +253,14 @@ def test_collective_calls_and_bytes_match_the_formula(world: tuple[int, dict[str
     gather_calls = k * (len(root) + len(blocks) * (2 if reshard else 1))
     gather_bytes = k * c * (sum(root) + sum(blocks) * (2 if reshard else 1))
     scatter_bytes = r * (sum(root) + sum(blocks))
+    ring = kw.get("host_slots", False)
+    gather_op = "all_gather_shm/dp_cp" if ring else "all_gather/dp_cp"
+    scatter_op = "reduce_scatter_shm/dp_cp" if ring and r == c else "reduce_scatter/dp_cp"
     expected = {
-        "all_gather/dp_cp": {"calls": gather_calls, "payload_bytes": gather_bytes,
+        gather_op: {"calls": gather_calls, "payload_bytes": gather_bytes,
                              "wire_bytes": sum((n - 1) * c * p // n for p in root) * k
                              + sum((n - 1) * c * p // n for p in blocks) * k * (2 if reshard else 1)},
-        "reduce_scatter/dp_cp": {"calls": len(units), "payload_bytes": scatter_bytes,
+        scatter_op: {"calls": len(units), "payload_bytes": scatter_bytes,
                                  "wire_bytes": sum((n - 1) * r * p // n for _, _, p in units)},
         "all_reduce/dp_cp": {"calls": len(reduced), "payload_bytes": sum(reduced),
                              "wire_bytes": sum(2 * (n - 1) * b // n for b in reduced)},
@@ -262,7 +277,7 @@ def test_padding_for_units_not_multiple_of_n(world: tuple[int, dict[str, Any]]) 
     assert any(p != numel for _, numel, p in units)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_keep_accumulate", "llama_bf16"])
+@pytest.mark.parametrize("name", ["llama", "llama_keep_accumulate", "llama_bf16", "llama_ring", "llama_bf16_ring"])
 def test_model_state_memory(world: tuple[int, dict[str, Any]], name: str) -> None:
     """After a step, 4mΨ/N per rank (m-byte master, gradient, AdamW moments: 16Ψ/N in fp32) within 5%.
     During the step, on top of the shards: at least the root and one block with their gradients
@@ -284,7 +299,7 @@ def test_model_state_memory(world: tuple[int, dict[str, Any]], name: str) -> Non
         assert gathered <= 2 * c * root + 2 * 2 * c * block + 2 * r * biggest // n + (2 * r * biggest if r != c else 0)
 
 
-@pytest.mark.parametrize("name", ["llama_bf16", "llama_bf16_reduce"])
+@pytest.mark.parametrize("name", ["llama_bf16", "llama_bf16_reduce", "llama_bf16_ring", "llama_bf16_reduce_ring"])
 def test_bf16_tracks_fp32(world: tuple[int, dict[str, Any]], name: str) -> None:
     """bf16 compute (8-bit mantissa, unit roundoff 2^-8 ≈ 0.4% per logit) from fp32 masters, with fp32
     or bf16 reduce-scatters: the loss is a mean over 128 tokens of such roundings, so it stays within

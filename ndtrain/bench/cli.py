@@ -82,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        ("--torch-fused-adamw", "torch's contestant uses torch.optim.AdamW(fused=True)")):
         levers.add_argument(flag, action="store_true", help=what)
     parser.add_argument("--no-host-slots", dest="host_slots", action="store_false",
-                        help="ddp/zero1/zero2: ours reduces through the backend (gloo's sockets) instead of shared-memory "
-                             "slots between the ranks of one host (parallel.host_shared_memory=false)")
+                        help="ddp/zero1/zero2/zero3: ours communicates through the backend (gloo's sockets) instead of "
+                             "shared memory between the ranks of one host (parallel.host_shared_memory=false)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result (default: bench-results/SCENARIO-nN.json)")
 

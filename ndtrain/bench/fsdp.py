@@ -5,8 +5,9 @@ the same LR) on the same random token batches (a different stream per rank, the 
 contestants), over the same `dp_cp` process group, with the same loop: forward, backward, step,
 `zero_grad(set_to_none=True)`. Both shard parameters, gradients and optimizer state (ZeRO stage 3)
 with one unit per transformer block plus the root (embedding, final norm, head), fp32 throughout,
-parameters freed after forward and gathered again for backward: ours wraps with `layers.*`;
-torch's gets `fully_shard` on every block and then on the model.
+parameters freed after forward and gathered again for backward: ours wraps with `layers.*`
+and, on one CPU host, gathers and reduce-scatters through its shared-memory ring (host_stream.py;
+`--no-host-slots`: through gloo); torch's gets `fully_shard` on every block and then on the model.
 
 Expected per rank, Ψ fp32 elements, Ψ' ≥ Ψ padded (ours), N ranks, U blocks: model state
 16Ψ/N bytes between steps (4 master + 4 gradient + 8 AdamW), and communication per step
@@ -47,7 +48,8 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     group = ctx.group("dp_cp")
 
     def ours() -> Built:
-        model = FullyShardedDataParallel(build_model(work.model, options.seed, ctx.device), ctx, wrap=("layers.*",))
+        model = FullyShardedDataParallel(build_model(work.model, options.seed, ctx.device), ctx, wrap=("layers.*",),
+                                         host_slots=options.host_slots)
         optimizer = torch.optim.AdamW(model.parameter_groups(), lr=LR)
         return model, optimizer, lambda: sum(model.state_bytes().values()) + _local_state_bytes(optimizer)
 

@@ -82,7 +82,7 @@ class BenchOptions:
     flat_adamw: bool = False
     overlap_optimizer: bool = False
     torch_fused_adamw: bool = False
-    host_slots: bool = True  # ddp/zero1/zero2: ours reduces through shared-memory slots on one host (host_slots.py)
+    host_slots: bool = True  # ddp/zero1/zero2/zero3: ours communicates through shared memory on one host (host_slots.py)
 
     def validate(self) -> None:
         for name in ("steps", "repeats", "micro_batch", "seq_len", "bucket_mb", "first_bucket_mb"):

@@ -27,6 +27,11 @@ What is communicated, and when (U units besides the root, N ranks):
   gradient, the buffer is reduce-scattered (in `reduce_dtype`) asynchronously; it is waited for
   when the next unit's is launched, or at the end of backward, and its mean over the N ranks is
   added to the shard's fp32 `.grad`. The full parameters and gradient are then freed.
+- transport: gloo's (or NCCL's) all-gather and reduce-scatter; on one CPU host (`host_slots`, the
+  engine's default there: `parallel.host_shared_memory`) both go through one `SlotRing` per wrapper
+  (host_stream.py: two shared-memory segments of N slots of N·2^18 elements, taken in turn by rounds
+  of 2^18 elements of every rank's range), in the order they are started, the same on every rank,
+  for the operations in the ring's dtype (the compute dtype): same bytes, no socket.
 - inside `no_sync()` nothing is reduced: the full gradients stay and accumulate, and the first
   backward outside reduces the sum (exact gradient accumulation, at the memory of unsharded
   gradients in the compute dtype).
@@ -68,6 +73,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
+from ndtrain.host_stream import SlotRing
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.hf_families import decoder_layers
@@ -78,7 +84,7 @@ from ndtrain.parallel.sync_switch import SyncSwitch
 from ndtrain.parallel.grad_norm import (
     GradPiece, Span, flat_pieces, local_squares, optimizer_param_grads, segment_spans,
 )
-from ndtrain.parallel.precision import DTYPES
+from ndtrain.parallel.precision import DTYPES, master_dtype
 from ndtrain.parallel.tensor import gather_shard
 from ndtrain.parallel.zero3_split_passes import SplitBackwardPasses
 from ndtrain.parallel.zero3_unit import FlatUnit
@@ -135,8 +141,10 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
     def __init__(
         self, module: nn.Module, ctx: ParallelContext, *, wrap: Sequence[str] | str = "auto",
         reshard_after_forward: bool = True, param_dtype: torch.dtype = torch.float32,
-        reduce_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32, host_slots: bool = False,
     ) -> None:
+        """`host_slots`: gather and reduce-scatter through a ring of shared-memory segments where the
+        group's ranks share a CPU host (host_stream.py, zero3_unit.py; opening it is collective)."""
         super().__init__()
         self.module, self.ctx = module, ctx
         self.group = ctx.group("dp_cp")
@@ -159,8 +167,10 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
             if unit_of is not None and not (n == unit_of or n.startswith(unit_of + ".")):
                 raise UserError(f"parameter {n} is shared with FSDP unit {unit_of!r}: wrap the modules sharing it in one unit")
 
+        self.ring = _open_ring(module, ctx, param_dtype) if host_slots else None
+
         def unit(name: str, params: list[tuple[str, nn.Parameter]]) -> FlatUnit:
-            return FlatUnit(name, params, self.group, ctx.comm, param_dtype, reduce_dtype)
+            return FlatUnit(name, params, self.group, ctx.comm, param_dtype, reduce_dtype, self.ring)
 
         self.root: FlatUnit | None = unit("", root_params) if root_params else None
         self.blocks = [unit(name, params) for name, _, params in blocks]
@@ -390,6 +400,17 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         self._peak = max(self._peak, held["parameters"] + held["gradients"])
 
 
+def _open_ring(module: nn.Module, ctx: ParallelContext, param_dtype: torch.dtype) -> SlotRing | None:
+    """A ring in the units' compute dtype over dp_cp where its ranks share a CPU host (collective;
+    None on every rank where some rank cannot map it, or with one rank or no CPU parameters)."""
+    group = ctx.group("dp_cp")
+    first = next(module.parameters(), None)
+    if first is None or first.device.type != "cpu" or group.size == 1:
+        return None
+    dtype = param_dtype if param_dtype.itemsize < 4 else master_dtype(first.dtype)
+    return SlotRing.open(ctx.comm, group, dtype)
+
+
 def _real_size(placement: Placement, shard: Shard) -> int:
     """The unsharded size of a tp-sharded parameter along its split dim (its padded size if unnamed)."""
     return placement.shape[shard.dim] if placement.shape is not None else shard.full
@@ -446,6 +467,7 @@ def build_zero3(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, opt
         return FullyShardedDataParallel(
             module, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
             param_dtype=DTYPES[cfg.precision], reduce_dtype=DTYPES[cfg.comm_dtype],
+            host_slots=cfg.host_shared_memory,
         )
 
     fsdp = FullyShardedChunks([shard(chunk) for chunk in model]) if isinstance(model, nn.ModuleList) else shard(model)

@@ -21,6 +21,15 @@ of `full`, a Ψᵤ'-element buffer in the compute dtype whose storage exists onl
 A float64 model keeps float64 masters, gradients and compute (`master_dtype`): "fp32" below means
 the master dtype; only a 16-bit `param_dtype` is mixed precision.
 
+On one CPU host (`FullyShardedDataParallel(host_slots=True)`, the engine's default there) the
+gathers and reduce-scatters go through the wrapper's `SlotRing` (host_stream.py: a few MB of
+shared-memory segments taken in turn by rounds of 2^18 elements of every rank's range) instead of
+gloo's loopback sockets, wherever the ring carries the operation's dtype (the compute dtype for a
+gather, the reduction dtype for a reduce-scatter): `gather()` casts the shard into its range of
+`full` and streams the others' ranges in; `launch_reduce()` streams `grad_full` out and its range's
+mean in. The bytes moved and counted are the same ((N−1)/N of the buffer each, as
+`all_gather_shm` / `reduce_scatter_shm`); the summation order differs from gloo's.
+
 Per unit and rank: 4s bytes of master + 4s of gradient (+ AdamW's 8 per real element); while
 gathered, Ψᵤ'·c bytes of parameters (c = compute itemsize), and during its backward Ψᵤ'·c of
 gradient (+ Ψᵤ'·4 for the cast when the reduction dtype differs). Communication: each gather
@@ -35,6 +44,7 @@ import torch
 from torch import nn
 
 from ndtrain.comm import Communicator, Group, Pending
+from ndtrain.host_stream import SlotRing
 from ndtrain.memory import tensor_bytes
 from ndtrain.parallel.flat_layout import OPTIMIZER_RUN, FlatLayout
 from ndtrain.parallel.precision import master_dtype, reduction_dtype
@@ -45,8 +55,9 @@ class FlatUnit:
 
     def __init__(
         self, name: str, params: list[tuple[str, nn.Parameter]], group: Group, comm: Communicator,
-        param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+        param_dtype: torch.dtype, reduce_dtype: torch.dtype, ring: SlotRing | None = None,
     ) -> None:
+        """`ring`: the wrapper's shared-memory ring (one CPU host), used for the operations whose dtype it carries."""
         self.name, self.group, self.comm = name, group, comm
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -54,6 +65,8 @@ class FlatUnit:
         # a 16-bit param_dtype is mixed precision; fp32 asks for none, so float64 stays float64
         self.param_dtype = param_dtype if param_dtype.itemsize < 4 else self.master_dtype
         self.reduce_dtype = reduction_dtype(reduce_dtype, self.param_dtype)
+        self._gather_ring = ring if ring is not None and ring.dtype == self.param_dtype else None
+        self._reduce_ring = ring if ring is not None and ring.dtype == self.reduce_dtype else None
         layout = self.flat_layout = FlatLayout(self.params, group.size, group.rank)
         self.numel, self.size, self.padded = layout.numel, layout.size, layout.padded
         device = self.params[0].device
@@ -90,6 +103,10 @@ class FlatUnit:
         if self.busy:
             return
         self.full.untyped_storage().resize_(self._storage_bytes)
+        if self._gather_ring is not None:
+            self.full[self.flat_layout.lo : self.flat_layout.hi].copy_(self.shard)  # casts to the compute dtype
+            self._pending = self._gather_ring.all_gather(self.full, self.size)
+            return
         self._send = self.shard if self.param_dtype == self.master_dtype else self.shard.to(self.param_dtype)
         self._pending = self.comm.all_gather(self.full, self._send, self.group, async_op=True)
 
@@ -130,12 +147,19 @@ class FlatUnit:
         return len(self.ready) == len(self.params)
 
     def launch_reduce(self) -> None:
-        """Reduce-scatter the full gradient (summed over ranks) and release it and the `.grad` views."""
+        """Reduce-scatter the full gradient (summed over ranks; through the ring: averaged) and release
+        it and the `.grad` views."""
         self.attach_grads()
         assert self.grad_full is not None and self._reduce is None
         full = self.grad_full if self.reduce_dtype == self.param_dtype else self.grad_full.to(self.reduce_dtype)
         out = torch.empty(self.size, dtype=self.reduce_dtype, device=full.device)
-        pending = self.comm.reduce_scatter(out, full, self.group, async_op=True)
+        if self._reduce_ring is not None:
+            def read(offset: int, into: torch.Tensor) -> None:
+                into.copy_(full[offset : offset + into.numel()])
+
+            pending: Pending | None = self._reduce_ring.reduce_scatter_mean(read, out, self.size)  # type: ignore[assignment]
+        else:
+            pending = self.comm.reduce_scatter(out, full, self.group, async_op=True)
         assert pending is not None
         self._reduce = (pending, out, full)
         self.drop_grads()
@@ -151,7 +175,8 @@ class FlatUnit:
         with torch.no_grad():
             if any(seg.grad is None for _, _, seg in self.segments):
                 self.shard_grad.zero_()
-            self.shard_grad.add_(out.to(self.master_dtype).div_(self.group.size))
+            mean = out.to(self.master_dtype)
+            self.shard_grad.add_(mean if self._reduce_ring is not None else mean.div_(self.group.size))
         self.attach_segment_grads()
 
     def drop_grads(self) -> None:
