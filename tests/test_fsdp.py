@@ -25,6 +25,7 @@ from torch import nn
 
 from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
+from ndtrain.host_stream import PIECE
 from ndtrain.memory import optimizer_state_bytes
 from ndtrain.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
@@ -44,6 +45,9 @@ WEIGHT_DECAY = 0.1
 EPS = 1e-6
 MAX_NORM = 0.05  # small enough that both models' gradients are clipped
 MLP_SIZES = (6, 9, 11, 5)  # units of 63, 110 and 60 elements: padded on 2 and 4 ranks
+# "wide": a middle unit of 1,101,000 elements, 550,500 per rank on 2 ranks and 275,250 on 4: more than
+# one round of the shared-memory ring (PIECE = 2^18 elements of every rank's range) on both
+WIDE_SIZES = (6, 1100, 1000, 5)
 # bf16 compute: seen ≤ 7e-5 relative loss difference from fp32 over the 4 steps; the untrained model's
 # loss differs from the trained fp32 run's by up to 2.9e-3, so 5e-4 tells training from not training.
 BF16_LOSS_RTOL = 5e-4
@@ -62,18 +66,18 @@ class MLP(nn.Sequential):
 
 
 class MLPLoss(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, sizes: tuple[int, ...] = MLP_SIZES) -> None:
         super().__init__()
         torch.manual_seed(3)
-        self.net = MLP(MLP_SIZES)
+        self.net = MLP(sizes)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(self.net(x), y)
 
 
 def make(kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    if kind == "mlp":
-        return MLPLoss().to(dtype)
+    if kind in MLP_KINDS:
+        return MLPLoss(MLP_KINDS[kind]).to(dtype)
     layers = 3 if kind == "llama3" else 2
     return build_model(config_from_dict({"model": {"preset": "tiny", "n_layers": layers}}).model, seed=0).to(dtype)
 
@@ -87,13 +91,15 @@ def itemsizes(kw: dict[str, Any]) -> tuple[int, int, int]:
     return m, c, r
 
 
-WRAP = {"llama": ("layers.*",), "llama3": ("layers.*",), "mlp": ("net.0", "net.[24]")}
+MLP_KINDS = {"mlp": MLP_SIZES, "wide": WIDE_SIZES}
+WRAP = {"llama": ("layers.*",), "llama3": ("layers.*",), "mlp": ("net.0", "net.[24]"), "wide": ("net.0", "net.[24]")}
 
 
 def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    if kind == "mlp":
-        return torch.randn(16, MLP_SIZES[0], generator=g), torch.randn(16, MLP_SIZES[-1], generator=g)
+    if kind in MLP_KINDS:
+        sizes = MLP_KINDS[kind]
+        return torch.randn(16, sizes[0], generator=g), torch.randn(16, sizes[-1], generator=g)
     tokens = torch.randint(0, 256, (8, 17), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
@@ -210,6 +216,7 @@ SCENARIOS: list[tuple[str, dict[str, Any]]] = [
     ("llama_keep_accumulate_ring", {"kind": "llama", "reshard": False, "accumulate": 2, "dtype": LLAMA_DTYPE,
                                     "host_slots": True}),
     ("mlp_ring", {"kind": "mlp", "accumulate": 2, "host_slots": True}),
+    ("wide_ring", {"kind": "wide", "accumulate": 2, "host_slots": True}),
     # the ring carries bf16: gathers through it, fp32 reduce-scatters through gloo
     ("llama_bf16_ring", {"kind": "llama", "param_dtype": torch.bfloat16, "clip": False, "host_slots": True}),
     ("llama_bf16_reduce_ring", {"kind": "llama", "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16,
@@ -239,8 +246,8 @@ def test_parity_with_single_process_adamw(world: tuple[int, dict[str, Any]], nam
 def test_collective_calls_and_bytes_match_the_formula(world: tuple[int, dict[str, Any]], name: str) -> None:
     """Per step: all-gathers k·(R + U + U·reshard) of Ψ'ᵤ·c bytes, reduce-scatters R + U of Ψ'ᵤ·r bytes;
     all-reduces the fp32 loss and (clipping) the master-dtype sum of squares. Through the ring
-    (`*_ring`: every unit here is one round of it) the same calls and bytes are counted under the
-    `_shm` operations, where the ring carries the dtype (c for gathers; r = c for reduce-scatters)."""
+    (`*_ring`) the same bytes are counted under the `_shm` operations, where the ring carries the
+    dtype (c for gathers; r = c for reduce-scatters), one call per round: ⌈(Ψ'ᵤ/N)/PIECE⌉ per unit."""
     n, results = world
     kw = dict(SCENARIOS)[name]
     got = results[name]
@@ -250,23 +257,33 @@ def test_collective_calls_and_bytes_match_the_formula(world: tuple[int, dict[str
     units = got["units"]
     root = [p for u, _, p in units if u == ""]
     blocks = [p for u, _, p in units if u != ""]
-    gather_calls = k * (len(root) + len(blocks) * (2 if reshard else 1))
-    gather_bytes = k * c * (sum(root) + sum(blocks) * (2 if reshard else 1))
-    scatter_bytes = r * (sum(root) + sum(blocks))
     ring = kw.get("host_slots", False)
     gather_op = "all_gather_shm/dp_cp" if ring else "all_gather/dp_cp"
     scatter_op = "reduce_scatter_shm/dp_cp" if ring and r == c else "reduce_scatter/dp_cp"
+
+    def calls(padded: list[int], op: str) -> int:
+        return sum(-(-(p // n) // PIECE) for p in padded) if op.endswith("_shm/dp_cp") else len(padded)
+
+    gather_calls = k * (calls(root, gather_op) + calls(blocks, gather_op) * (2 if reshard else 1))
+    gather_bytes = k * c * (sum(root) + sum(blocks) * (2 if reshard else 1))
+    scatter_bytes = r * (sum(root) + sum(blocks))
     expected = {
         gather_op: {"calls": gather_calls, "payload_bytes": gather_bytes,
                              "wire_bytes": sum((n - 1) * c * p // n for p in root) * k
                              + sum((n - 1) * c * p // n for p in blocks) * k * (2 if reshard else 1)},
-        scatter_op: {"calls": len(units), "payload_bytes": scatter_bytes,
+        scatter_op: {"calls": calls([p for _, _, p in units], scatter_op), "payload_bytes": scatter_bytes,
                                  "wire_bytes": sum((n - 1) * r * p // n for _, _, p in units)},
         "all_reduce/dp_cp": {"calls": len(reduced), "payload_bytes": sum(reduced),
                              "wire_bytes": sum(2 * (n - 1) * b // n for b in reduced)},
     }
     for step in got["comm"]:
         assert {k2: v for k2, v in step.items() if v["calls"]} == expected
+
+
+def test_wide_unit_streams_through_several_ring_rounds(world: tuple[int, dict[str, Any]]) -> None:
+    """The wide scenario exercises multi-round ring collectives (its parity and counts are checked above)."""
+    n, results = world
+    assert max(p // n for *_, p in results["wide_ring"]["units"]) > PIECE
 
 
 def test_padding_for_units_not_multiple_of_n(world: tuple[int, dict[str, Any]]) -> None:
