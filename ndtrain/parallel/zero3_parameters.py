@@ -41,7 +41,8 @@ all-gathers (U+1) + U·[reshard_after_forward] calls moving (N−1)/N·Ψ'_·c b
 unit), reduce-scatters U+1 calls of (N−1)/N·Ψ'_·r bytes; i.e. about (2 + 1)(N−1)/N·4Ψ' for fp32
 with resharding, 1.5× DDP's all-reduce. Memory per rank: 4Ψ'/N master + 4Ψ'/N gradient + 8Ψ/N
 AdamW state, plus, while running, the gathered root and at most two gathered units with their
-gradients (and reduce-scatter buffers).
+gradients (and reduce-scatter buffers); through the ring, its 2·N·2^18 elements of shared pages
+(4 MB in fp32 at N = 2), and the ring counts one call per round of 2^18 elements of a rank's range.
 
 Several forwards may precede their backwards (a pipeline stage under 1F1B or GPipe): each forward
 with grad queues its units, and each backward takes the oldest forward's (backwards must run in
