@@ -34,7 +34,7 @@ What is communicated, and when:
   waited for. Every rank ends with the same parameters. NCCL: one all-gather per bucket
   (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`); a gradient bucket on one CPU host
   (zero1_gradients.py): through its shared-memory ring, straight between the parameters
-  (`zero1_ring.all_gather_through`; with a low-precision master, into the flat buffer,
+  (`SlotRing.all_gather_through` with zero1_ring.py's reader and writer; with a low-precision master, into the flat buffer,
   `SlotRing.all_gather`, host_stream.py), (N−1)/N·4Ψ' read between the processes, counted
   exactly; other gloo groups: N broadcasts per
   bucket, each slice from its owner, because gloo's all-gather stages its output in a temporary copy of the whole bucket
@@ -91,7 +91,7 @@ from ndtrain.parallel.grad_norm import (
 from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
 from ndtrain.parallel.zero1_gradients import HostShardReduceBucket, ShardReduceBucket, Zero1DataParallel
-from ndtrain.parallel.zero1_ring import all_gather_through, read_flat, write_flat
+from ndtrain.parallel.zero1_ring import read_flat, write_flat
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -297,8 +297,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ZeroRedundancyOptimizer does: the same bytes on the wire, no copy."""
         if shard.ring is not None and shard.flat is None:  # the parameters themselves, through the ring
             params, offsets = [p.detach() for p in shard.flat_layout.params], shard.flat_layout.offsets
-            return [all_gather_through(shard.ring, functools.partial(read_flat, params, offsets),
-                                       functools.partial(write_flat, params, offsets), shard.flat_layout.size)]
+            return [shard.ring.all_gather_through(functools.partial(read_flat, params, offsets),
+                                                  functools.partial(write_flat, params, offsets), shard.flat_layout.size)]
         assert shard.flat is not None
         if shard.ring is not None:  # the gradient bucket's shared-memory ring (zero1_gradients.py)
             return [shard.ring.all_gather(shard.flat, shard.flat_layout.size)]
