@@ -1,5 +1,5 @@
 """Bench harness and the data-parallel scenarios on 2 ranks with the tiny model: result structure, exact bytes,
-the no-communication `limit` contestant and the noise warning.
+the no-communication `limit` contestant, the noise warning and each contestant's memory in fresh workers.
 
 No timing assertions: timings on a shared CI machine mean nothing.
 """
@@ -16,7 +16,10 @@ import pytest
 import torch
 
 from ndtrain.bench import ddp, fsdp, zero
-from ndtrain.bench.harness import BenchOptions, ContestResult, RunRecord, llama_workload, spreads_overlap, training_step
+from ndtrain.bench.harness import (
+    MEMORY_STEPS, BenchOptions, Contestant, ContestResult, MemoryMeasured, RunRecord, llama_workload, run_contest,
+    spreads_overlap, training_step,
+)
 from ndtrain.bench.limit import local_model
 from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
@@ -195,3 +198,44 @@ def test_noise_warning_rule() -> None:
     # Without a limit contestant (tp, pp, ...): no /limit ratio, only the reference is compared.
     plain = _result({"ours": [0.100, 0.111], "torch": [0.110, 0.115]})
     assert plain.summary()["ours"]["ratio_to_limit"] is None and len(plain.noise_warnings()) == 1
+
+
+def test_a_memory_run_builds_only_its_contestant_once() -> None:
+    """`memory_of`: the named contestant alone, built once, warmup + at most MEMORY_STEPS steps, then
+    MemoryMeasured with its run (no discarded run, no repeats); an unknown name is a user error."""
+    ctx = init(ParallelConfig())
+    steps: dict[str, list[int]] = {"ours": [], "torch": []}
+
+    def contestant(name: str) -> Contestant:
+        return Contestant(name, lambda: steps[name].append, counted=True)
+
+    options = dataclasses.replace(OPTIONS, steps=MEMORY_STEPS + 3, memory_of="torch")
+    with pytest.raises(MemoryMeasured) as measured:
+        run_contest(ctx, "t", [contestant("ours"), contestant("torch")], options, reference="torch", facts={})
+    assert steps == {"ours": [], "torch": list(range(OPTIONS.warmup + MEMORY_STEPS))}
+    record = measured.value.record
+    assert len(record.step_s) == MEMORY_STEPS and record.peak_bytes[0] >= record.baseline_bytes[0] > 0
+    with pytest.raises(UserError, match=r"--memory-of 'limit': the contestants are \['ours', 'torch'\]"):
+        run_contest(ctx, "t", [contestant("ours"), contestant("torch")], dataclasses.replace(options, memory_of="limit"),
+                    reference="torch", facts={})
+
+
+def test_bench_measures_each_contestants_memory_in_fresh_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ndtrain bench zero3`: after the contest, one launch per contestant adds its fresh-process peaks per
+    rank to the JSON summary and prints them."""
+    from ndtrain import cli
+
+    out = tmp_path / "zero3.json"
+    argv = ["bench", "zero3", "--nproc", "2", "--device", "cpu", "--model", "tiny", "--steps", "2", "--warmup", "1",
+            "--repeats", "1", "--seq-len", "16", "--out", str(out)]
+    assert cli.main(argv) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert list(summary) == ["ours", "torch", "limit"]
+    for s in summary.values():
+        memory = s["fresh_memory"]
+        assert set(memory) == {"peak_bytes", "peak_over_baseline_bytes", "peak_own_share_bytes"}
+        assert all(len(v) == 2 for v in memory.values())
+        assert all(p >= o > 0 and p >= own > 0 for p, o, own in zip(*memory.values()))
+    printed = capsys.readouterr().out
+    assert "each contestant alone in fresh worker processes (build + 3 steps)" in printed
+    assert all(f"\n{name} " in printed for name in summary)

@@ -4,13 +4,17 @@ The parent process checks the world (1 to `MAX_NPROC` local workers; on CUDA, no
 than visible GPUs, one each) and re-runs the command on `--nproc` workers (torchrun's agent); a
 worker sets its thread count (the cores shared evenly, so 2 ranks on 2 cores get one each), joins
 the world on `--device` (auto: CUDA with NCCL where a GPU is visible, else CPU with gloo), runs
-the scenario, and rank 0 prints the table and writes the JSON result.
+the scenario, and rank 0 prints the table and writes the JSON result. For the data-parallel
+benches (ddp, zero1, zero2, zero3) the parent then launches the workers once more per contestant
+(`--memory-of NAME`, not a user flag) to measure each one's peak memory alone in fresh processes
+(fresh_memory.py), added to the JSON and printed after the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,8 @@ from ndtrain.bench import dp_vs_ddp, ps
 from ndtrain.bench import cp
 from ndtrain.bench import pp
 from ndtrain.bench import layouts
-from ndtrain.bench.harness import BenchOptions, ContestResult
+from ndtrain.bench import fresh_memory
+from ndtrain.bench.harness import BenchOptions, ContestResult, MemoryMeasured
 from ndtrain.config import MODEL_PRESETS, ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.launch import in_worker, launch_local, set_worker_threads
@@ -39,13 +44,14 @@ class Scenario:
 
     run: Callable[[ParallelContext, BenchOptions], ContestResult]
     layout: Callable[[int], ParallelConfig] = lambda world_size: ParallelConfig()
+    fresh_memory: bool = False  # each contestant's memory also measured alone in fresh processes
 
 
 SCENARIOS: dict[str, Scenario] = {
-    "ddp": Scenario(ddp.run),
-    "zero1": Scenario(zero.run),
-    "zero2": Scenario(zero.run_zero2),
-    "zero3": Scenario(fsdp.run),
+    "ddp": Scenario(ddp.run, fresh_memory=True),
+    "zero1": Scenario(zero.run, fresh_memory=True),
+    "zero2": Scenario(zero.run_zero2, fresh_memory=True),
+    "zero3": Scenario(fsdp.run, fresh_memory=True),
     "tp": Scenario(tp.run, lambda world_size: ParallelConfig(tp=world_size)),
     "pp": Scenario(pp.run, lambda world_size: ParallelConfig(pp=world_size)),
     "cp": Scenario(cp.run, lambda world_size: ParallelConfig(cp=world_size)),
@@ -86,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "shared memory between the ranks of one host (parallel.host_shared_memory=false)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result (default: bench-results/SCENARIO-nN.json)")
+    parser.add_argument("--memory-of", default="", help=argparse.SUPPRESS)  # the parent's memory launches
 
 
 def main(args: argparse.Namespace) -> int:
@@ -94,12 +101,19 @@ def main(args: argparse.Namespace) -> int:
         micro_batch=args.micro_batch, seq_len=args.seq_len, preset=args.preset, seed=args.seed,
         first_bucket_mb=args.first_bucket_mb, reorder_buckets=args.reorder_buckets, flat_adamw=args.flat_adamw,
         overlap_optimizer=args.overlap_optimizer, torch_fused_adamw=args.torch_fused_adamw,
-        host_slots=args.host_slots,
+        host_slots=args.host_slots, memory_of=args.memory_of,
     )
     options.validate()
     if not in_worker():
         check_world(args.nproc, args.device, torch.cuda.device_count())
-        return launch_local(["bench", *_worker_argv(args)], args.nproc)
+        status = launch_local(["bench", *_worker_argv(args), *_out(args.out)], args.nproc)
+        if status != 0 or not SCENARIOS[args.scenario].fresh_memory:
+            return status
+
+        def launch(extra: list[str]) -> int:
+            return launch_local(["bench", *_worker_argv(args), *extra], args.nproc)
+
+        return fresh_memory.measure_each(launch, args.out or _default_out(args.scenario, args.nproc))
     set_worker_threads(args.threads)
     scenario = SCENARIOS[args.scenario]
     ctx = init(dataclasses.replace(scenario.layout(args.nproc), device=args.device))
@@ -109,10 +123,14 @@ def main(args: argparse.Namespace) -> int:
         if ctx.is_main:
             print(f"ndtrain: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except MemoryMeasured as measured:  # a `--memory-of` launch: its figures for the parent
+        if ctx.is_main:
+            args.out.write_text(json.dumps(fresh_memory.record_memory(measured.record)) + "\n")
+        return 0
     finally:
         ctx.destroy()
     if ctx.is_main:
-        out = args.out or Path("bench-results") / f"{args.scenario}-n{ctx.world_size}.json"
+        out = args.out or _default_out(args.scenario, ctx.world_size)
         result.write_json(out)
         print(result.table())
         print(f"written {out}")
@@ -131,7 +149,16 @@ def check_world(nproc: int, device: str, gpus: int) -> None:
                         "or --device cpu")
 
 
+def _default_out(scenario: str, world_size: int) -> Path:
+    return Path("bench-results") / f"{scenario}-n{world_size}.json"
+
+
+def _out(path: Path | None) -> list[str]:
+    return [] if path is None else ["--out", str(path)]
+
+
 def _worker_argv(args: argparse.Namespace) -> list[str]:
+    """The flags the workers need, less `--out` and `--memory-of` (given per launch)."""
     argv = [
         args.scenario, "--nproc", str(args.nproc), "--device", args.device, "--threads", str(args.threads),
         "--steps", str(args.steps),
@@ -143,4 +170,4 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
                                    ("--overlap-optimizer", args.overlap_optimizer),
                                    ("--torch-fused-adamw", args.torch_fused_adamw),
                                    ("--no-host-slots", not args.host_slots)) if on]
-    return argv + (["--out", str(args.out)] if args.out is not None else [])
+    return argv

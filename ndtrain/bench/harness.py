@@ -45,7 +45,7 @@ import gc
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -83,6 +83,7 @@ class BenchOptions:
     overlap_optimizer: bool = False
     torch_fused_adamw: bool = False
     host_slots: bool = True  # ddp/zero1/zero2/zero3: ours communicates through shared memory on one host (host_slots.py)
+    memory_of: str = ""  # set by `ndtrain bench` itself: run only this contestant, once, for its memory (fresh_memory.py)
 
     def validate(self) -> None:
         for name in ("steps", "repeats", "micro_batch", "seq_len", "bucket_mb", "first_bucket_mb"):
@@ -142,6 +143,18 @@ class RunRecord:
     peak_bytes: list[int]  # per rank
     baseline_bytes: list[int]  # per rank, resident before the build
     shared_overcount_bytes: list[int]  # per rank, shared-memory pages counted beyond its share
+
+
+MEMORY_STEPS = 5  # timed steps of a `memory_of` run (after the warmup): enough for every contestant's peak
+
+
+class MemoryMeasured(Exception):
+    """Raised by `run_contest` in a `memory_of` run once its contestant's one run is done, so the
+    scenario stops there (its other measurements belong to the timed launch; fresh_memory.py)."""
+
+    def __init__(self, record: RunRecord) -> None:
+        super().__init__("memory measured")
+        self.record = record
 
 
 @dataclass
@@ -239,7 +252,14 @@ def run_contest(
     ctx: ParallelContext, scenario: str, contestants: list[Contestant], options: BenchOptions,
     *, reference: str, facts: dict[str, Any],
 ) -> ContestResult:
-    """Every rank calls this with the same contestants; every rank gets the same result."""
+    """Every rank calls this with the same contestants; every rank gets the same result. With
+    `options.memory_of`, it runs that contestant once (warmup + at most `MEMORY_STEPS` steps) and
+    raises `MemoryMeasured` with the run (fresh_memory.py)."""
+    if options.memory_of:
+        chosen = [c for c in contestants if c.name == options.memory_of]
+        if not chosen:
+            raise UserError(f"bench --memory-of {options.memory_of!r}: the contestants are {[c.name for c in contestants]}")
+        raise MemoryMeasured(_timed_run(ctx, chosen[0], replace(options, steps=min(options.steps, MEMORY_STEPS))))
     result = ContestResult(scenario, ctx.world_size, reference, asdict(options), facts, device=ctx.device.type)
     result.runs = {c.name: [] for c in contestants}
     for contestant in contestants:  # discarded: one-time costs (lazy init, thread pools, heap growth)
