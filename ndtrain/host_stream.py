@@ -22,11 +22,9 @@ parts of L (`HostSlots.cut`):
   slot order, and divides by N: `out` is the mean over the ranks. (N−1)/N·N·L read per round:
   (N−1)/N·N·s in all, counted as `reduce_scatter_shm`; the copy-in is one extra pass over
   (N−1)/N of the buffer.
-- `all_gather_through(read, write, s)`: this rank reads its piece of the buffer (`read(offset,
-  into)`) into part r of its slot; once every rank has, it writes part k of slot k into the buffer
-  for every k ≠ r (`write(offset, values)`): (N−1)/N·N·s read in all, counted as `all_gather_shm`.
-  ZeRO-1 reaches the parameters themselves this way (zero1_ring.py); `all_gather(flat, s)` is the
-  same over one flat buffer (ZeRO-3's units).
+- `all_gather(flat, s)`: this rank copies its piece into part r of its slot; once every rank has,
+  it copies part k of slot k into its buffer for every k ≠ r: (N−1)/N·N·s read in all, counted as
+  `all_gather_shm`.
 
 Rounds run in the order collectives were started (one queue per ring; every rank starts the same
 collectives in the same order), at most `depth` in flight: a segment is reused only after the
@@ -50,7 +48,6 @@ from ndtrain.comm import Communicator, Group, Pending
 from ndtrain.host_slots import HostSlots
 
 Reader = Callable[[int, torch.Tensor], None]  # read(offset, into): a flat range of the caller's buffer into `into`
-Writer = Callable[[int, torch.Tensor], None]  # write(offset, values): `values` into a flat range of the caller's buffer
 
 PIECE = 1 << 18  # elements of each rank's range moved per round
 DEPTH = 2  # segments in the ring: rounds in flight
@@ -86,20 +83,9 @@ class SlotRing:
         N·size elements, which `read(offset, into)` copies from (elements [offset, offset + len(into)))."""
         return self._start(_ReduceScatterRounds(self, read, out, size))
 
-    def all_gather_through(self, read: Reader, write: Writer, size: int) -> _Stream:
-        """Every rank's range (of `size` elements) of a flat buffer of N·size, read on its owner with
-        `read(offset, into)`, written on every other rank with `write(offset, values)`."""
-        return self._start(_GatherRounds(self, size, read, write))
-
     def all_gather(self, flat: torch.Tensor, size: int) -> _Stream:
         """Every rank's range of `flat` ([N·size]) into every rank's `flat`."""
-        def read(offset: int, into: torch.Tensor) -> None:
-            into.copy_(flat[offset : offset + into.numel()])
-
-        def write(offset: int, values: torch.Tensor) -> None:
-            flat[offset : offset + values.numel()].copy_(values)
-
-        return self.all_gather_through(read, write, size)
+        return self._start(_GatherRounds(self, size, flat))
 
     def _start(self, stream: _Stream) -> _Stream:
         self._queue.append(stream)
@@ -184,15 +170,20 @@ class _ReduceScatterRounds(_Stream):
 class _GatherRounds(_Stream):
     op = "all_gather"
 
-    def __init__(self, ring: SlotRing, size: int, read: Reader, write: Writer) -> None:
+    def __init__(self, ring: SlotRing, size: int, flat: torch.Tensor) -> None:
         super().__init__(ring, size)
-        self.read, self.write = read, write
+        self.flat = flat
+
+    def piece(self, rank: int, start: int, length: int) -> torch.Tensor:
+        """Elements [start, start + length) of `rank`'s range of `flat`."""
+        base = rank * self.size + start
+        return self.flat[base : base + length]
 
     def copy_in(self, cut: HostSlots, start: int, length: int) -> None:
         r = self.ring.rank
-        self.read(r * self.size + start, cut.mine[r * length : (r + 1) * length])
+        cut.mine[r * length : (r + 1) * length].copy_(self.piece(r, start, length))
 
     def own_part(self, cut: HostSlots, start: int, length: int) -> None:
         for k in range(self.ring.n):
             if k != self.ring.rank:
-                self.write(k * self.size + start, cut.slots[k, k * length : (k + 1) * length])
+                self.piece(k, start, length).copy_(cut.slots[k, k * length : (k + 1) * length])

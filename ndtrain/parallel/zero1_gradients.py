@@ -43,6 +43,7 @@ which the runner needs averaged whole, is a backend `ShardReduceBucket` (all-red
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import Any
 
@@ -57,7 +58,6 @@ from ndtrain.parallel.buckets import AllReduceBucket, Bucket
 from ndtrain.parallel.ddp import DistributedDataParallel
 from ndtrain.parallel.flat_layout import FlatLayout
 from ndtrain.parallel.precision import reduction_dtype
-from ndtrain.parallel.zero1_ring import read_flat
 
 
 class ShardReduceBucket(AllReduceBucket):
@@ -160,7 +160,24 @@ class HostShardReduceBucket(Bucket):
     def _read(self, offset: int, into: torch.Tensor) -> None:
         """Elements [offset, offset + len(into)) of the bucket's flat gradient into `into` (zero where a
         parameter has no gradient, and in the padding)."""
-        read_flat([p.grad for p in self.params], self.flat_layout.offsets, offset, into)
+        end = offset + into.numel()
+        covered = offset
+        offsets = self.flat_layout.offsets
+        for i in range(max(0, bisect.bisect_right(offsets, offset) - 1), len(self.params)):
+            param, start = self.params[i], offsets[i]
+            if start >= end:
+                break
+            lo, hi = max(offset, start), min(end, start + param.numel())
+            if lo >= hi:
+                continue
+            target = into[lo - offset : hi - offset]
+            if param.grad is None:
+                target.zero_()
+            else:
+                target.copy_(param.grad.reshape(-1)[lo - start : hi - start])
+            covered = hi
+        if covered < end:
+            into[covered - offset :].zero_()
 
 
 def host_shard_reduce_bucket(params: list[nn.Parameter], comm: Communicator, group: Group, comm_dtype: torch.dtype,

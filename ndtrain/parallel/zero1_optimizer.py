@@ -8,14 +8,7 @@ into it (`param.data = flat[a:b].view_as(param)`). Group rank r owns the contigu
 [r·s, (r+1)·s) of every bucket, s = padded size / N. The real elements of that slice (padding
 excluded) are cut where the parameter group changes (e.g. weight decay on matrices, none on biases
 and norms) and every `OPTIMIZER_RUN` (2^20) elements (flat_layout.py) into *segments*:
-parameters that alias the flat buffer, whose `.grad` aliases the gradient bucket's slice.
-Exception: a bucket reduced through ZeRO-1's shared-memory ring on one CPU host (fp32/fp64
-parameters) gets no flat buffer: the parameters keep their own storage, the segments are views of
-the parameters' pieces in the slice (cut also at every parameter's end), and the gather writes
-into the parameters through the ring (zero1_ring.py): copying 4Ψ' of parameters into new flat
-buffers while the originals were alive left 4Ψ of freed, resident heap behind (in `ndtrain bench
-zero1`'s first run, 12.8 M parameters at N = 2: 45 MB less peak resident memory per rank
-without the copy; once glibc's heap has grown, a run's peak is set by the heap it inherits). The
+parameters that alias the flat buffer, whose `.grad` aliases the gradient bucket's slice. The
 inner optimizer (built by the caller's factory) sees only these segments, so its state exists
 only for this rank's slice, and its in-place update writes straight into the model's parameters.
 The segment is the fp32 (or fp64) master: no copy. The padded layout is `FlatLayout`
@@ -33,17 +26,15 @@ What is communicated, and when:
   are gathered in place into its flat buffer: all launched asynchronously, in bucket order, then
   waited for. Every rank ends with the same parameters. NCCL: one all-gather per bucket
   (`ctx.comm.all_gather(flat, flat[r·s:(r+1)·s])`); a gradient bucket on one CPU host
-  (zero1_gradients.py): through its shared-memory ring, straight between the parameters
-  (`SlotRing.all_gather_through` with zero1_ring.py's reader and writer; with a low-precision master, into the flat buffer,
-  `SlotRing.all_gather`, host_stream.py), (N−1)/N·4Ψ' read between the processes, counted
-  exactly; other gloo groups: N broadcasts per
+  (zero1_gradients.py): through its shared-memory ring (`SlotRing.all_gather`, host_stream.py),
+  (N−1)/N·4Ψ' read between the processes, counted exactly; other gloo groups: N broadcasts per
   bucket, each slice from its owner, because gloo's all-gather stages its output in a temporary copy of the whole bucket
   (4Ψ' of extra peak memory with every bucket in flight; the volume on the wire is the same).
 - `clip_grad_norm_`: the squares of this rank's gradient slices, one 4-byte all-reduce over dp_cp
   (summed over mp too under tensor or pipeline parallelism, `grad_norm.global_grad_norm`).
 
 Cost, with Ψ trainable elements (fp32), Ψ' ≥ Ψ padded (Ψ' − Ψ < N per bucket), N ranks, ring
-algorithms: memory per rank 4Ψ' parameters (4Ψ on the ring) + 4Ψ' gradients + 8Ψ/N AdamW state (exp_avg and
+algorithms: memory per rank 4Ψ' parameters + 4Ψ' gradients + 8Ψ/N AdamW state (exp_avg and
 exp_avg_sq of the real elements of the slice; plus one 4-byte step counter per segment), instead
 of 4Ψ + 4Ψ + 8Ψ for DDP; on one CPU host the gradients (4Ψ + the 4Ψ'/N shard) exist only from
 backward to the next `zero_grad(set_to_none=True)`. Each rank sends per step (N−1)/N · 4Ψ' bytes
@@ -61,13 +52,12 @@ whole master copy and nothing is gathered.
 
 Limitations: a parameter that no rank used (DDP `allow_unused`, `.grad` None) still gets weight
 decay here (its gradient slice is zero), where a single-process optimizer would skip it. The
-flat buffers must keep backing the parameters (on the ring, the segments must keep aliasing the
-parameters): do not move the model (`.to()`) or reassign `param.data` after construction. State dicts are per rank and only load into the same layout.
+flat buffers must keep backing the parameters: do not move the model (`.to()`) or reassign
+`param.data` after construction. State dicts are per rank and only load into the same layout.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -91,7 +81,6 @@ from ndtrain.parallel.grad_norm import (
 from ndtrain.parallel.pipeline.chunks import DataParallelChunks
 from ndtrain.parallel.precision import DTYPES
 from ndtrain.parallel.zero1_gradients import HostShardReduceBucket, ShardReduceBucket, Zero1DataParallel
-from ndtrain.parallel.zero1_ring import read_flat, write_flat
 
 GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -145,11 +134,10 @@ class GradientSource(Protocol):
 
 
 class _Shard:
-    """One bucket's flat parameter buffer (its `flat_layout` over N ranks; None where the parameters
-    keep their own storage, on the shared-memory ring), this rank's [lo, hi) of it, its fp32 master
-    (if separate) and the shared-memory ring its gradient bucket reduces through."""
+    """One bucket's flat parameter buffer (its `flat_layout` over N ranks), this rank's [lo, hi) of it,
+    its fp32 master (if separate) and the shared-memory ring its gradient bucket reduces through."""
 
-    def __init__(self, index: int, layout: FlatLayout, flat: torch.Tensor | None, master: torch.Tensor | None,
+    def __init__(self, index: int, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor | None,
                  ring: SlotRing | None) -> None:
         self.index, self.flat_layout, self.flat, self.master, self.ring = index, layout, flat, master, ring
         self.lo, self.hi = layout.lo, layout.hi
@@ -199,19 +187,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for k, bucket in enumerate(model.buckets):
             first = bucket.params[0]
             layout = FlatLayout(bucket.params, n, rank)
+            flat = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
             low_precision = torch.finfo(first.dtype).bits < 32  # bf16/fp16 compute copies; fp64 is its own master
-            ring = bucket.ring if isinstance(bucket, HostShardReduceBucket) and n > 1 else None
+            master = torch.zeros(layout.size, dtype=torch.float32, device=first.device) if low_precision else None
+            shard = _Shard(k, layout, flat, master, bucket.ring if isinstance(bucket, HostShardReduceBucket) and n > 1 else None)
+            with torch.no_grad():
+                for p, view in zip(bucket.params, layout.views(flat)):
+                    view.copy_(p.detach())
+                    p.data = view
+                if master is not None:
+                    for piece in layout.segments(master):
+                        p = layout.params[piece.index]
+                        source = (masters or {}).get(id(p), p.detach()).reshape(-1)
+                        piece.flat_view.copy_(source[piece.start : piece.stop])
             group_of = [keys[tuple(sorted(dict(group_fn(names[id(p)], p)).items()))] for p in bucket.params]
-            if ring is not None and not low_precision and all(p.is_contiguous() for p in bucket.params):
-                shard = _Shard(k, layout, None, None, ring)  # the parameters stay as they are (zero1_ring.py)
-                for i, lo, hi in layout.pieces():
-                    values, start = layout.params[i].detach().view(-1), layout.offsets[i]
-                    for a in range(lo, hi, OPTIMIZER_RUN):
-                        b = min(hi, a + OPTIMIZER_RUN)
-                        shard.segments.append((a, b, group_of[i], nn.Parameter(values[a - start : b - start])))
-            else:
-                shard = self._flat_shard(k, layout, bucket.params, group_of, masters, ring)
-            for *_, g, segment in shard.segments:
+            for a, b, g in layout.runs(group_of, OPTIMIZER_RUN):
+                # the fp32 master: the flat buffer itself, or this rank's separate fp32 copy
+                segment = nn.Parameter(flat[a:b] if master is None else master[a - shard.lo : b - shard.lo])
+                shard.segments.append((a, b, g, segment))  # its .grad: the gradient slice, at prepare_grads()
                 segments[g].append(segment)
             self._shards.append(shard)
 
@@ -228,32 +221,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "lambda groups: torch.optim.AdamW(groups, lr=...)"
             )
         self.optimizer = optimizer
-
-    @staticmethod
-    def _flat_shard(index: int, layout: FlatLayout, params: list[nn.Parameter], group_of: list[int],
-                    masters: dict[int, torch.Tensor] | None, ring: SlotRing | None) -> _Shard:
-        """A bucket's flat parameter buffer, the parameters made views of it, and its segments; for
-        low-precision parameters, a separate fp32 master of this rank's range (from `masters`, their
-        fp32 values by id, default the upcast), which the segments are."""
-        first = params[0]
-        flat = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
-        low_precision = torch.finfo(first.dtype).bits < 32
-        master = torch.zeros(layout.size, dtype=torch.float32, device=first.device) if low_precision else None
-        shard = _Shard(index, layout, flat, master, ring)
-        with torch.no_grad():
-            for p, view in zip(params, layout.views(flat)):
-                view.copy_(p.detach())
-                p.data = view
-            if master is not None:
-                for piece in layout.segments(master):
-                    p = layout.params[piece.index]
-                    source = (masters or {}).get(id(p), p.detach()).reshape(-1)
-                    piece.flat_view.copy_(source[piece.start : piece.stop])
-        for a, b, g in layout.runs(group_of, OPTIMIZER_RUN):
-            # the fp32 master: the flat buffer itself, or this rank's separate fp32 copy
-            segment = nn.Parameter(flat[a:b] if master is None else master[a - shard.lo : b - shard.lo])
-            shard.segments.append((a, b, g, segment))  # its .grad: the gradient slice, at prepare_grads()
-        return shard
 
     # ----------------------------------------------------------------------------- Optimizer surface
     @property
@@ -280,7 +247,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for shard in self._shards:
             for *_, segment in shard.segments:
                 segment.grad = None  # a view of the gradient (or its fp32 cast), fetched again next step
-            if shard.master is not None and shard.flat is not None:  # a master always has its flat buffer
+            if shard.master is not None:
                 shard.flat[shard.lo : shard.lo + shard.master.numel()].copy_(shard.master)
         if not self._gather:
             return
@@ -290,16 +257,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             p.wait()
 
     def _launch_gather(self, shard: _Shard) -> list[Pending | None]:
-        """Start gathering every rank's updated range of `shard.flat` into it, in place (on the ring without
-        a flat buffer: into the parameters). gloo's
+        """Start gathering every rank's updated range of `shard.flat` into it, in place. gloo's
         all-gather stages its whole output in a temporary copy (4Ψ' more at once with every bucket
         in flight), so on gloo each rank's range is broadcast from its owner instead, as torch's
         ZeroRedundancyOptimizer does: the same bytes on the wire, no copy."""
-        if shard.ring is not None and shard.flat is None:  # the parameters themselves, through the ring
-            params, offsets = [p.detach() for p in shard.flat_layout.params], shard.flat_layout.offsets
-            return [shard.ring.all_gather_through(functools.partial(read_flat, params, offsets),
-                                                  functools.partial(write_flat, params, offsets), shard.flat_layout.size)]
-        assert shard.flat is not None
         if shard.ring is not None:  # the gradient bucket's shared-memory ring (zero1_gradients.py)
             return [shard.ring.all_gather(shard.flat, shard.flat_layout.size)]
         if self.ctx.backend != "gloo":
@@ -365,14 +326,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def padded_numel(self) -> int:
-        """Ψ': elements of all buckets' flat layouts, padding included (what the all-gathers move)."""
-        return sum(s.flat_layout.padded for s in self._shards)
-
-    @property
-    def parameter_bytes(self) -> int:
-        """Bytes of the parameters: the flat buffers, or the parameters themselves where there is none."""
-        return sum(tensor_bytes(s.flat) if s.flat is not None else sum(tensor_bytes(p) for p in s.flat_layout.params)
-                   for s in self._shards)
+        """Ψ': elements of all flat parameter buffers, padding included (what the all-gathers move)."""
+        return sum(s.flat.numel() for s in self._shards)
 
     @property
     def master_bytes(self) -> int:
@@ -382,20 +337,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def segments(self, grad: bool = False) -> list[Segment]:
         """Each parameter piece this rank updates, bucket by bucket: its placement, local shape,
         [start, stop) in the parameter and a view of this rank's master values (the fp32 master, or
-        when the parameters are fp32/fp64 the flat buffer's range, or the parameter itself without
-        one), or with `grad=True` of the gradient slice the optimizer reads (before any fp32 cast)."""
+        the flat buffer's range when the parameters are fp32/fp64), or with `grad=True` of the
+        gradient slice the optimizer reads (before any fp32 cast)."""
         out = []
         for k, s in enumerate(self._shards):
-            if grad:
-                out += s.flat_layout.segments(self.model.gradient_slice(k, s.lo, s.hi))
-            elif s.master is not None:
-                out += s.flat_layout.segments(s.master)
-            elif s.flat is not None:
-                out += s.flat_layout.segments(s.flat[s.lo : s.hi])
-            else:  # no flat buffer: the views are of the parameters themselves
-                pieces = s.flat_layout.segments(torch.empty(s.flat_layout.size, device="meta"))
-                out += [dataclasses.replace(p, flat_view=s.flat_layout.params[p.index].detach().view(-1)[p.start : p.stop])
-                        for p in pieces]
+            values = s.master if s.master is not None else s.flat[s.lo : s.hi]
+            out += s.flat_layout.segments(self.model.gradient_slice(k, s.lo, s.hi) if grad else values)
         return out
 
     def _layout(self) -> dict[str, Any]:
@@ -500,7 +447,7 @@ class ZeroStrategy:
         return shard_pieces(self.optimizer, self.optimizer.prepare_grads(), self._norm_spans)
 
     def state_bytes(self) -> dict[str, int]:
-        return {"parameters": self.optimizer.parameter_bytes,
+        return {"parameters": sum(tensor_bytes(s.flat) for s in self.optimizer._shards),
                 "gradients": self._gradient_bytes(),
                 "optimizer": optimizer_state_bytes(self.optimizer) + self.optimizer.master_bytes}
 
