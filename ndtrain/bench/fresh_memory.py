@@ -29,8 +29,8 @@ def record_memory(record: RunRecord) -> dict[str, list[int]]:
     """The per-rank memory figures of one run (the summary's keys, of this run alone)."""
     return {
         "peak_bytes": record.peak_bytes,
-        "peak_over_baseline_bytes": [p - b for p, b in zip(record.peak_bytes, record.baseline_bytes)],
-        "peak_own_share_bytes": [p - s for p, s in zip(record.peak_bytes, record.shared_overcount_bytes)],
+        "peak_over_baseline_bytes": record.over_baseline_bytes(),
+        "peak_own_share_bytes": record.own_share_bytes(),
     }
 
 

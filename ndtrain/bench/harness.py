@@ -144,6 +144,12 @@ class RunRecord:
     baseline_bytes: list[int]  # per rank, resident before the build
     shared_overcount_bytes: list[int]  # per rank, shared-memory pages counted beyond its share
 
+    def over_baseline_bytes(self) -> list[int]:
+        return [p - b for p, b in zip(self.peak_bytes, self.baseline_bytes)]
+
+    def own_share_bytes(self) -> list[int]:
+        return [p - s for p, s in zip(self.peak_bytes, self.shared_overcount_bytes)]
+
 
 MEMORY_STEPS = 5  # timed steps of a `memory_of` run (after the warmup): enough for every contestant's peak
 
@@ -186,11 +192,10 @@ class ContestResult:
                 "loopback_bytes_per_step": statistics.median(loop) if loop else None,
                 "peak_bytes": [_median_int(r.peak_bytes[k] for r in runs) for k in range(self.world_size)],
                 "peak_over_baseline_bytes": [
-                    _median_int(r.peak_bytes[k] - r.baseline_bytes[k] for r in runs) for k in range(self.world_size)
+                    _median_int(r.over_baseline_bytes()[k] for r in runs) for k in range(self.world_size)
                 ],
                 "peak_own_share_bytes": [
-                    _median_int(r.peak_bytes[k] - r.shared_overcount_bytes[k] for r in runs)
-                    for k in range(self.world_size)
+                    _median_int(r.own_share_bytes()[k] for r in runs) for k in range(self.world_size)
                 ],
             }
         return out

@@ -43,6 +43,12 @@ def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(param_dtype, torch.float32)
 
 
+def compute_dtype(param_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sharded model computes in: a 16-bit `param_dtype` (mixed precision) as asked;
+    otherwise the masters' (fp32 asks for no mixed precision, so a float64 model stays float64)."""
+    return param_dtype if param_dtype.itemsize < 4 else master_dtype(model_dtype)
+
+
 def reduction_dtype(requested: torch.dtype, grad_dtype: torch.dtype) -> torch.dtype:
     """The dtype gradients of `grad_dtype` are reduced in when `requested` is asked for: a 16-bit
     request (bf16) as asked; otherwise `requested` widened to the gradients' dtype (fp32 → float64)."""

@@ -85,7 +85,7 @@ from ndtrain.parallel.sync_switch import SyncSwitch
 from ndtrain.parallel.grad_norm import (
     GradPiece, Span, flat_pieces, local_squares, optimizer_param_grads, segment_spans,
 )
-from ndtrain.parallel.precision import DTYPES, master_dtype
+from ndtrain.parallel.precision import DTYPES, compute_dtype
 from ndtrain.parallel.tensor import gather_shard
 from ndtrain.parallel.zero3_split_passes import SplitBackwardPasses
 from ndtrain.parallel.zero3_unit import FlatUnit
@@ -408,8 +408,7 @@ def _open_ring(module: nn.Module, ctx: ParallelContext, param_dtype: torch.dtype
     first = next(module.parameters(), None)
     if first is None or first.device.type != "cpu" or group.size == 1:
         return None
-    dtype = param_dtype if param_dtype.itemsize < 4 else master_dtype(first.dtype)
-    return SlotRing.open(ctx.comm, group, dtype)
+    return SlotRing.open(ctx.comm, group, compute_dtype(param_dtype, first.dtype))
 
 
 def _real_size(placement: Placement, shard: Shard) -> int:

@@ -47,7 +47,7 @@ from ndtrain.comm import Communicator, Group, Pending
 from ndtrain.host_stream import SlotRing
 from ndtrain.memory import tensor_bytes
 from ndtrain.parallel.flat_layout import OPTIMIZER_RUN, FlatLayout
-from ndtrain.parallel.precision import master_dtype, reduction_dtype
+from ndtrain.parallel.precision import compute_dtype, master_dtype, reduction_dtype
 
 
 class FlatUnit:
@@ -62,8 +62,7 @@ class FlatUnit:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.master_dtype = master_dtype(self.params[0].dtype)
-        # a 16-bit param_dtype is mixed precision; fp32 asks for none, so float64 stays float64
-        self.param_dtype = param_dtype if param_dtype.itemsize < 4 else self.master_dtype
+        self.param_dtype = compute_dtype(param_dtype, self.params[0].dtype)
         self.reduce_dtype = reduction_dtype(reduce_dtype, self.param_dtype)
         self._gather_ring = ring if ring is not None and ring.dtype == self.param_dtype else None
         self._reduce_ring = ring if ring is not None and ring.dtype == self.reduce_dtype else None
