@@ -114,6 +114,10 @@ def _scenarios() -> dict:
     out["nan_stop_sync"] = run_engine(ctx, {"servers": 1, "mode": "sync"}, poison=(2, 3))
     out["nan_stop_async"] = run_engine(ctx, {"servers": 2, "mode": "async"}, poison=(1, 2))
     out["nan_stop_ssp"] = run_engine(ctx, {"servers": 1, "mode": "ssp", "staleness": 1}, poison=(0, 1))
+    # worker 2 is told "stop" long after workers 0 and 1, which go on to the next run and push to the
+    # server while it still receives from any rank in this one
+    out["nan_stop_straggler"] = run_engine(ctx, {"servers": 1, "mode": "ssp", "staleness": 1, "slow_worker": "2:30"},
+                                           poison=(0, 1))
     out["after"] = run_engine(ctx, {"servers": 1, "mode": "sync"})  # nothing left in flight by the stops
     if ctx.rank == 0:  # the single-process references of the sync scenarios
         norms: list[float] = []
@@ -195,16 +199,21 @@ def test_nonfinite_push_is_skipped_with_skip_nonfinite(results: list[dict]) -> N
     assert results[3]["nan_skip"]["updates"] == STEPS - 1 and results[3]["nan_skip"]["skipped"] == 1
 
 
-@pytest.mark.parametrize("scenario,step", [("nan_stop_sync", 4), ("nan_stop_async", None), ("nan_stop_ssp", None)])
+@pytest.mark.parametrize("scenario,step", [("nan_stop_sync", 4), ("nan_stop_async", None), ("nan_stop_ssp", None),
+                                           ("nan_stop_straggler", None)])
 def test_nonfinite_push_stops_every_rank(results: list[dict], scenario: str, step: int | None) -> None:
     """Without skip_nonfinite every rank raises NonFiniteError (none waits for the others): sync at
-    the poisoned step with nothing updated; async/ssp on each worker's next exchange."""
+    the poisoned step with nothing updated; async/ssp on each worker's next exchange. The run after
+    the stops ends bitwise where the same run ended before them: no message of a stopped run reached it."""
     errors = [results[rank][scenario]["error"] for rank in range(4)]
     assert all(e is not None for e in errors), errors
     if step is not None:
         assert errors == [step] * 4
         assert results[3][scenario]["updates"] == step - 1
-    assert results[0]["after"]["error"] is None and len(results[0]["after"]["results"]) == STEPS
+    for rank in range(3):
+        after = results[rank]["after"]
+        assert after["error"] is None and len(after["results"]) == STEPS
+        assert_params_close(named(after["params"]), named(results[rank]["sync_s1"]["params"]), 0.0)
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp", "sync"])

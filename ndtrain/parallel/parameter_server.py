@@ -18,6 +18,11 @@ What is communicated, and when (all point-to-point on the "world" group, through
   norm and lr the server used on that push; status applied / skipped / stop); the worker copies
   the parameters into its model and starts its next step. The reply to a worker's last push is
   sent when every push of every worker has been applied (the final parameters, used for evaluation).
+- end: every rank leaves a run (after its last step, or before raising on "stop") through one world
+  barrier. Pushes travel on the world group's point-to-point channel, which the next run (another
+  `PSSetup` on the same ranks) uses too; a server still receiving from any source in this run would
+  take a push of the next one, sent by a rank that was done with this run (a deadlock: that push
+  never reaches the next run's server). Cost: one barrier per run.
 Buffers (pushes, pulls, the server's flat gradient and inbox) live on `ctx.device`, so NCCL
 sends and receives device tensors; async/ssp need a receive from any source, which gloo has and
 NCCL lacks (refused there with one line).
@@ -256,6 +261,7 @@ class ParameterServer:
         if self.steps_served == self.setup.steps:
             for w in range(self.setup.roles.workers):
                 self._reply(w)
+            self.ctx.comm.barrier(self.world)  # the run's end (module docstring)
         return outcome
 
     def _serve_sync(self, step: int) -> Outcome:
@@ -312,6 +318,7 @@ class ParameterServer:
             if w not in done:
                 done.add(w)
                 self._reply(w)
+        self.ctx.comm.barrier(self.world)  # the run's end (module docstring)
         raise NonFiniteError(step + 1, float("nan"), outcome.grad_norm)
 
     def _record(self, workers: list[int]) -> None:
@@ -409,10 +416,13 @@ class PSWorker:
         final = self.report.steps == self.setup.steps - 1
         pushed = self._push_pull(math.isfinite(loss_mean))
         if self.outcome.status == STOP:
+            self.ctx.comm.barrier(self.world)  # the run's end (module docstring)
             raise NonFiniteError(self.report.steps + 1, loss_mean, self.outcome.grad_norm)
         self.report.skipped += self.outcome.status == SKIPPED
         self.report.steps += 1  # the last step's clock stops at its push: the final pull waits for everyone
         self.report.seconds += (pushed if final else time.perf_counter()) - started
+        if final:
+            self.ctx.comm.barrier(self.world)  # the run's end (module docstring)
         return loss_mean
 
     @torch.no_grad()
