@@ -150,7 +150,8 @@ class ParallelConfig:
     device: Device = "auto"
     bucket_mb: float = 25.0
     # DDP levers (zero 0, fp32; README "DDP"): first bucket cap, buckets in the order step 1 produced
-    # gradients, flat AdamW over the buckets, its update overlapped with the all-reduces (grad_clip=0)
+    # gradients, flat AdamW over the buckets (any zero stage and precision: AdamW on torch's fused
+    # kernel over the optimizer's flat segments), its update overlapped with the all-reduces (grad_clip=0)
     first_bucket_mb: float = 1.0
     reorder_buckets: bool = False
     flat_adamw: bool = False
@@ -219,10 +220,12 @@ class ParallelConfig:
         }
         refused["parallel.overlap_optimizer=true needs parallel.flat_adamw=true (it overlaps the flat AdamW's "
                 "bucket updates)"] = self.overlap_optimizer and not self.flat_adamw
-        levers = [f"parallel.{name}=true" for name in ("reorder_buckets", "flat_adamw", "overlap_optimizer") if getattr(self, name)]
+        levers = [f"parallel.{name}=true" for name in ("reorder_buckets", "overlap_optimizer") if getattr(self, name)]
         refused[f"{levers[0] if levers else ''} is a DDP lever for zero=0 in fp32 (ZeRO and mixed precision lay their "
                 "buffers out over the buckets as built): set it false, or zero=0 and precision=fp32"] = \
             bool(levers) and (self.zero > 0 or self.precision != "fp32" or self.dp_mode != "ddp")
+        refused["parallel.flat_adamw=true needs dp_mode=ddp (single-process replicas step one optimizer "
+                "per replica as built)"] = self.flat_adamw and self.dp_mode != "ddp"
         for message, bad in refused.items():
             if bad:
                 raise UserError(message)

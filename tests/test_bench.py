@@ -17,8 +17,8 @@ import torch
 
 from ndtrain.bench import ddp, fsdp, zero
 from ndtrain.bench.harness import (
-    MEMORY_STEPS, BenchOptions, Contestant, ContestResult, MemoryMeasured, RunRecord, llama_workload, run_contest,
-    spreads_overlap, training_step,
+    MEMORY_STEPS, BenchOptions, Contestant, ContestResult, MemoryMeasured, RunRecord, adamw_factory, llama_workload,
+    run_contest, spreads_overlap, training_step,
 )
 from ndtrain.bench.limit import local_model
 from ndtrain.config import ParallelConfig, config_from_dict
@@ -26,6 +26,7 @@ from ndtrain.errors import UserError
 from ndtrain.host_slots import host_slots_supported
 from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
+from ndtrain.parallel.flat_adamw import FusedAdamW
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed
 
@@ -159,18 +160,27 @@ def test_limit_trains_each_rank_locally_without_communication() -> None:
     assert changed and differ and set(differ) == set(changed)
 
 
-def _zero23_worker() -> list[dict[str, Any]]:
+def _zero_levers_worker() -> list[dict[str, Any]]:
+    """zero1, zero2 and zero3 once each, with every AdamW on torch's fused kernel (ours', the limit's, torch's)."""
     ctx = init(ParallelConfig(), init_method=init_method())
-    once = dataclasses.replace(OPTIONS, repeats=1)
-    return [zero.run_zero2(ctx, once).to_json(), fsdp.run(ctx, once).to_json()]
+    once = dataclasses.replace(OPTIONS, repeats=1, flat_adamw=True, torch_fused_adamw=True)
+    return [zero.run(ctx, once).to_json(), zero.run_zero2(ctx, once).to_json(), fsdp.run(ctx, once).to_json()]
 
 
-def test_limit_is_in_zero2_and_zero3_with_zero_bytes() -> None:
-    for data in run_distributed(_zero23_worker, 2)[0]:
+def test_limit_is_in_every_zero_bench_with_zero_bytes_and_the_fused_adamw_levers_run() -> None:
+    for data in run_distributed(_zero_levers_worker, 2)[0]:
         assert list(data["runs"]) == ["ours", "torch", "limit"], data["scenario"]
+        assert data["facts"]["levers"] == "flat_adamw,torch_fused_adamw"
         assert data["summary"]["limit"]["comm_bytes_per_step"] == 0.0
         assert data["summary"]["ours"]["comm_bytes_per_step"] == data["facts"]["comm_bytes"]
         assert data["summary"]["ours"]["ratio_to_limit"] > 0
+
+
+def test_adamw_factory_is_torch_adamw_fused_on_request() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    plain, fused = adamw_factory(zero.LR, False)(params), adamw_factory(zero.LR, True)(params)
+    assert type(plain) is torch.optim.AdamW and not plain.param_groups[0]["fused"]
+    assert isinstance(fused, FusedAdamW) and fused.param_groups[0]["fused"] and fused.param_groups[0]["lr"] == zero.LR
 
 
 def _result(medians: dict[str, list[float]]) -> ContestResult:

@@ -10,6 +10,7 @@ FlatAdamW is bit-identical to torch.optim.AdamW with its exact arithmetic, and f
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from ndtrain.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.buckets import pack
 from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.flat_adamw import FlatAdamW
+from ndtrain.parallel.flat_adamw import FlatAdamW, FusedAdamW
 from tests.helpers.models import adamw, batch, make_llama, micro_batches
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import decay_groups, train_reference
@@ -40,6 +41,7 @@ CASES: dict[str, tuple[dict[str, Any], float, torch.dtype]] = {  # ParallelConfi
     "all_float64": ({**SMALL, "reorder_buckets": True, "flat_adamw": True, "overlap_optimizer": True}, 0.0, torch.float64),
 }
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+ZERO_CASES = {f"flat_adamw_zero{stage}": {"bucket_mb": 0.01, "zero": stage, "flat_adamw": True} for stage in (1, 2, 3)}
 
 
 def _engine(ctx: Any, options: dict[str, Any], clip: float, dtype: torch.dtype) -> Engine:
@@ -61,6 +63,15 @@ def _case(ctx: Any, name: str) -> dict[str, Any]:
     ddp = engine.wrapped
     return {"params": engine.full_state_dict(), "buckets": ddp.bucket_names(), "optimizer": type(engine.optimizer).__name__,
             "updated_in_backward": len(reduced), "bucket_count": ddp.bucket_count}
+
+
+def _zero_case(ctx: Any, name: str) -> dict[str, Any]:
+    """ZeRO-1/2/3 with `flat_adamw`: the optimizer over the shard's flat segments is torch's fused AdamW."""
+    engine = _engine(ctx, ZERO_CASES[name], MAX_NORM, torch.float32)
+    _train(engine, range(STEPS), ctx.rank)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeroOptimizer holds its inner optimizer
+    return {"params": engine.full_state_dict(), "optimizer": type(inner).__name__,
+            "fused": [bool(g["fused"]) for g in inner.param_groups]}
 
 
 def _agreement(ctx: Any) -> list[list[str]]:
@@ -108,6 +119,7 @@ def _bench(ctx: Any) -> dict[str, Any]:
 def _worker(root: str) -> dict[str, Any]:
     ctx = init(ParallelConfig(dp=WORLD), init_method=init_method())
     out = run_each(lambda name: _case(ctx, name), CASES)
+    out.update(run_each(lambda name: _zero_case(ctx, name), ZERO_CASES))
     others = {"agreement": lambda: _agreement(ctx), "resume": lambda: _resume(ctx, root), "bench": lambda: _bench(ctx)}
     out.update(run_each(lambda name: others[name](), others))
     return out
@@ -134,6 +146,16 @@ def test_each_lever_keeps_parity_with_one_process(results: list[dict[str, Any]],
     assert all(run["updated_in_backward"] == (STEPS * run["bucket_count"] if overlapped else 0) for run in runs)
     if options.get("reorder_buckets"):  # backward produces the head's gradient first and the embedding's last
         assert runs[0]["buckets"][0] == ["output.weight"] and runs[0]["buckets"][-1][-1] == "tok_embeddings.weight"
+
+
+@pytest.mark.parametrize("name", list(ZERO_CASES))
+def test_flat_adamw_runs_zero_on_the_fused_kernel_with_parity(results: list[dict[str, Any]], name: str) -> None:
+    model = make_llama()
+    reference = train_reference(model, adamw(decay_groups(model)), map(batch, range(STEPS)), pieces=WORLD * ACCUMULATION,
+                                clip=MAX_NORM)
+    for rank, run in enumerate(case_result(results, name)):
+        assert_params_close(run["params"], reference.state, TOLERANCE[torch.float32], f"{name} rank {rank}")
+        assert run["optimizer"] == "FusedAdamW" and run["fused"] == [True, True]  # decay and no-decay groups
 
 
 def test_the_recorded_bucket_order_is_rank_0s_on_every_rank(results: list[dict[str, Any]]) -> None:
@@ -196,9 +218,36 @@ def test_flat_adamw_keeps_an_optimizer_it_cannot_replace_and_overlap_needs_no_cl
     with pytest.raises(UserError, match="set optim.grad_clip=0"):
         load_config(None, {"parallel.flat_adamw": True, "parallel.overlap_optimizer": True})
     load_config(None, {"parallel.flat_adamw": True, "parallel.overlap_optimizer": True, "optim.grad_clip": 0})
-    for lever, other in (("flat_adamw", dict(zero=1)), ("reorder_buckets", dict(precision="bf16"))):
+    for lever, other in (("reorder_buckets", dict(zero=1)), ("reorder_buckets", dict(precision="bf16"))):
         with pytest.raises(UserError, match=f"parallel.{lever}=true is a DDP lever for zero=0 in fp32"):
             ParallelConfig(**{lever: True}, **other).validate()
+    ParallelConfig(flat_adamw=True, zero=1, precision="bf16").validate()  # the fused kernel over ZeRO's segments
+    with pytest.raises(UserError, match="parallel.flat_adamw=true needs dp_mode=ddp"):
+        ParallelConfig(flat_adamw=True, dp_mode="single-process").validate()
+    assert FusedAdamW.replacing(torch.optim.SGD(ddp.parameters(), lr=0.1)) is None
+
+
+def test_fused_adamw_stays_fused_when_it_loads_a_plain_adamws_state() -> None:
+    """A run switched to `flat_adamw` resumes from a checkpoint saved without it: torch's
+    load_state_dict would take `fused` from the saved groups; FusedAdamW keeps its kernel."""
+    model = build_model(MODEL, seed=0)
+    plain = torch.optim.AdamW(decay_groups(model), lr=1e-2, weight_decay=0.1)
+    twin = build_model(MODEL, seed=0)
+    for step in range(3):
+        x, y = batch(step)
+        if step == 2:  # the twin takes over the parameters and the plain optimizer's state
+            twin.load_state_dict(model.state_dict())
+            fused = FusedAdamW.replacing(torch.optim.AdamW(decay_groups(twin), lr=1e-2, weight_decay=0.1))
+            assert fused is not None
+            fused.load_state_dict(copy.deepcopy(plain.state_dict()))  # as from a checkpoint: no shared tensors
+            assert all(g["fused"] and not g["foreach"] for g in fused.param_groups)
+            twin(x[:, :8], y[:, :8]).backward()
+            fused.step()
+        plain.zero_grad()
+        model(x[:, :8], y[:, :8]).backward()
+        plain.step()
+    assert all(fused.state[p]["step"].dtype == torch.float32 and fused.state[p]["step"].item() == 3 for p in twin.parameters())
+    assert_params_close(twin.state_dict(), model.state_dict(), 1e-5, "fused after a plain AdamW's state")
 
 
 def test_state_with_different_steps_in_one_bucket_is_one_line() -> None:

@@ -79,11 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="preset", choices=tuple(MODEL_PRESETS), default=DEFAULTS.preset,
                         help="model size preset (as `train --model`)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N", help="seed of init and data")
-    levers = parser.add_argument_group("DDP levers (scenario ddp)")
+    levers = parser.add_argument_group("DDP levers (scenario ddp; --flat-adamw and --torch-fused-adamw also zero1/zero2/zero3)")
     levers.add_argument("--first-bucket-mb", type=float, default=DEFAULTS.first_bucket_mb, metavar="X",
                         help="cap of ours' first bucket (MB); = --bucket-mb for none")
     for flag, what in (("--reorder-buckets", "ours packs its buckets in the order step 1 produced gradients"),
-                       ("--flat-adamw", "ours uses the flat AdamW over its buckets"),
+                       ("--flat-adamw", "ours uses the flat AdamW over its buckets (zero1/2/3: ours' and the limit's "
+                                        "AdamW on torch's fused kernel)"),
                        ("--overlap-optimizer", "ours updates each bucket as soon as it is averaged (needs --flat-adamw)"),
                        ("--torch-fused-adamw", "torch's contestant uses torch.optim.AdamW(fused=True)")):
         levers.add_argument(flag, action="store_true", help=what)

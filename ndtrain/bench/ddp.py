@@ -26,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDistributedDataParallel
 
 from ndtrain.bench.harness import (
-    LIMIT, BenchOptions, Contestant, ContestResult, Step, Workload, llama_workload, run_contest, training_step,
+    LIMIT, BenchOptions, Contestant, ContestResult, Step, Workload, levers, llama_workload, run_contest, training_step,
 )
 from ndtrain.bench.limit import NoCommBucket
 from ndtrain.errors import UserError
@@ -73,8 +73,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         "preset": options.preset, "parameters": work.parameters, "gradient_bytes": work.gradient_bytes,
         "ring_bytes": 2 * (n - 1) * work.gradient_bytes // n,
         "tokens_per_rank_step": options.micro_batch * options.seq_len,
-        "levers": ",".join(name for name in ("reorder_buckets", "flat_adamw", "overlap_optimizer", "torch_fused_adamw")
-                           if getattr(options, name)) or "none",
+        "levers": levers(options),
         "first_bucket_mb": options.first_bucket_mb,
     }
     contestants = [Contestant("ours", lambda: ours_step(ctx, options, work), counted=True),

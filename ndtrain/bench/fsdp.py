@@ -17,7 +17,8 @@ After the contest each contestant is built once more and run for one step, and r
 model-state bytes (local shards of parameters and gradients, and the optimizer's state) are
 recorded: `ours_rank0_state_bytes`, `torch_rank0_state_bytes`. Third contestant `limit`
 (`ndtrain.bench.limit`): the unsharded model's step with no gather/reduce-scatter (0 bytes) and a
-full AdamW step, all parameters resident.
+full AdamW step, all parameters resident. `--flat-adamw`: ours' and the limit's AdamW on torch's
+fused kernel; `--torch-fused-adamw`: FSDP2's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 from torch import nn
 
 from ndtrain.bench.harness import (
-    BenchOptions, Contestant, ContestResult, Step, Workload, from_rank0, llama_workload, run_contest, training_step,
+    BenchOptions, Contestant, ContestResult, Step, Workload, adamw_factory, from_rank0, levers, llama_workload,
+    run_contest, training_step,
 )
 from ndtrain.bench.limit import limit_contestant
 from ndtrain.errors import UserError
@@ -50,7 +52,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     def ours() -> Built:
         model = FullyShardedDataParallel(build_model(work.model, options.seed, ctx.device), ctx, wrap=("layers.*",),
                                          host_slots=options.host_slots)
-        optimizer = torch.optim.AdamW(model.parameter_groups(), lr=LR)
+        optimizer = adamw_factory(LR, options.flat_adamw)(model.parameter_groups())
         return model, optimizer, lambda: sum(model.state_bytes().values()) + _local_state_bytes(optimizer)
 
     def torch_fsdp() -> Built:
@@ -66,7 +68,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     facts: dict[str, Any] = {
         "preset": options.preset, "parameters": work.parameters, "gradient_bytes": work.gradient_bytes,
         "expected_state_bytes": 4 * work.gradient_bytes // n,  # 16Ψ/N
-        "tokens_per_rank_step": options.micro_batch * options.seq_len,
+        "tokens_per_rank_step": options.micro_batch * options.seq_len, "levers": levers(options),
     }
     contestants = [Contestant("ours", stepper(ours), counted=True),
                    Contestant("torch", stepper(torch_fsdp), counted=False),
@@ -103,7 +105,7 @@ def fsdp2_model(work: Workload, options: BenchOptions, ctx: ParallelContext, *, 
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = adamw_factory(LR, options.torch_fused_adamw)(model.parameters())
 
     def state_bytes() -> int:
         tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]

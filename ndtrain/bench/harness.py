@@ -55,6 +55,7 @@ from ndtrain.config import MODEL_PRESETS, ModelConfig, config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.memory import current_bytes, peak_bytes, reset_peak, shared_overcount_bytes
 from ndtrain.mesh import ParallelContext
+from ndtrain.parallel.flat_adamw import fused_adamw_factory
 
 MB = 1024 * 1024
 LIMIT = "limit"  # the no-communication contestant's name (ndtrain.bench.limit)
@@ -76,7 +77,8 @@ class BenchOptions:
     preset: str = "bench"
     seed: int = 0
     # scenario ddp's levers (README "DDP"): ours' first bucket, recorded bucket order, flat AdamW, overlapped
-    # update; torch's fused AdamW (torch.optim.AdamW(fused=True)) for the torch contestant
+    # update; torch's fused AdamW (torch.optim.AdamW(fused=True)) for the torch contestant. flat_adamw and
+    # torch_fused_adamw also serve zero1/zero2/zero3 (ours' and the limit's AdamW fused; torch's)
     first_bucket_mb: float = 1.0
     reorder_buckets: bool = False
     flat_adamw: bool = False
@@ -115,6 +117,22 @@ def llama_workload(ctx: ParallelContext, options: BenchOptions) -> Workload:
     tokens = torch.randint(0, model.vocab_size, shape, generator=generator).to(ctx.device)
     parameters = model.parameter_count()  # by arithmetic: no extra copy of a 100 M model on every rank
     return Workload(model, tokens, parameters, 4 * parameters)  # every parameter is a trainable fp32 tensor
+
+
+def adamw_factory(lr: float, fused: bool) -> Callable[[Any], torch.optim.Optimizer]:
+    """torch's AdamW at `lr` over the parameters or groups it is given; `fused`: on torch's fused
+    kernel, as `parallel.flat_adamw` makes it (`fused_adamw_factory`)."""
+
+    def plain(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=lr)
+
+    return fused_adamw_factory(plain) if fused else plain
+
+
+def levers(options: BenchOptions) -> str:
+    """The lever flags a run was given, for its facts (`none` without any)."""
+    names = ("reorder_buckets", "flat_adamw", "overlap_optimizer", "torch_fused_adamw")
+    return ",".join(name for name in names if getattr(options, name)) or "none"
 
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> Step:

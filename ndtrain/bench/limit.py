@@ -6,7 +6,8 @@ complete do nothing, so the gradient stays this rank's own); only the one-time b
 construction and of the recorded bucket order remain, outside the timed steps. The other benches:
 
 Every rank trains the plain, unwrapped Llama (the scenario's preset, seed and initial weights)
-with a full, local `torch.optim.AdamW` (the scenario's LR) on its own token batches (the same
+with a full, local `torch.optim.AdamW` (the scenario's LR; on torch's fused kernel when ours'
+AdamW is, `--flat-adamw`) on its own token batches (the same
 stream the other contestants get), with the same loop: forward, backward, step,
 `zero_grad(set_to_none=True)`. Nothing is communicated: 0 bytes per step (counted, so the table
 shows it). A synchronous data-parallel step cannot beat the same compute without its
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ndtrain.bench.harness import LIMIT, BenchOptions, Contestant, Step, Workload, training_step
+from ndtrain.bench.harness import LIMIT, BenchOptions, Contestant, Step, Workload, adamw_factory, training_step
 from ndtrain.mesh import ParallelContext
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.buckets import AllReduceBucket
@@ -46,9 +47,10 @@ class NoCommBucket(AllReduceBucket):
 def local_model(
     work: Workload, options: BenchOptions, ctx: ParallelContext, lr: float,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The plain model on this rank's device and a local AdamW over all its parameters."""
+    """The plain model on this rank's device and a local AdamW over all its parameters (fused with
+    `--flat-adamw`, as ours' then is)."""
     model = build_model(work.model, options.seed, ctx.device)
-    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    return model, adamw_factory(lr, options.flat_adamw)(model.parameters())
 
 
 def limit_contestant(work: Workload, options: BenchOptions, ctx: ParallelContext, lr: float) -> Contestant:

@@ -23,6 +23,8 @@ built once more and run for one step (AdamW's state is complete after its first 
 the optimizer-state bytes rank 0 actually holds: `ours_rank0_state_bytes`, `torch_rank0_state_bytes`.
 Both scenarios have a third contestant, `limit` (`ndtrain.bench.limit`): the same step with no
 communication and a full, unsharded AdamW step (more optimizer work than ZeRO's 1/N).
+`--flat-adamw`: ours' and the limit's AdamW run torch's fused kernel (ours over its flat shard
+segments, `fused_adamw_factory`, as `parallel.flat_adamw` does); `--torch-fused-adamw`: torch's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDistributedDataPar
 
 from ndtrain.bench.fsdp import fsdp2_model
 from ndtrain.bench.harness import (
-    BenchOptions, Contestant, ContestResult, Step, from_rank0, llama_workload, run_contest, training_step,
+    BenchOptions, Contestant, ContestResult, Step, adamw_factory, from_rank0, levers, llama_workload, run_contest,
+    training_step,
 )
 from ndtrain.bench.limit import limit_contestant
 from ndtrain.errors import UserError
@@ -60,7 +63,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     def ours() -> Built:
         model = Zero1DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb,
                                   host_slots=options.host_slots)
-        optimizer = ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(groups, lr=LR))
+        optimizer = ZeroOptimizer(model, ctx, adamw_factory(LR, options.flat_adamw))
         return training_step(model, optimizer, work.tokens), optimizer.state_bytes, lambda: optimizer.padded_numel
 
     def torch_zero() -> Built:
@@ -74,6 +77,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         )
         optimizer = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, process_group=group.process_group,
+            **({"fused": True} if options.torch_fused_adamw else {}),
         )
         return training_step(model, optimizer, work.tokens), lambda: optimizer_state_bytes(optimizer.optim), lambda: 0
 
@@ -82,7 +86,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     facts = {
         "preset": options.preset, "parameters": work.parameters, "gradient_bytes": grad_bytes,
         "expected_state_bytes": 2 * grad_bytes // n,  # 8Ψ/N: exp_avg + exp_avg_sq of one slice
-        "tokens_per_rank_step": options.micro_batch * options.seq_len,
+        "tokens_per_rank_step": options.micro_batch * options.seq_len, "levers": levers(options),
     }
     contestants = [Contestant("ours", lambda: ours()[0], counted=True),
                    Contestant("torch", lambda: torch_zero()[0], counted=False),
@@ -134,7 +138,7 @@ def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
     def ours() -> tuple[Step, Callable[[], int]]:
         model = Zero2DataParallel(build_model(work.model, options.seed, ctx.device), ctx, bucket_mb=options.bucket_mb,
                                   host_slots=options.host_slots)
-        optimizer = ZeroOptimizer(model, ctx, lambda groups: torch.optim.AdamW(groups, lr=LR))
+        optimizer = ZeroOptimizer(model, ctx, adamw_factory(LR, options.flat_adamw))
 
         def state_bytes() -> int:
             return (sum(s.flat.numel() * s.flat.element_size() for s in optimizer._shards)
@@ -148,7 +152,7 @@ def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
 
     facts: dict[str, Any] = {
         "preset": options.preset, "parameters": work.parameters, "gradient_bytes": work.gradient_bytes,
-        "tokens_per_rank_step": options.micro_batch * options.seq_len,
+        "tokens_per_rank_step": options.micro_batch * options.seq_len, "levers": levers(options),
     }
     contestants = [Contestant("ours", lambda: ours()[0], counted=True),
                    Contestant("torch", lambda: torch_fsdp2()[0], counted=False),

@@ -15,6 +15,10 @@ its end) and one line in `STRATEGIES`.
 | ("ddp", 3)               | `build_zero3` (zero3_parameters.py)             | `FSDPStrategy` |
 | ("single-process", 0/1)  | `build_replicated` / `build_zero1` (single_process_dp.py) | as ("ddp", 0/1), over SingleProcessDataParallel |
 
+`parallel.flat_adamw` wraps the optimizer factory (`fused_adamw_factory`) before any builder sees
+it: a plain AdamW runs torch's fused kernel, over DDP's flat buckets (`FlatAdamW`, build_ddp) or
+over the flat segments ZeRO's optimizers step.
+
 Building communicates what the strategy's constructor does (broadcast or sharding of the initial
 weights, see each file); the per-step costs are the strategies' own, given in their docstrings.
 """
@@ -32,6 +36,7 @@ from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.mesh import ParallelContext
 from ndtrain.parallel import single_process_dp, zero1_optimizer, zero2_gradients, zero3_parameters
+from ndtrain.parallel.flat_adamw import fused_adamw_factory
 from ndtrain.parallel.grad_norm import GradPiece
 from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn
 
@@ -119,4 +124,6 @@ def build_data_parallel(
             f"no data-parallel strategy for parallel.dp_mode={key[0]!r} with parallel.zero={key[1]}: "
             f"choose one of {sorted(STRATEGIES)}"
         )
+    if cfg.flat_adamw:  # AdamW on torch's fused kernel: DDP's FlatAdamW, or over ZeRO's flat segments (flat_adamw.py)
+        optimizer_fn = fused_adamw_factory(optimizer_fn)
     return builder(model, ctx, cfg, optimizer_fn, group_fn)

@@ -30,12 +30,19 @@ When DDP packs its buckets anew (recorded bucket order) the value buffers are re
 layout and the state is copied into new flat buffers at the next update.
 
 Cost: what torch's AdamW holds, 4Ψ values (the parameters themselves) + 8Ψ state; no communication.
+
+`FusedAdamW` (`fused_adamw_factory`): the same lever where the optimizer's parameters are flat
+already, ZeRO-1/2/3's shard segments and the fp32 masters of mixed precision: the caller's plain
+`torch.optim.AdamW` is rebuilt over the same groups with torch's fused kernel, one pass over each
+group's segments instead of the single-tensor update's ~10 passes per segment (on this project's CPU
+machine, bench preset at 4 ranks: ZeRO-1's step 32 -> 20 ms). Its state dict is torch's AdamW's, and
+loading one keeps the kernel the run's config chose.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -91,17 +98,11 @@ class FlatAdamW(torch.optim.Optimizer):
                   fused: bool | None = None) -> FlatAdamW | None:
         """A FlatAdamW with `optimizer`'s groups and options when it is a plain, unused `torch.optim.AdamW`
         over exactly `ddp`'s trainable parameters; None otherwise (keep `optimizer`)."""
-        if type(optimizer) is not torch.optim.AdamW or optimizer.state:
+        groups = _plain_adamw_groups(optimizer)
+        if groups is None or sorted(id(p) for g in groups for p in g["params"]) != sorted(
+                id(p) for b in ddp.buckets for p in b.params):
             return None
-        groups = optimizer.param_groups
-        if any(g.get(key) for g in groups for key in UNSUPPORTED) or any(isinstance(g["lr"], torch.Tensor) for g in groups):
-            return None
-        mine = [id(p) for g in groups for p in g["params"]]
-        if sorted(mine) != sorted(id(p) for b in ddp.buckets for p in b.params):
-            return None
-        keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
-        return cls(ddp, [{"params": list(g["params"]), **{k: g[k] for k in keep if k in g}} for g in groups],
-                   fused=fused)
+        return cls(ddp, groups, fused=fused)
 
     def set_overlap(self, on: bool) -> None:
         """Update each bucket as soon as DDP has averaged it (see the module docstring for when that is allowed)."""
@@ -195,6 +196,55 @@ class FlatAdamW(torch.optim.Optimizer):
         """Zero DDP's gradient buckets in place (the `.grad`s stay bucket views; `set_to_none` is not honoured:
         the update reads the buckets)."""
         self.ddp.zero_grad()
+
+
+class FusedAdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW(fused=True)` that stays fused when it loads a state dict saved without it
+    (torch's `load_state_dict` takes every group option from the saved dict)."""
+
+    def __init__(self, params: Any, **options: Any) -> None:
+        super().__init__(params, **options, fused=True)
+
+    @classmethod
+    def replacing(cls, optimizer: torch.optim.Optimizer) -> FusedAdamW | None:
+        """A FusedAdamW over `optimizer`'s groups, with its options, when it is a plain, unused
+        `torch.optim.AdamW` whose parameters the fused kernel supports; None otherwise (keep `optimizer`)."""
+        groups = _plain_adamw_groups(optimizer)
+        if groups is None or not all(_fused_supported(p) for g in groups for p in g["params"]):
+            return None
+        return cls(groups)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.update(fused=True, foreach=False)
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if "step" in state:  # the fused kernel reads a float32 step on the parameter's device
+                    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
+
+
+def fused_adamw_factory(optimizer_fn: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                        ) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    """`optimizer_fn` whose plain `torch.optim.AdamW` comes back as a `FusedAdamW` (anything else as it is)."""
+
+    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        optimizer = optimizer_fn(groups)
+        return FusedAdamW.replacing(optimizer) or optimizer
+
+    return build
+
+
+def _plain_adamw_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]] | None:
+    """`optimizer`'s groups (parameters and AdamW options) when it is an unused `torch.optim.AdamW`
+    (or FusedAdamW) without the options flat updates do not support; None otherwise."""
+    if type(optimizer) not in (torch.optim.AdamW, FusedAdamW) or optimizer.state:
+        return None
+    groups = optimizer.param_groups
+    if any(g.get(key) for g in groups for key in UNSUPPORTED) or any(isinstance(g["lr"], torch.Tensor) for g in groups):
+        return None
+    keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+    return [{"params": list(g["params"]), **{k: g[k] for k in keep if k in g}} for g in groups]
 
 
 def _adamw_exact(value: torch.Tensor, grad: torch.Tensor, avg: torch.Tensor, sq: torch.Tensor, step: float,
