@@ -1,5 +1,5 @@
-"""Mixed precision through the engine at every ZeRO stage: bf16 tracks the fp32 loss curve; fp16 skips a
-step whose gradients overflow (forced), leaves the weights untouched, halves the loss scale, recovers
+"""Mixed precision through the engine at every ZeRO stage: bf16 tracks the fp32 loss curve (with the
+masters on torch's fused AdamW too, `parallel.flat_adamw`); fp16 skips a step whose gradients overflow (forced), leaves the weights untouched, halves the loss scale, recovers
 and grows the scale again; the loss scaler's state survives a round trip.
 
 Tolerance for bf16: bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 0.2% per operation);
@@ -52,12 +52,15 @@ def _batches(ctx: ParallelContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank])]
 
 
-def _curve(ctx: ParallelContext, zero: int, precision: str) -> list[float]:
-    engine = Engine(make_llama, adamw, ctx, ParallelConfig(zero=zero, precision=precision, bucket_mb=0.01), grad_clip=1.0)
+def _curve(ctx: ParallelContext, zero: int, precision: str, flat_adamw: bool = False) -> list[float]:
+    parallel = ParallelConfig(zero=zero, precision=precision, bucket_mb=0.01, flat_adamw=flat_adamw)
+    engine = Engine(make_llama, adamw, ctx, parallel, grad_clip=1.0)
+    if flat_adamw:  # the fp32 masters are stepped by torch's fused kernel
+        assert type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__ == "FusedAdamW"
     return [engine.train_step(_batches(ctx)).loss for _ in range(STEPS)]
 
 
-def _overflow(ctx: ParallelContext, zero: int) -> dict[str, Any]:
+def _overflow(ctx: ParallelContext, zero: int, flat_adamw: bool = False) -> dict[str, Any]:
     model: Spiky | None = None
 
     def build() -> Spiky:
@@ -65,7 +68,7 @@ def _overflow(ctx: ParallelContext, zero: int) -> dict[str, Any]:
         model = Spiky()
         return model
 
-    parallel = ParallelConfig(zero=zero, precision="fp16", bucket_mb=0.01, fsdp_wrap="inner.layers.*")
+    parallel = ParallelConfig(zero=zero, precision="fp16", bucket_mb=0.01, fsdp_wrap="inner.layers.*", flat_adamw=flat_adamw)
     engine = Engine(build, adamw, ctx, parallel, loss_scaler=LossScaler(ctx, init_scale=2.0**10, growth_interval=2))
     assert model is not None
     out: dict[str, Any] = {"skipped": [], "scale": [], "loss": [], "unchanged": []}
@@ -90,7 +93,8 @@ def _suite() -> dict[str, Any]:
     ctx = init(ParallelConfig(), init_method=init_method())
     return {
         "curves": {(zero, p): _curve(ctx, zero, p) for zero in (0, 1, 2, 3) for p in ("fp32", "bf16")},
-        "overflow": {zero: _overflow(ctx, zero) for zero in (0, 2, 3)},
+        "fused_curves": {zero: _curve(ctx, zero, "bf16", flat_adamw=True) for zero in (0, 1, 3)},
+        "overflow": {**{zero: _overflow(ctx, zero) for zero in (0, 2, 3)}, "3, fused": _overflow(ctx, 3, flat_adamw=True)},
     }
 
 
@@ -103,6 +107,9 @@ def test_bf16_tracks_fp32_and_fp16_skips_overflowing_steps() -> None:
             assert bf16 != fp32  # bf16 really computed in bf16
             for a, b in zip(fp32, bf16):
                 assert abs(a - b) <= BF16_TOLERANCE * a, (zero, fp32, bf16)
+            if zero in o["fused_curves"]:  # parallel.flat_adamw: the masters on the fused kernel
+                fused = o["fused_curves"][zero]
+                assert all(abs(a - b) <= BF16_TOLERANCE * a for a, b in zip(fp32, fused)), (zero, fp32, fused)
         for zero, r in o["overflow"].items():
             assert r["skipped"] == [False, False, True, False, False, False], (zero, r)
             assert r["unchanged"] == [False, False, True, False, False, False], (zero, r)
