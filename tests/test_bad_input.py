@@ -140,6 +140,8 @@ CASES = [
     (["train", "--check", *OUT, "--set", "model.dim=99999999999999999999"], "does not fit in 64 bits"),
     (["train", "--check", *OUT, "--set", "model.dim=1048576"], "more than this machine's"),
     (["train", "--check", *OUT, "--set", "parallel.timeout_s=1e300"], "parallel.timeout_s=1e+300 exceeds"),
+    (["train", "--check", *OUT, "--dp-mode", "single-process", "--set", "parallel.flat_adamw=true"],
+     "parallel.flat_adamw=true needs dp_mode=ddp"),
     (["train", "--check", *OUT, "--seed", "-1"], "seed must be in [0, 2**63)"),
     (["train", "--check", *OUT, "--set", "launch.threads=4294967296"], "launch.threads must be in"),
     (["train", "--check", *OUT, "--set", "model.preset=[1]"], "model.preset=[1] is unknown"),

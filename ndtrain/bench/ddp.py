@@ -26,7 +26,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDistributedDataParallel
 
 from ndtrain.bench.harness import (
-    LIMIT, BenchOptions, Contestant, ContestResult, Step, Workload, levers, llama_workload, run_contest, training_step,
+    LIMIT, BenchOptions, Contestant, ContestResult, Step, Workload, adamw_factory, levers, llama_workload, run_contest,
+    training_step,
 )
 from ndtrain.bench.limit import NoCommBucket
 from ndtrain.errors import UserError
@@ -65,8 +66,7 @@ def run(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
             build_model(work.model, options.seed, ctx.device), process_group=group.process_group,
             bucket_cap_mb=options.bucket_mb, gradient_as_bucket_view=True, forward_sync_buffers=False,
         )
-        fused = {"fused": True} if options.torch_fused_adamw else {}
-        return training_step(model, torch.optim.AdamW(model.parameters(), lr=LR, **fused), work.tokens)
+        return training_step(model, adamw_factory(LR, options.torch_fused_adamw)(model.parameters()), work.tokens)
 
     n = group.size
     facts = {
