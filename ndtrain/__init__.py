@@ -12,7 +12,7 @@ Public surface:
 from ndtrain.config import ParallelConfig, TrainConfig, load_config
 from ndtrain.engine import Engine, StepResult
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext, init
+from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.trainer import Trainer
 from ndtrain.version import package_version
 

@@ -1,5 +1,5 @@
 """`python -m ndtrain` is the `ndtrain` command (also how launched workers start)."""
 
-from ndtrain.cli import main
+from ndtrain.cli.commands import main
 
 raise SystemExit(main())

@@ -2,7 +2,7 @@
 
 The engine places the model on the context's device, applies model parallelism (compose.py: tp →
 recompute → cp → pipeline cut) and hands the result to exactly one data-parallel strategy over
-dp×cp, chosen by `parallel.dp_mode` and `parallel.zero` from the registry of data_parallel.py, which
+dp×cp, chosen by `parallel.dp_mode` and `parallel.zero` from the registry of parallel/data/strategy.py, which
 it drives only through the `DataParallelStrategy` interface (it never asks which one it holds):
 
 | zero | wrapper (gradients)                              | optimizer                                   |
@@ -44,22 +44,22 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ndtrain.checkpoint import load_checkpoint, save_checkpoint, select_checkpoint
-from ndtrain.checkpoint_manifest import MANIFEST, verify
+from ndtrain.checkpoint.store import load_checkpoint, save_checkpoint, select_checkpoint
+from ndtrain.checkpoint.manifest import MANIFEST, verify
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.memory import peak_bytes
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.memory import peak_bytes
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.hf_families import hf_config
 from ndtrain.models.llama import count_parameters
 from ndtrain.parallel.compose import ModelParallelState, prepare_model
 from ndtrain.parallel.placement import name_parameters
-from ndtrain.parallel.context_parallel import shard_sequence
-from ndtrain.parallel.data_parallel import ShardedModel, build_data_parallel
+from ndtrain.parallel.model.context import shard_sequence
+from ndtrain.parallel.data.strategy import ShardedModel, build_data_parallel
 from ndtrain.parallel.grad_norm import clip_, global_grad_norm
 from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
 from ndtrain.parallel.precision import DTYPES, LossScaler
-from ndtrain.parallel.zero1_optimizer import GroupFn, no_decay_for_vectors
+from ndtrain.parallel.data.zero1_optimizer import GroupFn, no_decay_for_vectors
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
 

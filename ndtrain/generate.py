@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ndtrain.checkpoint import load_model_weights, newest_verified
+from ndtrain.checkpoint.store import load_model_weights, newest_verified
 from ndtrain.config import TrainConfig, load_config
 from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import UserError

@@ -11,7 +11,7 @@ for three reasons:
 - Restarts. A worker that dies is restarted with the whole group up to `launch.max_restarts`
   times (the trainer resumes from the newest checkpoint by itself); but a worker that exits with
   status 2 (a user error it has printed) or 128+SIGTERM/SIGINT (a clean preemption stop, see
-  `preemption.py`) ends the run at once: retrying would give the same answer.
+  `run/preemption.py`) ends the run at once: retrying would give the same answer.
 - Output. Workers inherit the launcher's stdout and stderr (so rank 0 can draw a progress bar on a
   terminal) and each appends everything it writes to RUN_DIR/logs/rank_N.log itself (`console.py`).
   A user error is printed once: by rank 0, or here from the lowest rank's torchrun error file
@@ -40,7 +40,7 @@ import torch
 
 from ndtrain.console import rank_log_path, unprinted_user_error
 from ndtrain.errors import UserError
-from ndtrain.preemption import STOP_SIGNALS, exit_status
+from ndtrain.run.preemption import STOP_SIGNALS, exit_status
 
 LOOPBACK = "127.0.0.1"
 STOP_GRACE_S = 120  # seconds workers get to finish a step and checkpoint after a stop signal

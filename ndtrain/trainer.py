@@ -7,7 +7,7 @@ step. Each rank splits its G/dp windows into micro-batches (gradient accumulatio
 Evaluation: a fixed, evenly spaced subset of validation windows, split into uneven contiguous
 shards (no padding), loss and token counts summed with one all-reduce.
 The data sets, the model and any evaluation beyond the loss come from the config's `Task`
-(tasks.py): the byte-level language model above by default, e.g. digits retrieval by preset.
+(run/tasks.py): the byte-level language model above by default, e.g. digits retrieval by preset.
 """
 
 from __future__ import annotations
@@ -24,23 +24,23 @@ import torch
 from torch import nn
 
 
-from ndtrain.checkpoint import checkpoint_name, load_checkpoint, select_checkpoint
+from ndtrain.checkpoint.store import checkpoint_name, load_checkpoint, select_checkpoint
 from ndtrain.config import TrainConfig, dump_toml
 from ndtrain.console import console_stream, ensure_console, log
 from ndtrain.data.sampler import DistributedSampler, eval_shard
 from ndtrain.engine import Batch, StepResult
-from ndtrain.engine_kinds import AnyEngine, engine_kind
+from ndtrain.run.engine_kinds import AnyEngine, engine_kind
 from ndtrain.errors import UserError
-from ndtrain.memory import peak_bytes, reset_peak
-from ndtrain.mesh import ParallelContext, init
-from ndtrain.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
+from ndtrain.dist.memory import peak_bytes, reset_peak
+from ndtrain.dist.mesh import ParallelContext, init
+from ndtrain.run.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.models.build import build_run_model, model_label
-from ndtrain.preemption import Preempted, StopRequest
-from ndtrain.progress import Progress
-from ndtrain.run_info import environment, utc_now
-from ndtrain.run_timeline import TimelineRecorder
-from ndtrain.tasks import build_task
-from ndtrain.trackers import Trackers, flat_config
+from ndtrain.run.preemption import Preempted, StopRequest
+from ndtrain.run.progress import Progress
+from ndtrain.run.info import environment, utc_now
+from ndtrain.run.timeline import TimelineRecorder
+from ndtrain.run.tasks import build_task
+from ndtrain.run.trackers import Trackers, flat_config
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -85,7 +85,7 @@ def seeded(model_fn: ModelFn, seed: int) -> ModelFn:
 def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | None = None,
                  loss_fn: LossFn | None = None) -> AnyEngine:
     """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine,
-    in the engine kind of the config (engine_kinds.py: `Engine`, or `PSEngine` when ps.servers > 0).
+    in the engine kind of the config (run/engine_kinds.py: `Engine`, or `PSEngine` when ps.servers > 0).
     The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
     o, s = cfg.optim, cfg.schedule
     return engine_kind(cfg, ctx).build(

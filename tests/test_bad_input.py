@@ -1,7 +1,7 @@
 """Bad input, systematically: every malformed input ends in exactly one line `ndtrain: error: ...` and
 exit status 2 — no traceback, no hang, nothing written.
 
-The listed cases run the CLI in-process (`ndtrain.cli.main`) up to the point where it would start
+The listed cases run the CLI in-process (`ndtrain.cli.commands.main`) up to the point where it would start
 training (`train --check`); two run the real command without `--check` to show the launcher refuses
 before any worker starts. The property-based tests (hypothesis, 200 derandomized examples each) feed
 random config values, types and keys, TOML files, command lines and data files to the same entry
@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ndtrain import cli
+from ndtrain.cli import commands as cli
 from ndtrain.config import DataConfig, TrainConfig, load_config, read_toml
 from ndtrain.data.corpus import load_corpus
 from ndtrain.data.prepare import prepare_data

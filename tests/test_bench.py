@@ -23,10 +23,10 @@ from ndtrain.bench.harness import (
 from ndtrain.bench.limit import local_model
 from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
-from ndtrain.host_slots import host_slots_supported
-from ndtrain.mesh import init
+from ndtrain.dist.host_slots import host_slots_supported
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.flat_adamw import FusedAdamW
+from ndtrain.parallel.data.flat_adamw import FusedAdamW
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed
 
@@ -233,7 +233,7 @@ def test_a_memory_run_builds_only_its_contestant_once() -> None:
 def test_bench_measures_each_contestants_memory_in_fresh_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`ndtrain bench zero3`: after the contest, one launch per contestant adds its fresh-process peaks per
     rank to the JSON summary and prints them."""
-    from ndtrain import cli
+    from ndtrain.cli import commands as cli
 
     out = tmp_path / "zero3.json"
     argv = ["bench", "zero3", "--nproc", "2", "--device", "cpu", "--model", "tiny", "--steps", "2", "--warmup", "1",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ndtrain import cli
+from ndtrain.cli import commands as cli
 from ndtrain.bench import cli as bench_cli
 from ndtrain.config import MODEL_PRESETS, ModelConfig
 from ndtrain.errors import UserError

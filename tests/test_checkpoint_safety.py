@@ -13,8 +13,8 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ndtrain.checkpoint_manifest import MANIFEST, verify, write_manifest
-from ndtrain.safe_pickle import SafePlanner, UnsafePickle, load_metadata, load_tensors
+from ndtrain.checkpoint.manifest import MANIFEST, verify, write_manifest
+from ndtrain.checkpoint.safe_pickle import SafePlanner, UnsafePickle, load_metadata, load_tensors
 from tests.helpers.runs import corpus_file, ndtrain, one_error_line, train_cli as train
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain.checkpoint import load_model_weights
-from ndtrain.checkpoint_manifest import MANIFEST, choose, obsolete, verify, write_manifest
+from ndtrain.checkpoint.store import load_model_weights
+from ndtrain.checkpoint.manifest import MANIFEST, choose, obsolete, verify, write_manifest
 from ndtrain.config import load_config
 from ndtrain.models.llama import build_model
 from tests.helpers.runs import corpus_file, train_cli as train

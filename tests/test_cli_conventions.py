@@ -1,7 +1,7 @@
 """CLI conventions: --version, defaults and allowed values in every --help, the everyday train flags,
 one spelling of model names, booleans and schedules across train/plan/bench, the preset override warning.
 
-All in-process through `ndtrain.cli.main` with `--help`, `--check` and `plan` (no training)."""
+All in-process through `ndtrain.cli.commands.main` with `--help`, `--check` and `plan` (no training)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ import pytest
 import torch
 
 import ndtrain
-from ndtrain import cli, cli_flags, version
+from ndtrain import version
+from ndtrain.cli import commands as cli
+from ndtrain.cli import flags as cli_flags
 from ndtrain.bench import cli as bench_cli
-from ndtrain import options
+from ndtrain.config import options
 from ndtrain.config import MODEL_PRESETS, PRESET_NAMES, allowed_values
-from ndtrain.options import PP_SCHEDULES, ZERO_STAGES
+from ndtrain.config.options import PP_SCHEDULES, ZERO_STAGES
 from ndtrain.plan import cli as plan_cli
 
 if sys.version_info >= (3, 11):
@@ -161,7 +163,7 @@ CLOSED_FLAGS = {"--precision": options.Precision, "--recompute": options.Recompu
 
 @pytest.mark.parametrize("flag", CLOSED_FLAGS)
 def test_train_choices_are_the_literal_values(flag: str) -> None:
-    """The option types of options.py are the one definition: the parser offers exactly their values."""
+    """The option types of config/options.py are the one definition: the parser offers exactly their values."""
     assert flag_choices(subcommands()["train"], flag) == options.values(CLOSED_FLAGS[flag])
 
 
@@ -174,7 +176,7 @@ def test_every_closed_config_key_has_its_literal_as_choices() -> None:
 
 
 def test_readme_usage_lists_the_literal_values() -> None:
-    """The README's `ndtrain train` usage block lists each closed flag's values as options.py defines them."""
+    """The README's `ndtrain train` usage block lists each closed flag's values as config/options.py defines them."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     usage = readme.split("## The `ndtrain` command", 1)[1].split("ndtrain generate", 1)[0]
     for flag, option in CLOSED_FLAGS.items():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ndtrain.cli import main
+from ndtrain.cli.commands import main
 from ndtrain.config import dump_toml, load_config, parse_override
 from ndtrain.errors import UserError
 

@@ -20,16 +20,16 @@ from ndtrain.bench import cp as bench_cp
 from ndtrain.bench.harness import BenchOptions
 from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext, init
+from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.context_parallel import (
+from ndtrain.parallel.model.context import (
     DEFAULT_TILE, Ring, apply_context_parallel, attention_work, balanced_chunks, ring_attention, shard_sequence,
 )
-from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.recompute import SavedActivations, apply_recompute
+from ndtrain.parallel.data.ddp import DistributedDataParallel
+from ndtrain.parallel.model.recompute import SavedActivations, apply_recompute
 from ndtrain.parallel.placement import is_tensor_parallel
-from ndtrain.parallel.tp_plan import parallelize
-from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
+from ndtrain.parallel.model.tp_plan import parallelize
+from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
 from tests.helpers.runner import init_method, run_distributed
 
 TOL = 1e-5

@@ -14,20 +14,20 @@ import torch
 from torch import nn
 
 import ndtrain.engine
-from ndtrain.comm import Communicator
+from ndtrain.dist.comm import Communicator
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext, init
+from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel import data_parallel
-from ndtrain.parallel.flat_layout import FlatLayout
+from ndtrain.parallel.data import strategy as data_parallel
+from ndtrain.parallel.data.flat_layout import FlatLayout
 from ndtrain.parallel.grad_norm import (
     GradPiece, clip_, clip_coefficient, global_grad_norm, optimizer_param_grads, segment_pieces,
     segment_spans, whole_pieces,
 )
 from ndtrain.parallel.placement import Shard, place
-from ndtrain.parallel.zero1_optimizer import GroupFn, OptimizerFn, parameter_groups
+from ndtrain.parallel.data.zero1_optimizer import GroupFn, OptimizerFn, parameter_groups
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed
 

@@ -23,9 +23,9 @@ from torch import nn
 
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext, init
-from ndtrain.parallel.buckets import pack
-from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.dist.mesh import ParallelContext, init
+from ndtrain.parallel.data.buckets import pack
+from ndtrain.parallel.data.ddp import DistributedDataParallel
 from tests.helpers.models import make_llama
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import train_reference

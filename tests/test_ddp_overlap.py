@@ -21,11 +21,11 @@ from ndtrain.bench.harness import BenchOptions
 from ndtrain.config import ModelConfig, ParallelConfig, load_config
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.buckets import pack
-from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.flat_adamw import FlatAdamW, FusedAdamW
+from ndtrain.parallel.data.buckets import pack
+from ndtrain.parallel.data.ddp import DistributedDataParallel
+from ndtrain.parallel.data.flat_adamw import FlatAdamW, FusedAdamW
 from tests.helpers.models import adamw, batch, make_llama, micro_batches
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import decay_groups, train_reference

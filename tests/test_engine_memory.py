@@ -26,8 +26,8 @@ from torch import nn
 
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
-from ndtrain.host_slots import host_slots_supported
-from ndtrain.mesh import ParallelContext, init
+from ndtrain.dist.host_slots import host_slots_supported
+from ndtrain.dist.mesh import ParallelContext, init
 from tests.helpers.runner import init_method, run_distributed
 
 WIDTH, DEPTH = 128, 4

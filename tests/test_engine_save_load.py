@@ -15,7 +15,7 @@ import torch
 from ndtrain.config import ParallelConfig, load_config
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
 from tests.helpers.runner import init_method, run_distributed
 

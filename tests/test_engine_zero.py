@@ -17,8 +17,8 @@ import torch
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext, init
-from ndtrain.parallel.buckets import MB, pack
+from ndtrain.dist.mesh import ParallelContext, init
+from ndtrain.parallel.data.buckets import MB, pack
 from tests.helpers.counts import train_counted
 from tests.helpers.models import adamw, batch, make_llama
 from tests.helpers.parity import assert_params_close

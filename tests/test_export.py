@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ndtrain.config import load_config
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.trainer import Trainer
 from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.runs import corpus_file, ndtrain, one_error_line, tiny_config

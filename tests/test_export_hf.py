@@ -10,12 +10,12 @@ import torch
 
 from ndtrain.config import TrainConfig, load_config
 from ndtrain.errors import UserError
-from ndtrain.export import export_safetensors
-from ndtrain.export_hf import builtin_to_hf, export_hf, write_tokenizer
+from ndtrain.checkpoint.export import export_safetensors
+from ndtrain.checkpoint.export_hf import builtin_to_hf, export_hf, write_tokenizer
 from ndtrain.generate import load_run
-from ndtrain.init_from import load_init_weights
-from ndtrain.inspect_run import inspect_run
-from ndtrain.mesh import init
+from ndtrain.checkpoint.init_from import load_init_weights
+from ndtrain.run.inspect import inspect_run
+from ndtrain.dist.mesh import init
 from ndtrain.models.build import build_run_model
 from ndtrain.models.llama import build_model
 from ndtrain.trainer import Trainer

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from ndtrain import ParallelConfig, init
-from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.flat_layout import FlatLayout, Segment
+from ndtrain.parallel.data.ddp import DistributedDataParallel
+from ndtrain.parallel.data.flat_layout import FlatLayout, Segment
 from ndtrain.parallel.placement import Shard, name_parameters, place, placement_of
-from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
-from ndtrain.parallel.zero2_gradients import Zero2DataParallel
-from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
+from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
+from ndtrain.parallel.data.zero2_gradients import Zero2DataParallel
+from ndtrain.parallel.data.zero3_parameters import FullyShardedDataParallel
 
 
 def _params() -> list[nn.Parameter]:

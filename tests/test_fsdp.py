@@ -2,7 +2,7 @@
 accumulation with `no_sync`, both reshard modes, padded units, a non-Llama model), exact
 collective counts and bytes, model-state memory, prefetch depth, bf16 compute, state dicts and
 bad wrap policies; the `*_ring` scenarios gather and reduce-scatter through the shared-memory ring
-(`host_slots=True`, host_stream.py) instead of gloo, and are held to the same bounds and counts.
+(`host_slots=True`, dist/host_stream.py) instead of gloo, and are held to the same bounds and counts.
 
 One spawn per world size runs every scenario; the parent trains the single-process references.
 The Llama parity scenarios and their references are float64 (masters, gradients, reduce-scatters,
@@ -25,12 +25,12 @@ from torch import nn
 
 from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
-from ndtrain.host_stream import PIECE
-from ndtrain.memory import optimizer_state_bytes
-from ndtrain.mesh import ParallelContext, init
+from ndtrain.dist.host_stream import PIECE
+from ndtrain.dist.memory import optimizer_state_bytes
+from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
-from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
+from ndtrain.parallel.data.zero3_parameters import FullyShardedDataParallel
+from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import decay_groups, train_reference
 from tests.helpers.runner import init_method, run_distributed

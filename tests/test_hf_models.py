@@ -16,7 +16,7 @@ import torch
 from ndtrain.config import ParallelConfig, load_config
 from ndtrain.errors import UserError
 from ndtrain.generate import load_run
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.hf import build_hf_model, check_family_supports, check_hf_model
 from ndtrain.trainer import Trainer
 from tests.helpers.hf import hf_dir, hf_run_config

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from ndtrain.config import ParallelConfig  # noqa: E402
 from ndtrain.engine import Engine  # noqa: E402
 from ndtrain.errors import UserError  # noqa: E402
-from ndtrain.mesh import ParallelContext, init  # noqa: E402
+from ndtrain.dist.mesh import ParallelContext, init  # noqa: E402
 from ndtrain.models.causal_lm import CausalLM  # noqa: E402
 from tests.helpers.hf import DTYPE, STEPS, TOL, adamw, batch, StrategyMatrix, make_model, reference  # noqa: E402
 from tests.helpers.parity import assert_params_close  # noqa: E402

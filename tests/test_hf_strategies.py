@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 from ndtrain.config import ParallelConfig  # noqa: E402
 from ndtrain.engine import Engine  # noqa: E402
 from ndtrain.errors import UserError  # noqa: E402
-from ndtrain.mesh import ParallelContext, init  # noqa: E402
+from ndtrain.dist.mesh import ParallelContext, init  # noqa: E402
 from ndtrain.models.causal_lm import CausalLM  # noqa: E402
 from tests.helpers.hf import DTYPE, STEPS, TOL, VOCAB, adamw, batch, StrategyMatrix, make_model, reference  # noqa: E402
 from tests.helpers.models import fake_tp_ctx  # noqa: E402
@@ -123,7 +123,7 @@ def test_layer_lists_are_found_from_the_model() -> None:
     from ndtrain.models.hf_families import decoder_layers
     from ndtrain.models.llama import build_model
     from ndtrain.config import config_from_dict
-    from ndtrain.parallel.zero3_parameters import wrap_patterns
+    from ndtrain.parallel.data.zero3_parameters import wrap_patterns
 
     llama, gpt2 = make_model("llama"), make_model("gpt2")
     assert decoder_layers(llama)[0] == "hf.model.layers" and decoder_layers(gpt2)[0] == "hf.transformer.h"
@@ -147,7 +147,7 @@ def test_layer_lists_are_found_from_the_model() -> None:
 @pytest.mark.parametrize(("mode", "q_calls", "down_calls"), [("full", 2, 2), ("selective", 2, 1)])
 def test_recompute_reruns_hf_blocks_called_with_keywords(mode: str, q_calls: int, down_calls: int) -> None:
     """full: each decoder layer runs again in backward; selective: its attention module only."""
-    from ndtrain.parallel.recompute import apply_recompute
+    from ndtrain.parallel.model.recompute import apply_recompute
 
     model = apply_recompute(make_model("llama"), mode)
     calls = {"q": 0, "down": 0}
@@ -175,7 +175,7 @@ def test_engine_loss_fn_applies_to_the_models_output() -> None:
 
 
 def test_tensor_parallel_refusals_are_one_line() -> None:
-    from ndtrain.parallel.tp_plan import parallelize
+    from ndtrain.parallel.model.tp_plan import parallelize
 
     cases = [
         (make_model("gpt2"), None, "tensor parallel is not supported for gpt2"),
@@ -194,7 +194,7 @@ def test_tensor_parallel_refusals_are_one_line() -> None:
 
 def test_a_plan_given_for_an_hf_model_splits_what_it_names() -> None:
     """A user plan (here: the MLP only) on an HF model: those weights split, attention left whole."""
-    from ndtrain.parallel.tp_plan import parallelize
+    from ndtrain.parallel.model.tp_plan import parallelize
 
     model = make_model("llama")
     full = {k: v.clone() for k, v in model.state_dict().items()}

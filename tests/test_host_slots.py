@@ -1,4 +1,4 @@
-"""Shared-memory slots (ndtrain/host_slots.py) between real gloo worker processes.
+"""Shared-memory slots (ndtrain/dist/host_slots.py) between real gloo worker processes.
 
 - 3 ranks (chunks of unequal use, one empty where numel < N): all-reduce, reduce-scatter and an
   all-gather by `exchange` (each rank reading the owners' chunks) against the arithmetic done here, every rank bit-identical, for float32 and float64
@@ -12,7 +12,7 @@
   the shared-memory collective, as for any collective.
 - `ZeroOptimizer` over a plain DDP whose buckets are slots (cut at cache lines, not at the
   optimizer's ranges) trains as over gloo: it gathers through a ring only over ZeRO-1's own
-  buckets (host_stream.py); gathering through a plain DDP's slots once made every parameter wrong.
+  buckets (dist/host_stream.py); gathering through a plain DDP's slots once made every parameter wrong.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from ndtrain.config import ParallelConfig
-from ndtrain.host_slots import HostSlots, host_slots_supported
-from ndtrain.mesh import init
+from ndtrain.dist.host_slots import HostSlots, host_slots_supported
+from ndtrain.dist.mesh import init
 from tests.helpers.counts import counted_since
 from tests.helpers.runner import init_method, run_distributed
 
@@ -180,8 +180,8 @@ def test_a_rank_stopped_before_a_shared_memory_collective_is_named(capfd: pytest
 def _zero_over_plain_ddp(host_slots: bool) -> dict[str, torch.Tensor]:
     """ZeroOptimizer over a plain DDP whose buckets are slots (chunks cut at cache lines, not at the
     optimizer's ranges): the gather must not go through those slots."""
-    from ndtrain.parallel.ddp import DistributedDataParallel
-    from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
+    from ndtrain.parallel.data.ddp import DistributedDataParallel
+    from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
 
     ctx = init(ParallelConfig(), init_method=init_method())
     torch.manual_seed(0)

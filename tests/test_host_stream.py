@@ -1,4 +1,4 @@
-"""Collectives streamed through a ring of shared-memory segments (ndtrain/host_stream.py), 3 real gloo processes.
+"""Collectives streamed through a ring of shared-memory segments (ndtrain/dist/host_stream.py), 3 real gloo processes.
 
 A ring of 2 segments with pieces of 5 elements per rank: buffers of 3 ranges of 1, 5 and 23
 elements (1, 1 and 5 rounds; 23 = 4·5 + 3, a short last round), so segments are reused many times.
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from ndtrain.config import ParallelConfig
-from ndtrain.host_slots import host_slots_supported
-from ndtrain.host_stream import SlotRing
-from ndtrain.mesh import init
+from ndtrain.dist.host_slots import host_slots_supported
+from ndtrain.dist.host_stream import SlotRing
+from ndtrain.dist.mesh import init
 from tests.helpers.counts import counted_since
 from tests.helpers.runner import init_method, run_distributed
 

@@ -10,8 +10,8 @@ import pytest
 
 from ndtrain.config import load_config
 from ndtrain.errors import UserError
-from ndtrain.inspect_run import inspect_run, model_tensors
-from ndtrain.mesh import init
+from ndtrain.run.inspect import inspect_run, model_tensors
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.trainer import Trainer
 from tests.helpers.runs import corpus_file, ndtrain, tiny_config

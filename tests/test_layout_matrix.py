@@ -50,9 +50,9 @@ import torch
 
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
-from ndtrain.mesh import ParallelContext, init
+from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
+from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors
 from tests.helpers.layouts import MATRIX_MODEL, MAX_NORM, State, adamw
 from tests.helpers.models import token_batch
 from tests.helpers.parity import assert_params_close, max_relative_error

@@ -19,7 +19,7 @@ import pytest
 from ndtrain.config import load_config
 from ndtrain.console import WorkerConsole, log, record_user_error, report_user_error, unprinted_user_error
 from ndtrain.errors import UserError
-from ndtrain.progress import Progress, format_eta, format_line, format_memory, resolve_mode
+from ndtrain.run.progress import Progress, format_eta, format_line, format_memory, resolve_mode
 from ndtrain.trainer import wrap_parts
 from tests.helpers.runs import corpus_file
 

@@ -5,7 +5,7 @@ import torch
 
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import group_members, init, rank_coords
+from ndtrain.dist.mesh import group_members, init, rank_coords
 from tests.helpers.runner import init_method, run_distributed
 
 
@@ -50,7 +50,7 @@ def test_groups_and_counts_on_four_ranks() -> None:
 
 
 def test_backend_choice() -> None:
-    from ndtrain.mesh import resolve_backend
+    from ndtrain.dist.mesh import resolve_backend
 
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == "gloo"

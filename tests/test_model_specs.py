@@ -15,16 +15,16 @@ from torch import nn
 
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.models.llama_parallel import LLAMA_PLAN, LlamaParallel
 from ndtrain.models.parallel_spec import Heads, ModelParallel, parallel_spec
 from ndtrain.parallel.pipeline import split_model
-from ndtrain.parallel.recompute import apply_recompute
-from ndtrain.parallel.tp_plan import default_plan
+from ndtrain.parallel.model.recompute import apply_recompute
+from ndtrain.parallel.model.tp_plan import default_plan
 
 ROOT = Path(__file__).resolve().parent.parent / "ndtrain"
-STRATEGIES = ("parallel/tp_plan.py", "parallel/pipeline/partition.py", "parallel/recompute.py")
+STRATEGIES = ("parallel/model/tp_plan.py", "parallel/pipeline/partition.py", "parallel/model/recompute.py")
 
 
 def imported_modules(path: Path) -> set[str]:

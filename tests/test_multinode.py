@@ -2,7 +2,7 @@
 
 Each namespace runs `torchrun --nnodes 2 --nproc-per-node 2` (c10d rendezvous on 10.231.0.1, an
 address that exists only inside the namespaces made here) with a /dev/shm of its own, as two
-machines have (so the gradient buckets' shared-memory slots, host_slots.py, find that the group
+machines have (so the gradient buckets' shared-memory slots, dist/host_slots.py, find that the group
 spans two hosts and leave the reduction to gloo); gloo is pinned to the veth. Checks:
 the four ranks train to exactly the weights of `ndtrain train --nproc 4` through gloo (torch.equal); with
 delay and loss on the link (`tc netem`, or a small `tbf` queue where the kernel lacks netem) they

@@ -19,7 +19,7 @@ import torch
 
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine, NonFiniteError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from tests.helpers.models import adamw, make_llama, micro_batches
 from tests.helpers.runner import init_method, run_distributed
 
@@ -136,7 +136,7 @@ def test_skip_nonfinite_run_completes_counting_skipped_steps(tmp_path: Path) -> 
     assert summary["skipped_steps"] == 3  # every step after the first
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records if "skipped" in r] == [False, True, True, True]
-    from ndtrain.checkpoint import load_model_weights
+    from ndtrain.checkpoint.store import load_model_weights
     from ndtrain.config import config_from_dict
     from ndtrain.models.llama import build_model
 

@@ -15,13 +15,13 @@ from ndtrain import trainer
 from ndtrain.config import PSConfig, config_from_dict, load_config
 from ndtrain.engine import NonFiniteError
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.parameter_server import (
+from ndtrain.ps.parameter_server import (
     ParameterServer, PSSetup, PSWorker, async_beta1, async_lr_scale, shard_parameters,
 )
-from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors, parameter_groups
-from ndtrain.parallel.ps_engine import PSEngine, check_ps_config
+from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors, parameter_groups
+from ndtrain.ps.engine import PSEngine, check_ps_config
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import train_reference
 from tests.helpers.runner import init_method, run_distributed
@@ -283,7 +283,7 @@ def test_push_pull_bytes(results: list[dict]) -> None:
 
 
 def test_one_training_loop() -> None:
-    """The Trainer's loop drives the parameter server (engine_kinds.py): no second loop is left."""
+    """The Trainer's loop drives the parameter server (run/engine_kinds.py): no second loop is left."""
     package = Path(trainer.__file__).parent
     assert not (package / "ps_trainer.py").exists()
     sources = package.rglob("*.py")

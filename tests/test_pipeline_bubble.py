@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.config import ParallelConfig
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.parallel.pipeline import Timeline, bubble_fraction, run_pipeline, split_model, write_chrome_trace, write_png
 from ndtrain.parallel.pipeline import schedules
 from ndtrain.parallel.pipeline.schedules import compute_actions

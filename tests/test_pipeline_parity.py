@@ -21,11 +21,11 @@ from torch import nn
 from ndtrain.parallel.placement import placement_of
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.data.ddp import DistributedDataParallel
 from ndtrain.parallel.pipeline import eval_pipeline, is_pipeline_duplicate, run_pipeline, split_model
-from ndtrain.parallel.tp_plan import parallelize
+from ndtrain.parallel.model.tp_plan import parallelize
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import train_reference
 from tests.helpers.runner import init_method, run_distributed

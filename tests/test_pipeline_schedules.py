@@ -7,7 +7,7 @@ import torch
 
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.pipeline import run_pipeline, split_model
 from ndtrain.parallel.pipeline.partition import balanced_split
@@ -123,7 +123,7 @@ def test_single_rank_pipeline_equals_the_model(schedule: str, virtual: int, bala
 
 def test_every_configurable_schedule_has_a_rank_schedule() -> None:
     """The schedule names are options.PipelineSchedule's; the table of rank schedules has exactly them."""
-    from ndtrain.options import PipelineSchedule, values
+    from ndtrain.config.options import PipelineSchedule, values
     from ndtrain.parallel.pipeline.schedules import _RANK_SCHEDULES
 
     assert tuple(_RANK_SCHEDULES) == values(PipelineSchedule) == SCHEDULES

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ndtrain.cli import OneLineParser
+from ndtrain.cli.commands import OneLineParser
 from ndtrain.plan import arch, cli
 from tests.plan_profiles import bench_pieces, cpu_profile
 

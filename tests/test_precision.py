@@ -19,10 +19,10 @@ from torch import nn
 
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
-from ndtrain.mesh import ParallelContext, init
-from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
+from ndtrain.dist.mesh import ParallelContext, init
+from ndtrain.parallel.data.zero3_parameters import FullyShardedDataParallel
 from ndtrain.parallel.precision import LossScaler, master_dtype, reduction_dtype
-from ndtrain.parallel.zero2_gradients import Zero2DataParallel
+from ndtrain.parallel.data.zero2_gradients import Zero2DataParallel
 from tests.helpers.models import batch, make_llama
 from tests.helpers.runner import init_method, run_distributed
 

@@ -10,11 +10,11 @@ import torch
 
 from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.models.llama_parallel import block_saved_bytes
-from ndtrain.parallel.context_parallel import RingAttend, apply_context_parallel
-from ndtrain.parallel.recompute import MODES, SavedActivations, SelectiveRecompute, apply_recompute
+from ndtrain.parallel.model.context import RingAttend, apply_context_parallel
+from ndtrain.parallel.model.recompute import MODES, SavedActivations, SelectiveRecompute, apply_recompute
 
 SEED = 3
 TOL = 1e-6

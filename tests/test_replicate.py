@@ -12,7 +12,7 @@ from torch import nn
 from ndtrain.config import config_from_dict
 from ndtrain.errors import UserError
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.single_process_dp import ReplicaError, SingleProcessDataParallel, chunk_sizes
+from ndtrain.parallel.data.single_process import ReplicaError, SingleProcessDataParallel, chunk_sizes
 from tests.helpers.parity import assert_params_close, max_relative_error
 from tests.helpers.runs import corpus_file, tiny_config, train
 
@@ -212,7 +212,7 @@ def test_trainer_single_process_mode_equals_single_device(tmp_path) -> None:
     assert_params_close(replicated, single, TOL, "3 replicas")
     initial = {k: v.detach() for k, v in tiny_llama().state_dict().items()}
     assert max_relative_error(initial, single) > 1e-3  # training moved the weights: the check can fail
-    from ndtrain.mesh import init
+    from ndtrain.dist.mesh import init
 
     engine = Trainer(cfg, init(cfg.parallel)).engine
     assert isinstance(engine.wrapped.module, SingleProcessDataParallel) and len(engine.wrapped.module.devices) == 3

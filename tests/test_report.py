@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from ndtrain.bench.harness import MB, BenchOptions, ContestResult, RunRecord
-from ndtrain.cli import main
+from ndtrain.cli.commands import main
 from ndtrain.config import TrainConfig, load_config
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
-from ndtrain.run_timeline import read_timeline, timeline_step
+from ndtrain.dist.mesh import init
+from ndtrain.run.timeline import read_timeline, timeline_step
 from ndtrain.trainer import Trainer
 from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.runs import corpus_file, tiny_config

@@ -23,16 +23,16 @@ from typing import Any
 import pytest
 import torch
 
-from ndtrain import cli
-from ndtrain.checkpoint import load_model_weights
-from ndtrain.checkpoint_format import MODEL as MODEL_KEY, problems
-from ndtrain.checkpoint_manifest import write_manifest
+from ndtrain.cli import commands as cli
+from ndtrain.checkpoint.store import load_model_weights
+from ndtrain.checkpoint.format import MODEL as MODEL_KEY, problems
+from ndtrain.checkpoint.manifest import write_manifest
 from ndtrain.config import ModelConfig, ParallelConfig, load_config
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.safe_pickle import SafeReader
+from ndtrain.checkpoint.safe_pickle import SafeReader
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.runs import corpus_file

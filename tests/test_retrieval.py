@@ -18,9 +18,9 @@ from ndtrain.config import ParallelConfig, load_config
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.eval.retrieval import LabeledSet, evaluate_retrieval, retrieval_metrics
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.digits import build_digits_model
-from ndtrain.tasks import build_task
+from ndtrain.run.tasks import build_task
 from ndtrain.trainer import Trainer, build_engine
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed

@@ -20,20 +20,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ndtrain.mesh
+import ndtrain.dist.mesh
 from ndtrain.parallel.placement import placement_of
 from ndtrain.bench.tp import analytic_wire_bytes
-from ndtrain.comm import Group
+from ndtrain.dist.comm import Group
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DistributedDataParallel
+from ndtrain.parallel.data.ddp import DistributedDataParallel
 from ndtrain.parallel.placement import is_tensor_parallel
-from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from ndtrain.parallel.tp_plan import parallelize, resolve_plan
-from ndtrain.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
+from ndtrain.parallel.model.tensor import ColumnParallelLinear, RowParallelLinear
+from ndtrain.parallel.model.tp_plan import parallelize, resolve_plan
+from ndtrain.parallel.model.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
 from tests.helpers.models import fake_tp_ctx
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed
@@ -229,7 +229,7 @@ def _check_training(ctx: ParallelContext, zero: bool, sp: bool, micro: int) -> N
 
 # --------------------------------------------------------------------------- workers
 def _suite(tp: int, dp: int) -> bool:
-    ctx = ndtrain.mesh.init(ParallelConfig(dp=dp, tp=tp, backend="gloo", device="cpu"), init_method=init_method())
+    ctx = ndtrain.dist.mesh.init(ParallelConfig(dp=dp, tp=tp, backend="gloo", device="cpu"), init_method=init_method())
     if dp == 1:
         _check_layers(ctx)
         for sp in (False, True):

@@ -17,9 +17,9 @@ import torch
 
 from ndtrain.config import dump_toml, load_config
 from ndtrain.errors import UserError
-from ndtrain.metrics import MetricsLog
-from ndtrain.run_info import SOURCE_DIR, git_revision
-from ndtrain.trackers import Trackers
+from ndtrain.run.metrics import MetricsLog
+from ndtrain.run.info import SOURCE_DIR, git_revision
+from ndtrain.run.trackers import Trackers
 from tests.helpers.runs import TINY_4_STEPS as TINY, corpus_file, ndtrain
 
 ALL = 'log.report_to=["tensorboard", "wandb", "mlflow"]'
@@ -192,10 +192,10 @@ def test_report_to_is_checked_at_config_load(monkeypatch: pytest.MonkeyPatch) ->
         load_config(None, {"log.report_to": "wandb"})
     with pytest.raises(UserError, match="names a tracker twice"):
         load_config(None, {"log.report_to": ["wandb", "wandb"]})
-    import ndtrain.trackers
+    import ndtrain.run.trackers
 
-    real = ndtrain.trackers.importlib.util.find_spec
-    monkeypatch.setattr(ndtrain.trackers.importlib.util, "find_spec", lambda n: None if n == "wandb" else real(n))
+    real = ndtrain.run.trackers.importlib.util.find_spec
+    monkeypatch.setattr(ndtrain.run.trackers.importlib.util, "find_spec", lambda n: None if n == "wandb" else real(n))
     with pytest.raises(UserError, match=r"wandb is not installed: pip install 'ndtrain\[wandb\]'"):
         load_config(None, {"log.report_to": ["tensorboard", "wandb"]})
 

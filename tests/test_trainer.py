@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ndtrain.errors import UserError
-from ndtrain.host_slots import host_slots_supported
-from ndtrain.mesh import init
+from ndtrain.dist.host_slots import host_slots_supported
+from ndtrain.dist.mesh import init
 from ndtrain.trainer import Trainer
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ndtrain.comm import Group
+from ndtrain.dist.comm import Group
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from tests.helpers.processes import no_restarts, wait_for
 from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.runs import corpus_file

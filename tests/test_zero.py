@@ -28,11 +28,11 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext, init
-from ndtrain.parallel.buckets import MB, pack
-from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.zero1_gradients import Zero1DataParallel
-from ndtrain.parallel.zero1_optimizer import ZeroOptimizer, no_decay_for_vectors
+from ndtrain.dist.mesh import ParallelContext, init
+from ndtrain.parallel.data.buckets import MB, pack
+from ndtrain.parallel.data.ddp import DistributedDataParallel
+from ndtrain.parallel.data.zero1_gradients import Zero1DataParallel
+from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer, no_decay_for_vectors
 from tests.helpers.counts import counted_since
 from tests.helpers.models import make_llama
 from tests.helpers.parity import assert_params_close
@@ -331,7 +331,7 @@ def test_factory_that_ignores_its_groups_is_a_clear_error() -> None:
 
 def test_zero2_keeps_only_the_gradient_shard() -> None:
     """ZeRO-2 frees autograd's gradients at once and holds at most MAX_IN_FLIGHT + 1 staging buckets."""
-    from ndtrain.parallel import zero2_gradients as zero2
+    from ndtrain.parallel.data import zero2_gradients as zero2
 
     ctx = init(ParallelConfig())
     model = zero2.Zero2DataParallel(make_net(NET, SEED, torch.float32), ctx, bucket_mb=PER_PARAM_BUCKET_MB)  # 7 buckets

@@ -2,7 +2,7 @@
 
 One spawn of 4 processes trains, with clipping and 2 micro-batches per step (accumulated locally
 under `no_sync`, in full gradients):
-- dp=4, float64, through the shared-memory ring (the default on one host, host_stream.py; each
+- dp=4, float64, through the shared-memory ring (the default on one host, dist/host_stream.py; each
   bucket here fits one round): parameters equal the single-process run (relative error ≤ 1e-5);
   every step reduce-scatters every bucket once (not once per micro-batch): exactly (N−1)/N·8Ψ'
   counted (Ψ' the buckets padded to a multiple of N), then gathers the parameters through the
@@ -26,10 +26,10 @@ import torch
 
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.buckets import MB, pack
-from ndtrain.parallel.zero1_optimizer import no_decay_for_vectors
+from ndtrain.parallel.data.buckets import MB, pack
+from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors
 from tests.helpers.counts import counted_since
 from tests.helpers.layouts import BF16_LOSS_TOLERANCE, DTYPE, MAX_NORM, MODEL, STEPS, State, adamw, batch
 from tests.helpers.parity import assert_params_close

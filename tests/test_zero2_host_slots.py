@@ -32,10 +32,10 @@ import torch
 
 from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
-from ndtrain.host_slots import HostSlots, host_slots_supported
-from ndtrain.mesh import init
-from ndtrain.parallel.buckets import MB, pack
-from ndtrain.parallel.zero2_gradients import MAX_IN_FLIGHT, Zero2DataParallel
+from ndtrain.dist.host_slots import HostSlots, host_slots_supported
+from ndtrain.dist.mesh import init
+from ndtrain.parallel.data.buckets import MB, pack
+from ndtrain.parallel.data.zero2_gradients import MAX_IN_FLIGHT, Zero2DataParallel
 from tests.helpers.counts import train_counted
 from tests.helpers.models import adamw, batch, make_llama, micro_batches
 from tests.helpers.parity import assert_params_close

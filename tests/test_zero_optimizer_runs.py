@@ -2,7 +2,7 @@
 
 Two gloo processes train a 2048 × 1100 matrix (2,252,800 elements: 1,126,400 per rank, more
 than one `OPTIMIZER_RUN`) with ZeRO-1 (through gloo, and through the shared-memory ring of one
-host, host_stream.py, in 5 rounds of at most `PIECE` elements per rank) and ZeRO-2 in float64
+host, dist/host_stream.py, in 5 rounds of at most `PIECE` elements per rank) and ZeRO-2 in float64
 through `ZeroOptimizer` and AdamW.
 Each rank's inner optimizer must see segments of at most `OPTIMIZER_RUN` elements that tile its
 range without gaps, and after three steps the matrix must equal single-process AdamW on the
@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from ndtrain.config import ParallelConfig
-from ndtrain.host_slots import host_slots_supported
-from ndtrain.host_stream import PIECE
-from ndtrain.mesh import init
-from ndtrain.parallel.flat_layout import OPTIMIZER_RUN
-from ndtrain.parallel.zero1_gradients import Zero1DataParallel
-from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
-from ndtrain.parallel.zero2_gradients import Zero2DataParallel
+from ndtrain.dist.host_slots import host_slots_supported
+from ndtrain.dist.host_stream import PIECE
+from ndtrain.dist.mesh import init
+from ndtrain.parallel.data.flat_layout import OPTIMIZER_RUN
+from ndtrain.parallel.data.zero1_gradients import Zero1DataParallel
+from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
+from ndtrain.parallel.data.zero2_gradients import Zero2DataParallel
 from tests.helpers.counts import counted_since
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed

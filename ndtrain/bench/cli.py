@@ -32,8 +32,8 @@ from ndtrain.bench.harness import BenchOptions, ContestResult, MemoryMeasured
 from ndtrain.config import MODEL_PRESETS, ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.launch import in_worker, launch_local, set_worker_threads
-from ndtrain.mesh import ParallelContext, init
-from ndtrain.options import Device, values
+from ndtrain.dist.mesh import ParallelContext, init
+from ndtrain.config.options import Device, values
 
 MAX_NPROC = 8  # local workers the benches are laid out and checked for
 

@@ -31,11 +31,11 @@ import torch
 from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, llama_workload, run_contest
 from ndtrain.config import ModelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.context_parallel import apply_context_parallel, attention_work, shard_sequence
-from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.recompute import SavedActivations
+from ndtrain.parallel.model.context import apply_context_parallel, attention_work, shard_sequence
+from ndtrain.parallel.data.ddp import DistributedDataParallel
+from ndtrain.parallel.model.recompute import SavedActivations
 
 LR = 3e-4
 

@@ -31,10 +31,10 @@ from ndtrain.bench.harness import (
 )
 from ndtrain.bench.limit import NoCommBucket
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.flat_adamw import FlatAdamW
+from ndtrain.parallel.data.ddp import DistributedDataParallel
+from ndtrain.parallel.data.flat_adamw import FlatAdamW
 
 LR = 3e-4
 

@@ -1,7 +1,7 @@
 """Scenario `dp-vs-ddp`: single-process `DataParallel` (threads over N replicas in rank 0) against
 our DDP over N processes, at the same global batch (N × `--micro-batch` sequences per step).
 
-- ddp (reference): every rank trains `DistributedDataParallel` (ndtrain.parallel.ddp) on its micro-batch;
+- ddp (reference): every rank trains `DistributedDataParallel` (ndtrain.parallel.data.ddp) on its micro-batch;
   gradients all-reduced during backward (2(N−1)/N · G bytes per rank, G = gradient bytes).
 - dataparallel: rank 0 alone runs `SingleProcessDataParallel` over N replicas of the model on
   its device (one Python thread per replica: N CPU "devices" here, N GPUs on a real machine) on
@@ -19,10 +19,10 @@ import torch
 
 from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, llama_workload, run_contest, training_step
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.ddp import DistributedDataParallel
-from ndtrain.parallel.single_process_dp import SingleProcessDataParallel
+from ndtrain.parallel.data.ddp import DistributedDataParallel
+from ndtrain.parallel.data.single_process import SingleProcessDataParallel
 
 LR = 3e-4
 

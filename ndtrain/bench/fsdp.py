@@ -6,7 +6,7 @@ contestants), over the same `dp_cp` process group, with the same loop: forward, 
 `zero_grad(set_to_none=True)`. Both shard parameters, gradients and optimizer state (ZeRO stage 3)
 with one unit per transformer block plus the root (embedding, final norm, head), fp32 throughout,
 parameters freed after forward and gathered again for backward: ours wraps with `layers.*`
-and, on one CPU host, gathers and reduce-scatters through its shared-memory ring (host_stream.py;
+and, on one CPU host, gathers and reduce-scatters through its shared-memory ring (dist/host_stream.py;
 `--no-host-slots`: through gloo); torch's gets `fully_shard` on every block and then on the model.
 
 Expected per rank, Ψ fp32 elements, Ψ' ≥ Ψ padded (ours), N ranks, U blocks: model state
@@ -34,9 +34,9 @@ from ndtrain.bench.harness import (
 )
 from ndtrain.bench.limit import limit_contestant
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.zero3_parameters import FullyShardedDataParallel
+from ndtrain.parallel.data.zero3_parameters import FullyShardedDataParallel
 
 LR = 3e-4
 

@@ -19,7 +19,7 @@ first), each run W warmup steps then S timed steps:
   contestant and the reference (or the `limit` contestant of the data-parallel benches, see
   `ndtrain.bench.limit`) overlap, the result carries a warning that the machine was too noisy
   to separate them (`noise_warnings`), and the ratio should not be read as a difference;
-- peak memory per rank (`ndtrain.memory`): the peak since the start of the run (model build
+- peak memory per rank (`ndtrain.dist.memory`): the peak since the start of the run (model build
   included), and that peak minus the resident memory before the build (interpreter, libraries;
   freed memory is returned to the system first); medians over runs. On a CUDA device (a world
   on NCCL, `ndtrain bench --device cuda`) both are the caching allocator's: the peak is
@@ -27,10 +27,10 @@ first), each run W warmup steps then S timed steps:
   `memory_allocated`; a timed step ends with `torch.cuda.synchronize`, so it includes the
   device's work; the loopback counter sees only what NCCL sends over sockets (not NVLink or
   shared memory). The resident set counts a page of shared memory in every process that maps it
-  (ours' gradient slots on one CPU host, host_slots.py: each rank maps (N−1)/N of the others'
+  (ours' gradient slots on one CPU host, dist/host_slots.py: each rank maps (N−1)/N of the others'
   slots), so the summary also gives each rank's peak less what it counts of shared pages beyond
   its share (`peak_own_share_bytes`: peak − (RssShmem − Pss_Shmem) read after the timed steps,
-  when every slot page has been touched; `ndtrain.memory.shared_overcount_bytes`): the host
+  when every slot page has been touched; `ndtrain.dist.memory.shared_overcount_bytes`): the host
   holds the sum of those over the ranks, not the sum of the peaks.
 
 Bookkeeping costs one barrier per phase and one all-reduce of (S + 4) numbers per rank per run,
@@ -53,9 +53,9 @@ import torch
 
 from ndtrain.config import MODEL_PRESETS, ModelConfig, config_from_dict
 from ndtrain.errors import UserError
-from ndtrain.memory import current_bytes, peak_bytes, reset_peak, shared_overcount_bytes
-from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.flat_adamw import fused_adamw_factory
+from ndtrain.dist.memory import current_bytes, peak_bytes, reset_peak, shared_overcount_bytes
+from ndtrain.dist.mesh import ParallelContext
+from ndtrain.parallel.data.flat_adamw import fused_adamw_factory
 
 MB = 1024 * 1024
 LIMIT = "limit"  # the no-communication contestant's name (ndtrain.bench.limit)
@@ -84,7 +84,7 @@ class BenchOptions:
     flat_adamw: bool = False
     overlap_optimizer: bool = False
     torch_fused_adamw: bool = False
-    host_slots: bool = True  # ddp/zero1/zero2/zero3: ours communicates through shared memory on one host (host_slots.py)
+    host_slots: bool = True  # ddp/zero1/zero2/zero3: ours communicates through shared memory on one host (dist/host_slots.py)
     memory_of: str = ""  # set by `ndtrain bench` itself: run only this contestant, once, for its memory (fresh_memory.py)
 
     def validate(self) -> None:

@@ -2,7 +2,7 @@
 
 Every contestant is one layout `ParallelConfig(dp, tp, pp, zero, pp_schedule, ...)` of the same
 world (4 processes: `ndtrain bench layouts --nproc 4`). Its process groups are built once, before
-the contest, by `ndtrain.mesh.init` on the already joined world (init on an initialised world only
+the contest, by `ndtrain.dist.mesh.init` on the already joined world (init on an initialised world only
 adds groups); all layouts share the outer context's `Communicator`, so their wire bytes are counted.
 Each builds an `Engine` around the same Llama (preset, seed) with AdamW and trains on the same
 global batch: B = 8 sequences per step (the same stream on every rank), split over the dp ranks
@@ -34,7 +34,7 @@ from ndtrain.bench.harness import MB, BenchOptions, Contestant, ContestResult, S
 from ndtrain.config import ModelConfig, ParallelConfig, config_from_dict
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext, init
+from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
 
 LR = 3e-4

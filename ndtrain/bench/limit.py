@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 
 from ndtrain.bench.harness import LIMIT, BenchOptions, Contestant, Step, Workload, adamw_factory, training_step
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.buckets import AllReduceBucket
+from ndtrain.parallel.data.buckets import AllReduceBucket
 
 
 class NoCommBucket(AllReduceBucket):

@@ -34,7 +34,7 @@ from torch import nn
 from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, run_contest
 from ndtrain.config import ModelConfig, config_from_dict
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.pipeline import Timeline, bubble_fraction, run_pipeline, split_model, write_chrome_trace, write_png
 

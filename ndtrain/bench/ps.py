@@ -33,9 +33,9 @@ from ndtrain.bench.harness import BenchOptions
 from ndtrain.config import PSConfig, config_from_dict
 from ndtrain.data.corpus import TokenWindows, load_corpus
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.parameter_server import ParameterServer, PSSetup, PSWorker
+from ndtrain.ps.parameter_server import ParameterServer, PSSetup, PSWorker
 
 LR = 3e-4
 STALENESS = 2

@@ -30,9 +30,9 @@ import torch
 from ndtrain.bench.harness import BenchOptions, Contestant, ContestResult, Step, llama_workload, run_contest, training_step
 from ndtrain.config import ModelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import Llama, build_model
-from ndtrain.parallel.tp_plan import parallelize
+from ndtrain.parallel.model.tp_plan import parallelize
 
 LR = 3e-4
 

@@ -6,7 +6,7 @@ contestants), with the same bucket cap, over the same `dp_cp` process group, wit
 forward, backward, step, `zero_grad(set_to_none=True)`. Both shard only the optimizer state
 (ZeRO stage 1): ours slices every flat bucket evenly over the ranks, reduce-scatters each gradient
 bucket into the slices during backward and gathers the buckets after the step (on one CPU host
-through its shared-memory ring, host_stream.py, with the gradients left as autograd's own
+through its shared-memory ring, dist/host_stream.py, with the gradients left as autograd's own
 `.grad`s, freed by `zero_grad(set_to_none=True)`; with `--no-host-slots` through gloo, one
 broadcast per rank slice); torch's all-reduces the gradients, assigns whole parameters to ranks (greedily, by
 size) and broadcasts each rank's parameters after the step. Torch's DDP gets the options of the `ddp` scenario: gradients
@@ -41,13 +41,13 @@ from ndtrain.bench.harness import (
 )
 from ndtrain.bench.limit import limit_contestant
 from ndtrain.errors import UserError
-from ndtrain.memory import optimizer_state_bytes
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.memory import optimizer_state_bytes
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.buckets import MB, pack
-from ndtrain.parallel.zero1_gradients import Zero1DataParallel
-from ndtrain.parallel.zero1_optimizer import ZeroOptimizer
-from ndtrain.parallel.zero2_gradients import Zero2DataParallel
+from ndtrain.parallel.data.buckets import MB, pack
+from ndtrain.parallel.data.zero1_gradients import Zero1DataParallel
+from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
+from ndtrain.parallel.data.zero2_gradients import Zero2DataParallel
 
 LR = 3e-4
 

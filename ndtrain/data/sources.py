@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ndtrain.errors import UserError
-from ndtrain.options import DATA_FORMATS as FORMATS
+from ndtrain.config.options import DATA_FORMATS as FORMATS
 
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test"})
 DATASETS_BUILDERS = ("csv", "json", "arrow")

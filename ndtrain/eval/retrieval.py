@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from ndtrain.data.sampler import eval_shard
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 
 DEFAULT_RANKS = (1, 5)
 

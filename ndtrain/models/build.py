@@ -17,7 +17,7 @@ def build_run_model(cfg: ModelConfig, seed: int) -> nn.Module:
     """The run's model on the CPU, initialised from `seed` or loaded from `cfg.init_from`."""
     model = build_hf_model(hf_path(cfg.preset), seed) if is_hf_model(cfg.preset) else build_model(cfg, seed)
     if cfg.init_from is not None:
-        from ndtrain.init_from import load_init_weights
+        from ndtrain.checkpoint.init_from import load_init_weights
 
         load_init_weights(model, Path(cfg.init_from))
     return model

@@ -9,7 +9,7 @@ Read from the family record (`hf_families.Family`, keyed by `config.model_type`)
   without targets. Sequence parallelism cuts the sequence at the first decoder layer's input
   (`SequenceCut`): HF computes the causal mask, positions and RoPE tables from the embedding's output,
   which must therefore span the whole sequence (one all-reduce of b·s·d instead of a reduce-scatter).
-- Pipeline: the family's decoder-layer list, cut into `HFStage`s (parallel/pipeline/hf_stages.py); the
+- Pipeline: the family's decoder-layer list, cut into `HFStage`s (models/hf_stages.py); the
   first stage adds the embeddings, the last the final norm and head; `balance=measured` is refused.
 - Recomputation: `selective` recomputes each layer's whole attention module (HF has no `attend` seam).
 """
@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.causal_lm import CausalLM
 from ndtrain.models.hf_families import FAMILIES, decoder_layers, family_of, hf_config
 from ndtrain.models.parallel_spec import Heads, LossFn, ModelParallel, SequenceCut
-from ndtrain.parallel.pipeline.hf_stages import HFStage, end_costs
-from ndtrain.parallel.tensor import ColumnParallelLinear, GatherLastDim
-from ndtrain.parallel.vocab import vocab_parallel_cross_entropy
+from ndtrain.models.hf_stages import HFStage, end_costs
+from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim
+from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy
 
 
 class HFParallel(ModelParallel):

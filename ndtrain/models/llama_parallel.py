@@ -42,12 +42,12 @@ from torch import nn
 
 from ndtrain.config import ModelConfig
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import Attention, Llama
 from ndtrain.models.parallel_spec import Heads, LossFn, ModelParallel, Timer
-from ndtrain.options import RecomputeMode
-from ndtrain.parallel.tensor import ColumnParallelLinear, GatherLastDim
-from ndtrain.parallel.vocab import vocab_parallel_cross_entropy
+from ndtrain.config.options import RecomputeMode
+from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim
+from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy
 
 LLAMA_PLAN: dict[str, str] = {
     "tok_embeddings": "vocab",

@@ -1,7 +1,7 @@
 """What a model tells the parallel strategies about itself: the `ModelParallel` interface and its lookup.
 
-Tensor parallel (`parallel/tp_plan.py`), the pipeline cut (`parallel/pipeline/partition.py`) and
-activation recomputation (`parallel/recompute.py`) never import a model. They call
+Tensor parallel (`parallel/model/tp_plan.py`), the pipeline cut (`parallel/pipeline/partition.py`) and
+activation recomputation (`parallel/model/recompute.py`) never import a model. They call
 `parallel_spec(model)`, which returns
 - what the model's own `parallel_spec()` method returns (the built-in Llama: `models/llama_parallel.py`);
 - for a Hugging Face model or its `CausalLM` adapter, its family's spec (`models/hf_parallel.py`), which
@@ -27,7 +27,7 @@ from ndtrain.errors import UserError
 from ndtrain.models.hf_families import hf_config
 
 if TYPE_CHECKING:
-    from ndtrain.mesh import ParallelContext
+    from ndtrain.dist.mesh import ParallelContext
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 Timer = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], float]  # median fwd+bwd seconds of fn(x)

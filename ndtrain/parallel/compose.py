@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from ndtrain.config import ParallelConfig
-from ndtrain.mesh import ParallelContext
-from ndtrain.parallel.context_parallel import apply_context_parallel
+from ndtrain.dist.mesh import ParallelContext
+from ndtrain.parallel.model.context import apply_context_parallel
 from ndtrain.parallel.pipeline import split_model
 from ndtrain.parallel.placement import placement_of
 from ndtrain.parallel.pipeline.partition import LossFn
-from ndtrain.parallel.recompute import apply_recompute
-from ndtrain.parallel.tensor import gather_shard
-from ndtrain.parallel.tp_plan import parallelize
+from ndtrain.parallel.model.recompute import apply_recompute
+from ndtrain.parallel.model.tensor import gather_shard
+from ndtrain.parallel.model.tp_plan import parallelize
 
 
 def prepare_model(

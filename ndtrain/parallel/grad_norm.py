@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.placement import Placement, placement_of
 from ndtrain.parallel.precision import at_least_fp32
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ndtrain.mesh import ParallelContext
-from ndtrain.options import Precision
+from ndtrain.dist.mesh import ParallelContext
+from ndtrain.config.options import Precision
 
 DTYPES: dict[Precision, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -89,7 +89,7 @@ def worker(rank: int, world: int, store: str, results: Any) -> None:
 
 
 def _ops(dist: Any, torch: Any, group: Any, me: int, first: int, n: int, nbytes: int) -> dict[str, Callable[[], None]]:
-    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # as ndtrain.comm calls them
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # as ndtrain.dist.comm calls them
     reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     full = torch.ones(nbytes // 4)
     shard = torch.ones(nbytes // 4 // n)

@@ -23,10 +23,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from ndtrain.cli_flags import BOOL_METAVAR, parse_bool
+from ndtrain.cli.flags import BOOL_METAVAR, parse_bool
 from ndtrain.config import MODEL_PRESETS
 from ndtrain.errors import UserError
-from ndtrain.options import PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
+from ndtrain.config.options import PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
 from ndtrain.plan import ablation, arch, calibrate, fit, report, validate
 from ndtrain.plan.cpu_profile import load_profile
 from ndtrain.plan.hardware import GPUS, Cluster, gpu

@@ -14,8 +14,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ndtrain.options import PP_SCHEDULES as SCHEDULES
-from ndtrain.options import RECOMPUTE_MODES as RECOMPUTE
+from ndtrain.config.options import PP_SCHEDULES as SCHEDULES
+from ndtrain.config.options import RECOMPUTE_MODES as RECOMPUTE
 from ndtrain.plan.arch import ModelSpec
 
 

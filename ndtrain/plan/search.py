@@ -11,7 +11,7 @@ Axes enumerated (each one fixed instead when given on the command line):
                scores), full
     sp         off, on (tp > 1 only)
 A layout is rejected for a structural problem (`layout.problem`) or for needing more memory than
-the device has (`memory.py`); the rest are ranked by predicted tokens per second (`timing.py`),
+the device has (`dist/memory.py`); the rest are ranked by predicted tokens per second (`timing.py`),
 ties going to the simpler layout (fewer model-parallel ranks), then to the smaller one.
 When nothing fits, the smallest layouts are returned (marked as not fitting) to show how far off.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from tests.helpers.models import micro_batches
 
 Snapshot = dict[str, dict[str, int]]

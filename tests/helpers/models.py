@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from ndtrain.comm import Communicator, Group
+from ndtrain.dist.comm import Communicator, Group
 from ndtrain.config import config_from_dict
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]

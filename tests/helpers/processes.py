@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from ndtrain.checkpoint import load_model_weights
+from ndtrain.checkpoint.store import load_model_weights
 from ndtrain.config import LaunchConfig, load_config
 from ndtrain.models.llama import build_model
 from tests.helpers.runs import corpus_file

@@ -98,7 +98,7 @@ def _deaths(procs: list[Any], grace_s: float = 5.0) -> str:
 
 
 def init_method() -> str:
-    """The rendezvous of the current test worker, for `ndtrain.mesh.init(..., init_method=...)`."""
+    """The rendezvous of the current test worker, for `ndtrain.dist.mesh.init(..., init_method=...)`."""
     return os.environ["NDTRAIN_TEST_INIT_METHOD"]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ndtrain.config import TrainConfig, load_config
-from ndtrain.mesh import init
+from ndtrain.dist.mesh import init
 from ndtrain.models.build import build_run_model
 from ndtrain.trainer import Trainer
 from tests.helpers.runner import init_method

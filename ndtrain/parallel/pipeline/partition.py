@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from ndtrain.errors import UserError
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.parallel_spec import ModelParallel, parallel_spec
-from ndtrain.options import PP_BALANCES, PipelineBalance
+from ndtrain.config.options import PP_BALANCES, PipelineBalance
 from ndtrain.parallel.placement import place, placement_of
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -61,8 +61,8 @@ from collections import deque
 import torch
 from torch import nn
 
-from ndtrain.comm import Pending
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.comm import Pending
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.pipeline.schedules import Action, build, forward_actions, place, stage_of, with_communication
 from ndtrain.parallel.pipeline.split_backward import WeightPasses
 from ndtrain.parallel.pipeline.tied_shards import tied_shards

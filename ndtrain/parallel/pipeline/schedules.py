@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ndtrain.errors import UserError
-from ndtrain.options import PP_SCHEDULES as SCHEDULES
-from ndtrain.options import PipelineSchedule
+from ndtrain.config.options import PP_SCHEDULES as SCHEDULES
+from ndtrain.config.options import PipelineSchedule
 COMPUTE = ("F", "B", "I", "W")
 
 

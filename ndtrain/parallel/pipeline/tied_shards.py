@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ndtrain.comm import Group
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.comm import Group
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.placement import placement_of
 from ndtrain.parallel.precision import master_dtype
 

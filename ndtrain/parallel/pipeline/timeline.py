@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ndtrain.mesh import ParallelContext
+from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.pipeline.schedules import COMPUTE
 
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")

@@ -1,0 +1,190 @@
+"""Where this rank's checkpoint slices come from: the one module that reads strategy internals.
+
+A checkpoint stores each parameter under the unsharded model's name (`Placement.name`) with its
+global shape (`Placement.shape`), as the fp32 master when the model computes in bf16/fp16, and
+the optimizer's state of it beside it (AdamW: exp_avg and exp_avg_sq of the same shape, step a
+scalar). What a rank holds of a parameter is one or more `Run`s: a contiguous range of the
+row-major flattened tp-local parameter (its tp slice, padding included), kept in `owner`, the
+tensor the optimizer updates and keys its state by, from element `at` on:
+
+| strategy                       | owner                                   | runs per rank                          |
+|--------------------------------|-----------------------------------------|----------------------------------------|
+| zero 0, fp32 (plain optimizer) | the (tp-local, stage-local) parameter   | every parameter, whole                 |
+| ZeRO-1/2, fp32/bf16/fp16 masters (`ZeroOptimizer`) | a segment of a bucket's flat buffer, or of its fp32 master | this rank's share of each bucket |
+| ZeRO-3 (`FullyShardedDataParallel`) | a segment of a unit's fp32 shard   | this rank's share of each unit         |
+
+`boxes` turns a run into at most 2·ndim − 1 rectangular pieces of the global tensor (global
+offsets, sizes, and a view of any owner-shaped tensor), cutting tp padding away. `Run.writes`
+says whether this rank offers the run for writing: not the pipeline's duplicate of a tied weight,
+not a tp-replicated parameter on tp ranks other than 0 (their flat layouts may differ); replicas
+over dp/cp (zero 0, unsharded fp32 masters) all offer identical boxes and DCP's deduplication
+keeps one of each, spreading the writes over the replicas.
+`compute_copies` lists the module parameters that are not owners and must be refilled whole on
+load (ZeRO-1/2: the replicated flat buffers, in the compute dtype). Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ndtrain.parallel.data.flat_layout import FlatLayout
+from ndtrain.parallel.pipeline.chunks import FullyShardedChunks
+from ndtrain.parallel.placement import Placement, Shard, placement_of
+from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
+from ndtrain.parallel.data.zero3_parameters import FullyShardedDataParallel
+
+
+@dataclass(frozen=True)
+class Run:
+    """Elements [start, end) of the flattened tp-local parameter `name`, held in `owner` from `at` on."""
+
+    name: str
+    shape: tuple[int, ...]          # global (unsharded) shape
+    tp: Shard | None                # the parameter's tp slice (None: replicated over tp)
+    local_shape: tuple[int, ...]    # the tp-local parameter's shape (padding included)
+    start: int
+    end: int
+    owner: torch.Tensor
+    at: int
+    writes: bool
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangular piece of a run: where it sits in the global tensor and how to view it locally."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    flat_start: int                 # in the owner's flattened elements
+    local_sizes: tuple[int, ...]    # the box in tp-local coordinates (before cutting padding)
+    keep: tuple[int, int] | None    # (dim, length) to narrow to: the real part of a padded tp dim
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This box of `tensor` (shaped like the run's owner), as a view."""
+        flat = tensor.reshape(-1)[self.flat_start : self.flat_start + math.prod(self.local_sizes)]
+        out = flat.view(self.local_sizes)
+        return out if self.keep is None else out.narrow(self.keep[0], 0, self.keep[1])
+
+
+def flat_boxes(start: int, end: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Rectangular (offsets, sizes) covering the row-major flat range [start, end) of `shape`, in order;
+    each one contiguous in flat order (≤ 2·ndim − 1 boxes)."""
+    if start >= end:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    rest = tuple(shape[1:])
+    if start % inner == 0 and end % inner == 0:
+        return [((start // inner, *([0] * len(rest))), (end // inner - start // inner, *rest))]
+    first, last = start // inner, end // inner
+    if first == last or (first + 1 == last and end % inner == 0):
+        return [((first, *o), (1, *s)) for o, s in flat_boxes(start - first * inner, end - first * inner, rest)]
+    out = []
+    if start % inner:
+        out += [((first, *o), (1, *s)) for o, s in flat_boxes(start % inner, inner, rest)]
+        first += 1
+    if first < last:
+        out.append(((first, *([0] * len(rest))), (last - first, *rest)))
+    if end % inner:
+        out += [((last, *o), (1, *s)) for o, s in flat_boxes(0, end % inner, rest)]
+    return out
+
+
+def boxes(run: Run) -> list[Box]:
+    """The run as global pieces; pieces lying wholly in tp padding are dropped."""
+    strides = [math.prod(run.local_shape[i + 1 :]) for i in range(len(run.local_shape))]
+    out = []
+    for offsets, sizes in flat_boxes(run.start, run.end, run.local_shape):
+        flat_start = run.at + sum(o * s for o, s in zip(offsets, strides)) - run.start
+        global_offsets, global_sizes, keep = list(offsets), list(sizes), None
+        if run.tp is not None:
+            d, real = run.tp.dim, run.shape[run.tp.dim]
+            global_offsets[d] += run.tp.start
+            length = min(global_offsets[d] + sizes[d], real) - global_offsets[d]
+            if length <= 0:
+                continue
+            if length < sizes[d]:
+                global_sizes[d], keep = length, (d, length)
+        out.append(Box(tuple(global_offsets), tuple(global_sizes), flat_start, tuple(sizes), keep))
+    return out
+
+
+def runs(engine: Any) -> list[Run]:
+    """Every run this rank holds (see the module docstring), in a deterministic order."""
+    tp_first = engine.ctx.coord("tp") == 0
+    fsdp = _fsdp(engine)
+    if fsdp is not None:
+        out = [run for unit in fsdp.units for run in _fsdp_runs(unit, tp_first)]
+    elif isinstance(engine.optimizer, ZeroOptimizer):
+        out = [run for shard in engine.optimizer._shards for run in _zero_runs(shard, tp_first)]
+    else:
+        out = []
+    covered = _covered(engine)  # the rest (zero 0, or frozen parameters ZeRO-1/2 leave out): whole
+    out += [_run(p, 0, p.numel(), p, 0, tp_first) for p in engine.model.parameters() if id(p) not in covered]
+    return out
+
+
+def compute_copies(engine: Any) -> list[Run]:
+    """Module parameters a load must fill whole besides the runs' owners (ZeRO-1/2's replicated
+    buffers, in the compute dtype), each as one run held in the parameter itself."""
+    if _fsdp(engine) is None and isinstance(engine.optimizer, ZeroOptimizer):
+        covered = _covered(engine)
+        return [_run(p, 0, p.numel(), p, 0, True) for p in engine.model.parameters() if id(p) in covered]
+    return []
+
+
+def optimizer_state(engine: Any) -> dict[int, dict[str, Any]]:
+    """The optimizer's per-owner state (keyed by the owner's id): AdamW's exp_avg, exp_avg_sq, step."""
+    optimizer = engine.optimizer.optimizer if isinstance(engine.optimizer, ZeroOptimizer) else engine.optimizer
+    return optimizer.state
+
+
+def _covered(engine: Any) -> set[int]:
+    """Ids of module parameters whose values live in a flat buffer owned by ZeRO (their runs come from it)."""
+    fsdp = _fsdp(engine)
+    if fsdp is not None:
+        return {id(p) for u in fsdp.units for p in u.params}
+    if isinstance(engine.optimizer, ZeroOptimizer):
+        return {id(p) for b in engine.optimizer.model.buckets for p in b.params}
+    return set()
+
+
+def _fsdp(engine: Any) -> FullyShardedDataParallel | FullyShardedChunks | None:
+    """ZeRO-3's wrapper when the engine's data-parallel strategy is FSDP (its units hold the shards)."""
+    model = engine.dp.sharded_model
+    return model if isinstance(model, (FullyShardedDataParallel, FullyShardedChunks)) else None
+
+
+def _run(param: torch.Tensor, start: int, end: int, owner: torch.Tensor, at: int, tp_first: bool) -> Run:
+    placement: Placement = placement_of(param)
+    if placement.name is None or placement.shape is None:
+        raise RuntimeError("a parameter without a Placement name: Engine names the whole model's parameters")
+    writes = not placement.pipeline_duplicate and (placement.tp is not None or tp_first)
+    return Run(placement.name, placement.shape, placement.tp, tuple(param.shape), start, end, owner, at, writes)
+
+
+def _zero_runs(shard: Any, tp_first: bool) -> list[Run]:
+    """A ZeroOptimizer bucket: its optimizer segments (a, b) are in the bucket's flat coordinates."""
+    return _flat_runs(shard.flat_layout, [(a, b, segment) for a, b, _, segment in shard.segments], tp_first)
+
+
+def _fsdp_runs(unit: Any, tp_first: bool) -> list[Run]:
+    """An FSDP unit: its optimizer segments [a, b) are in shard coordinates (from the rank's `lo`)."""
+    base = unit.flat_layout.lo
+    return _flat_runs(unit.flat_layout, [(base + a, base + b, segment) for a, b, segment in unit.segments], tp_first)
+
+
+def _flat_runs(layout: FlatLayout, owners: list[tuple[int, int, torch.Tensor]], tp_first: bool) -> list[Run]:
+    """Each owner tensor holding flat elements [a, b) of `layout`, cut at parameter boundaries."""
+    out = []
+    for a, b, owner in owners:
+        for p, offset in zip(layout.params, layout.offsets):
+            lo, hi = max(a, offset), min(b, offset + p.numel())
+            if lo < hi:
+                out.append(_run(p, lo - offset, hi - offset, owner, lo - a, tp_first))
+    return out

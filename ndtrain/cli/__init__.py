@@ -1,0 +1,7 @@
+"""The `ndtrain` command: argument parsing (flags.py: one flag per config key) and the sub-commands
+(commands.py: train, generate, export, inspect, report, bench, plan). The top layer: it may import
+any room of the package; nothing imports it."""
+
+from ndtrain.cli.commands import main
+
+__all__ = ["main"]

@@ -1,0 +1,346 @@
+"""The `ndtrain` command: train, generate, export, inspect, bench, plan.
+
+`ndtrain train` validates the whole configuration in the launching process (so mistakes end in
+one line and exit status 2 before any worker starts), then either runs as a worker (when
+torchrun started this process) or launches `--nproc` local workers through torchrun's elastic
+agent, each re-running the same command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+import tempfile
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+from ndtrain.cli import flags as cli_flags
+from ndtrain.cli.flags import parse_bool
+from ndtrain.config import TrainConfig, dump_toml, load_config, parse_override
+from ndtrain.errors import UserError
+
+# Everyday flags and the config key each one sets; the help adds the key, its allowed values and
+# its config default (cli_flags.add_config_flag).
+TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
+    "--nproc": ("launch.nproc", int, "local worker processes to start"),
+    "--max-restarts": ("launch.max_restarts", int, "restarts of the worker group after a worker dies"),
+    "--dp": ("parallel.dp", int, "data-parallel degree, 0 = what the world leaves"),
+    "--tp": ("parallel.tp", int, "tensor-parallel degree"),
+    "--pp": ("parallel.pp", int, "pipeline-parallel degree"),
+    "--cp": ("parallel.cp", int, "context-parallel degree"),
+    "--zero": ("parallel.zero", int, "ZeRO stage"),
+    "--precision": ("parallel.precision", str, "compute dtype (fp32 master weights)"),
+    "--recompute": ("parallel.recompute", str, "activation recomputation"),
+    "--sp": ("parallel.sequence_parallel", parse_bool, "sequence parallelism with tp"),
+    "--schedule": ("parallel.pp_schedule", str, "pipeline schedule"),
+    "--vpp": ("parallel.pp_virtual", int, "virtual pipeline stages per rank (interleaved)"),
+    "--dp-mode": ("parallel.dp_mode", str, "ddp (processes) or single-process (classic DataParallel over replicas)"),
+    "--ps.servers": ("ps.servers", int, "parameter-server ranks, 0 = off"),
+    "--ps.mode": ("ps.mode", str, "parameter-server consistency"),
+    "--ps.staleness": ("ps.staleness", int, "ssp staleness bound (steps)"),
+    "--ps.slow-worker": ("ps.slow_worker", str, "RANK:FACTOR, one worker FACTOR× slower"),
+    "--model": ("model.preset", str, "model: a built-in preset or hf:PATH (a folder with a transformers config.json)"),
+    "--init-from": ("model.init_from", str, "start from these weights: an HF save_pretrained folder or a .safetensors file"),
+    "--seq-len": ("model.seq_len", int, "tokens per sequence"),
+    "--steps": ("schedule.steps", int, "optimizer steps"),
+    "--global-batch": ("schedule.global_batch", int, "sequences per optimizer step, over all dp ranks"),
+    "--micro-batch": ("schedule.micro_batch", int, "sequences per micro-batch (accumulation covers the rest)"),
+    "--lr": ("optim.lr", float, "peak learning rate (after warmup, before cosine decay)"),
+    "--eval-every": ("log.eval_every", int, "validate every N steps, 0 = only at the end"),
+    "--out": ("log.out", str, "run directory"),
+    "--seed": ("seed", int, "seed of init and data order"),
+    "--save-every": ("checkpoint.save_every", int, "checkpoint every N steps, 0 = only at the end"),
+    "--data": ("data.path", str, "text file, folder of text files, or .jsonl with a 'text' field; none = the "
+               "standard library's source"),
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, `ndtrain: error: ...`, exit status 2 (not usage + error),
+    and whose help shows every option's default (its subcommands' parsers are of this class too)."""
+
+    def __init__(self, *args: Any, formatter_class: type = cli_flags.HelpFormatter, **kwargs: Any) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"ndtrain: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+# What a run writes into its directory (trainer.py) and the kind each must be.
+RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "file", "summary.json": "file",
+             "loss.png": "file", "timeline.json": "file", "logs": "folder"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="ndtrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=version_line())
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train a model (no arguments: the embedded default run)")
+    train.add_argument("config", nargs="?", help="TOML config file (optional)")
+    for flag, (key, kind, help_text) in TRAIN_FLAGS.items():
+        cli_flags.add_config_flag(train, flag, key, kind, help_text)
+    train.add_argument("--resume", action="store_true", help="continue from the run directory's newest checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="delete the run directory's checkpoints and metrics and start over [checkpoint.overwrite]")
+    train.add_argument("--check", action="store_true",
+                       help="validate the configuration, the run directory and the data, print the resolved "
+                            "config as TOML and exit 0 without training")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override any config key, e.g. --set optim.lr=3e-4 (repeatable; default: none)")
+
+    gen = commands.add_parser("generate", help="sample text from a trained run")
+    gen.add_argument("run_dir", type=Path, help="a run directory with a checkpoint")
+    gen.add_argument("--prompt", default="def ", metavar="TEXT", help="text to continue (default: 'def ')")
+    gen.add_argument("--max-new-tokens", type=int, default=300, metavar="N", help="bytes to sample")
+    gen.add_argument("--temperature", type=float, default=0.8, metavar="T", help="softmax temperature")
+    gen.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K most likely bytes")
+    gen.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed")
+
+    export = commands.add_parser("export", help="write a run's model as one safetensors file (config in its metadata) "
+                                                "or, with --format hf, as a Hugging Face save_pretrained folder")
+    export.add_argument("run_dir", type=Path, help="a run directory with a checkpoint")
+    export.add_argument("out", type=Path, metavar="OUT", help="OUT.safetensors, or a new folder with --format hf")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors: one file; hf: config.json + model.safetensors (+ tokenizer)")
+
+    inspect = commands.add_parser("inspect", help="a run's model, layout, step, tokens and newest checkpoint's tensors")
+    inspect.add_argument("run_dir", type=Path, help="a run directory")
+
+    from ndtrain.bench import cli as bench_cli
+    from ndtrain.plan import cli as plan_cli
+
+    bench = commands.add_parser("bench", help="ours vs the PyTorch-native equivalent, alternating runs")
+    bench_cli.add_arguments(bench)
+    plan = commands.add_parser("plan", help="predict memory and step time of every layout; recommend one")
+    plan_cli.add_arguments(plan)
+    report = commands.add_parser("report", help="one self-contained HTML page of a run directory or of bench-results/")
+    report.add_argument("directory", type=Path, metavar="RUN_DIR|BENCH_DIR",
+                        help="a run directory (with metrics.jsonl) or a folder of `ndtrain bench` JSON results")
+    report.add_argument("--out", type=Path, default=None, metavar="FILE.html", help="default: DIR/report.html")
+    return parser
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    overrides: dict[str, Any] = {}
+    for flag, (key, _, _) in TRAIN_FLAGS.items():
+        value = getattr(args, cli_flags.flag_dest(flag))
+        if value is not None:
+            overrides[key] = value
+    if args.resume:
+        overrides["checkpoint.resume"] = True
+    if args.overwrite:
+        overrides["checkpoint.overwrite"] = True
+    overrides.update(parse_override(item) for item in args.set)
+    cfg = load_config(args.config, overrides)
+    from ndtrain.launch import in_worker
+
+    warning = cli_flags.preset_override_warning(args.config, overrides)
+    if warning is not None and not in_worker():  # once, from the launching process
+        print(f"ndtrain: warning: {warning}", file=sys.stderr, flush=True)
+    return cfg
+
+
+def version_line() -> str:
+    """`ndtrain X.Y.Z (torch A.B.C)`, what `ndtrain --version` prints."""
+    import torch
+
+    from ndtrain import __version__
+
+    return f"ndtrain {__version__} (torch {torch.__version__})"
+
+
+def run_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from ndtrain.launch import in_worker, launch_local
+
+    cfg = train_config(args)
+    if in_worker():
+        return train_worker(cfg)
+    dp = cfg.parallel.resolve_dp(cfg.launch.nproc)
+    if cfg.ps.servers:
+        from ndtrain.ps.engine import check_ps_config
+
+        dp = check_ps_config(cfg, cfg.launch.nproc)
+    cfg.schedule.accumulation_steps(dp)
+    from ndtrain.dist.mesh import resolve_backend, resolve_device
+
+    resolve_backend(cfg.parallel.backend, resolve_device(cfg.parallel.device, 0))
+    from ndtrain.models.hf import check_hf_model, hf_path, is_hf_model
+
+    if is_hf_model(cfg.model.preset):
+        check_hf_model(hf_path(cfg.model.preset), cfg.model.seq_len, cfg.parallel)
+    check_host_memory(cfg)
+    check_run_dir(cfg.log.out)
+    from ndtrain.data.prepare import check_data
+    from ndtrain.run.lock import refuse_if_locked
+
+    refuse_if_locked(Path(cfg.log.out))  # before the token file is written into the run directory
+
+    check_data(cfg, write=not args.check)  # builds the token file once, before any worker starts
+    if args.check:
+        print(dump_toml(cfg), end="")
+        return 0
+    if cfg.launch.nproc == 1:
+        return train_worker(cfg)
+    return launch_local(argv, cfg.launch.nproc, cfg.launch.max_restarts, Path(cfg.log.out))
+
+
+def check_host_memory(cfg: TrainConfig) -> None:
+    """Each local worker first builds the whole fp32 model on the host (then shards or moves it):
+    nproc × 4Ψ bytes is the least the run needs, so more than this machine's memory cannot run."""
+    params = cfg.model.parameter_count()
+    need = cfg.launch.nproc * 4 * params
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise UserError(
+            f"the model has {params:,} parameters: {cfg.launch.nproc} workers × 4 bytes each is {need / 2**30:,.1f} GiB, "
+            f"more than this machine's {have / 2**30:,.1f} GiB: use smaller model sizes or fewer processes"
+        )
+
+
+def check_run_dir(out: str) -> None:
+    """`--out` must be a folder or a path a folder can be made at, and writable: checked with
+    os.access and a probe file that is never linked into the folder. Nothing is created."""
+    path = existing = Path(out)
+    while True:  # the nearest part of the path that exists ('.' or '/' at the latest)
+        try:
+            mode = os.stat(existing).st_mode
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if existing == existing.parent:
+                raise UserError(f"--out {out!r} has no existing folder above it: give a directory for the run") from None
+            existing = existing.parent
+        except (OSError, ValueError) as e:
+            raise UserError(f"--out {out!r} cannot be used: {getattr(e, 'strerror', None) or e}") from None
+    if not stat.S_ISDIR(mode):
+        where = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
+        raise UserError(f"--out {out!r} {where}: give a directory for the run")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out!r} is not writable ({str(existing)!r}: permission denied): give a writable directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out!r} is not writable ({str(existing)!r}: {e.strerror}): give a writable directory") from None
+    if existing == path:
+        _check_run_files(path)
+
+
+def _check_run_files(run_dir: Path) -> None:
+    """In an existing run directory, what the run writes must have its kind: a folder for checkpoints,
+    regular files for the rest."""
+    for name, kind in RUN_FILES.items():
+        try:
+            mode = os.stat(run_dir / name).st_mode
+        except FileNotFoundError:
+            continue
+        if not (stat.S_ISDIR(mode) if kind == "folder" else stat.S_ISREG(mode)):
+            raise UserError(
+                f"--out {str(run_dir)!r} holds {name!r} that is not a {kind}: move it away or use another --out"
+            )
+
+
+def train_worker(cfg: TrainConfig) -> int:
+    """Train in this process; exit status 0, 2 (user error), 1 (a bug) or 128+N (stopped by signal N,
+    checkpoint written). Output: console and RUN_DIR/logs/rank_N.log (see console.py)."""
+    from ndtrain.console import WorkerConsole, log, report_user_error
+    from ndtrain.engine import NonFiniteError
+    from ndtrain.launch import die_with_parent, in_worker, set_worker_threads
+    from ndtrain.dist.mesh import init
+    from ndtrain.run.preemption import Preempted, exit_status
+    from ndtrain.run.lock import run_lock
+    from ndtrain.trainer import Trainer
+
+    if in_worker():
+        die_with_parent()
+    set_worker_threads(cfg.launch.threads)
+    with WorkerConsole() as console:
+        try:
+            ctx = init(cfg.parallel)
+        except UserError as e:
+            report_user_error(str(e))
+            return 2
+        try:
+            with run_lock(Path(cfg.log.out), ctx):
+                console.attach_rank_log(Path(cfg.log.out))
+                Trainer(cfg, ctx).run()
+        except NonFiniteError as e:
+            e.newest_checkpoint = _newest_checkpoint(Path(cfg.log.out) / "checkpoints")
+            report_user_error(str(e))
+            return 2
+        except UserError as e:
+            report_user_error(str(e))
+            return 2
+        except Preempted as e:
+            if ctx.is_main:
+                log.warning(f"ndtrain: {e.message()}")
+            return exit_status(e.signum)
+        except Exception as e:
+            console.crash(e)
+            return 1
+        finally:
+            ctx.destroy()
+    return 0
+
+
+def _newest_checkpoint(directory: Path) -> str:
+    """The name of what a re-run would resume from (the newest verified checkpoint), for a message."""
+    from ndtrain.checkpoint.manifest import choose
+
+    newest = choose(directory).path
+    return newest.name if newest else "none (a re-run starts over)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(args, argv)
+        if args.command == "generate":
+            from ndtrain.generate import generate_text
+
+            print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+            return 0
+        if args.command == "export" and args.format == "hf":
+            from ndtrain.checkpoint.export_hf import export_hf
+
+            checkpoint, files = export_hf(args.run_dir, args.out)
+            print(f"ndtrain: exported {checkpoint} to {args.out} ({', '.join(files)})")
+            return 0
+        if args.command == "export":
+            from ndtrain.checkpoint.export import export_safetensors
+
+            checkpoint, count = export_safetensors(args.run_dir, args.out)
+            print(f"ndtrain: exported {count} tensors of {checkpoint} to {args.out}")
+            return 0
+        if args.command == "inspect":
+            from ndtrain.run.inspect import inspect_run
+
+            print(inspect_run(args.run_dir))
+            return 0
+        if args.command == "plan":
+            from ndtrain.plan import cli as plan_cli
+
+            return plan_cli.main(args)
+        if args.command == "report":
+            from ndtrain.report.page import write_report
+
+            print(f"ndtrain: report written to {write_report(args.directory, args.out)}")
+            return 0
+        from ndtrain.bench import cli as bench_cli
+
+        return bench_cli.main(args)
+    except UserError as e:
+        from ndtrain.launch import in_worker
+
+        if args.command == "train" and in_worker():  # every rank raised it: printed once
+            from ndtrain.console import report_user_error
+
+            report_user_error(str(e))
+        else:
+            print(f"ndtrain: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,310 @@
+"""Context parallel: the sequence split over the `cp` group, attention by passing K/V around a ring.
+
+What is split: every sequence of T tokens. It is cut into 2c chunks of n = T/(2c) tokens (c = cp
+size) and group rank i holds chunks i and 2c−1−i (load-balanced causal layout: an early, cheap
+chunk paired with a late, expensive one), so each rank holds T/c tokens, in increasing position
+order, and passes their global positions to the model (RoPE). Every op but attention is
+per-token and runs on the shard unchanged; the loss is the mean over the local tokens, and as
+shards are equal-sized the mean over the dp×cp group (our `DistributedDataParallel` averages gradients over
+`dp_cp`) is the global mean.
+
+Attention (`Attention.attend`, replaced by `apply_context_parallel`) is ring attention. With
+B batch, H query heads, K kv heads, h head size, s = T/c local tokens and fp32 accumulation:
+- forward, c steps: at step t a rank holds the K/V of group rank r−t; it posts the exchange of
+  that block with its ring neighbours (one batched send to r+1 and receive from r−1 of the stacked
+  K/V, 2·B·K·s·h elements) and computes its block while the bytes travel. Block results are
+  merged with an online log-sum-exp softmax. With this layout a block is causal (t = 0: the
+  rank's own chunks, in order) or a full rectangle without mask (t > 0, sender j = r−t mod c:
+  if j < r, all local queries against j's early chunk; if j > r, the local late chunk against
+  both of j's chunks), and every rank does the same work: one causal 2n×2n block plus c−1
+  rectangles of 2n² scores.
+- backward, c steps: K/V rotate again (overlapped the same way) while the gradients dK/dV of
+  each block travel with it, each rank adding its contribution; after the last step the sums
+  arrive at their owners. dQ stays local. The probabilities are recomputed per block from the
+  saved log-sum-exp (flash-attention style): nothing quadratic in s is kept.
+Each block is computed in tiles of at most `tile` × `tile` scores, merged by the same online
+softmax (causal tiles wholly in the future are skipped), so the transient memory is
+O(B·H·tile²), not O(B·H·s²).
+Communication per layer and rank: forward (c−1)·2BKsh elements; backward (c−1)·2BKsh (K/V) +
+c·2BKsh (dK/dV, fp32). Saved for backward per layer: q, k, v, out and the log-sum-exp (fp32,
+B·H·s), the same tensors as `scaled_dot_product_attention`, so activation memory per rank is
+1/c of the unsharded model's. Transient: two K/V buffers and two dK/dV buffers in flight, and
+a few tiles of scores (B·H·tile² fp32 each). Blocks are computed in fp32 whatever the input
+dtype (bf16 K/V travel as bf16; dK/dV travel and accumulate in fp32); a float64 model in float64.
+Recomputing ring attention (selective or full recompute) runs the forward ring again inside
+backward: (c−1) more K/V exchanges per layer.
+
+GQA needs no copies: a query head g·(H/K)+j reads kv head g through broadcasting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ndtrain.dist.comm import Communicator, Group, Pending
+from ndtrain.errors import UserError
+from ndtrain.dist.mesh import ParallelContext
+from ndtrain.models.hf_families import hf_config
+from ndtrain.parallel.precision import at_least_fp32, master_dtype
+
+Chunks = tuple[int, ...]
+DEFAULT_TILE = 512  # rows and columns of the score tiles: transient memory B·H·tile²·4 bytes, a few times
+
+
+def balanced_chunks(rank: int, cp: int) -> Chunks:
+    """Chunk indices (of 2·cp) held by group rank `rank`: i and 2·cp−1−i."""
+    return (rank, 2 * cp - 1 - rank)
+
+
+def contiguous_chunks(rank: int, cp: int) -> Chunks:
+    """The unbalanced split, for comparison: rank i holds chunks 2i and 2i+1 (one contiguous piece)."""
+    return (2 * rank, 2 * rank + 1)
+
+
+def shard_sequence(
+    tokens: torch.Tensor, targets: torch.Tensor, ctx: ParallelContext
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This cp rank's part of `tokens`/`targets` [B, T] and its global positions [T/cp]."""
+    group = ctx.group("cp")
+    seq_len = tokens.shape[-1]
+    if seq_len % (2 * group.size):
+        raise UserError(
+            f"sequence length {seq_len} is not divisible by 2·cp = {2 * group.size}: "
+            f"use a sequence length that is a multiple of {2 * group.size} (or a smaller cp)"
+        )
+    n = seq_len // (2 * group.size)
+    positions = torch.cat(
+        [torch.arange(c * n, (c + 1) * n, device=tokens.device) for c in balanced_chunks(group.rank, group.size)]
+    )
+    return tokens[..., positions], targets[..., positions], positions
+
+
+@dataclass(frozen=True)
+class Block:
+    """The scores one step computes: local query rows × held key columns, causal or full."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+
+    def scores(self) -> int:
+        return (self.rows.stop - self.rows.start) * (self.cols.stop - self.cols.start)
+
+    def tiles(self, size: int) -> Iterator[Block]:
+        """Sub-blocks of at most size × size scores; in a causal block (rows and columns in the same
+        index space) those wholly in the future are skipped and only those the diagonal crosses
+        stay causal."""
+        for r0 in range(self.rows.start, self.rows.stop, size):
+            r1 = min(r0 + size, self.rows.stop)
+            for c0 in range(self.cols.start, self.cols.stop, size):
+                c1 = min(c0 + size, self.cols.stop)
+                if self.causal and c0 > r1 - 1:
+                    break
+                yield Block(slice(r0, r1), slice(c0, c1), causal=self.causal and c1 - 1 > r0)
+
+
+def block_plan(q_chunks: Chunks, kv_chunks: Chunks, chunk_len: int) -> Block | None:
+    """The block of queries in `q_chunks` against keys in `kv_chunks` (ascending chunk indices).
+
+    Chunk pairs are full (key chunk earlier), diagonal (the same chunk) or empty (later). The
+    same chunks give one causal block; otherwise the visible pairs must form one rectangle."""
+    if q_chunks == kv_chunks:
+        span = slice(0, len(q_chunks) * chunk_len)
+        return Block(span, span, causal=True)
+    visible = [(i, j) for i, a in enumerate(q_chunks) for j, b in enumerate(kv_chunks) if b < a]
+    if not visible:
+        return None
+    rows = sorted({i for i, _ in visible})
+    cols = sorted({j for _, j in visible})
+    contiguous = rows[-1] - rows[0] + 1 == len(rows) and cols[-1] - cols[0] + 1 == len(cols)
+    if len(visible) != len(rows) * len(cols) or not contiguous:
+        raise ValueError(f"chunks {q_chunks} against {kv_chunks} do not form one block")
+    return Block(
+        slice(rows[0] * chunk_len, (rows[-1] + 1) * chunk_len), slice(cols[0] * chunk_len, (cols[-1] + 1) * chunk_len),
+        causal=False,
+    )
+
+
+def attention_work(seq_len: int, cp: int, balanced: bool = True, tile: int = DEFAULT_TILE) -> list[int]:
+    """Score entries (query·key pairs, evaluated densely per tile) each rank computes in one
+    ring-attention forward; FLOPs are 4·B·H·h times this. `balanced=False`: the contiguous split."""
+    layout = balanced_chunks if balanced else contiguous_chunks
+    n = seq_len // (2 * cp)
+    work = []
+    for rank in range(cp):
+        blocks = (block_plan(layout(rank, cp), layout((rank - t) % cp, cp), n) for t in range(cp))
+        work.append(sum(t.scores() for b in blocks if b is not None for t in b.tiles(tile)))
+    return work
+
+
+def _tile_scores(q: torch.Tensor, k: torch.Tensor, tile: Block, scale: float) -> torch.Tensor:
+    """Scaled scores [B,K,G,r,c] of q rows [B,K,G,r,h] against k columns [B,K,1,c,h], the future masked."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if tile.causal:
+        rows = torch.arange(tile.rows.start, tile.rows.stop, device=q.device)
+        cols = torch.arange(tile.cols.start, tile.cols.stop, device=q.device)
+        scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    return scores
+
+
+def _tile_forward(
+    q: torch.Tensor, kv: torch.Tensor, tile: Block, scale: float, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Attention of q [B,K,G,s,h] rows over kv [2,B,K,s,h] columns, merged into the running fp32
+    `out` [B,K,G,s,h] and log-sum-exp `lse` [B,K,G,s] of those rows (online softmax)."""
+    k, v = (at_least_fp32(t[..., tile.cols, :]).unsqueeze(2) for t in kv)
+    scores = _tile_scores(at_least_fp32(q[..., tile.rows, :]), k, tile, scale)
+    tile_lse = scores.logsumexp(dim=-1)
+    tile_out = torch.exp(scores - tile_lse.unsqueeze(-1)) @ v
+    old = lse[..., tile.rows]
+    merged = torch.logaddexp(old, tile_lse)
+    out[..., tile.rows, :] = (
+        out[..., tile.rows, :] * torch.exp(old - merged).unsqueeze(-1)
+        + tile_out * torch.exp(tile_lse - merged).unsqueeze(-1)
+    )
+    lse[..., tile.rows] = merged
+
+
+def _tile_backward(
+    q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    tile: Block, scale: float, dq: torch.Tensor, dkv: torch.Tensor,
+) -> None:
+    """Add one tile's gradients (probabilities recomputed from the final `lse`) into dq and dkv."""
+    q_rows = at_least_fp32(q[..., tile.rows, :])
+    k, v = (at_least_fp32(t[..., tile.cols, :]).unsqueeze(2) for t in kv)
+    probs = torch.exp(_tile_scores(q_rows, k, tile, scale) - lse[..., tile.rows].unsqueeze(-1))
+    dout_rows = dout[..., tile.rows, :]
+    dscores = probs * (dout_rows @ v.transpose(-1, -2) - delta[..., tile.rows].unsqueeze(-1))
+    dq[..., tile.rows, :] += (dscores @ k) * scale
+    dkv[0][..., tile.cols, :] += (dscores.transpose(-1, -2) @ q_rows).sum(dim=2) * scale
+    dkv[1][..., tile.cols, :] += (probs.transpose(-1, -2) @ dout_rows).sum(dim=2)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The cp group a ring attention runs on and the chunks every member holds."""
+
+    comm: Communicator
+    group: Group
+    tile: int = DEFAULT_TILE
+
+    def chunks(self, group_rank: int) -> Chunks:
+        return balanced_chunks(group_rank % self.group.size, self.group.size)
+
+    def tiles(self, step: int, local_len: int) -> list[Block]:
+        """The tiles computed at `step`, holding the K/V of group rank r − step."""
+        block = block_plan(self.chunks(self.group.rank), self.chunks(self.group.rank - step), local_len // 2)
+        return [] if block is None else list(block.tiles(self.tile))
+
+    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+        """Post: send `send` to the next rank, receive the previous rank's into a new buffer."""
+        received = torch.empty_like(send)
+        size, rank = self.group.size, self.group.rank
+        pending = self.comm.batch_send_recv([(send, (rank + 1) % size)], [(received, (rank - 1) % size)], self.group)
+        return received, pending
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float | None
+    ) -> torch.Tensor:
+        batch, heads, seq, head_dim = q.shape
+        q5 = q.reshape(batch, k.shape[1], heads // k.shape[1], seq, head_dim)
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        kv = torch.stack((k, v))
+        size = ring.group.size
+        acc = master_dtype(q.dtype)  # fp32, or float64 for a float64 model
+        out = torch.zeros(q5.shape, dtype=acc, device=q.device)
+        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        for step in range(size):  # step 0: the rank's own chunks, a causal block where every row sees itself
+            if step < size - 1:
+                next_kv, pending = ring.exchange(kv)  # travels while this block is computed
+            for tile in ring.tiles(step, seq):
+                _tile_forward(q5, kv, tile, scale, out, lse)
+            if step < size - 1:
+                pending.wait()
+                kv = next_kv
+        result = out.to(q.dtype).view(batch, heads, seq, head_dim)
+        fctx.save_for_backward(q, k, v, result, lse)
+        fctx.ring, fctx.scale = ring, scale
+        return result
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        fctx, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        q, k, v, out, lse = fctx.saved_tensors
+        ring: Ring = fctx.ring
+        batch, heads, seq, head_dim = q.shape
+        shape5 = (batch, k.shape[1], heads // k.shape[1], seq, head_dim)
+        q5, dout, out5 = q.reshape(shape5), at_least_fp32(grad_out.reshape(shape5)), at_least_fp32(out.reshape(shape5))
+        scale = fctx.scale
+        delta = (dout * out5).sum(dim=-1)
+        dq = torch.zeros(shape5, dtype=master_dtype(q.dtype), device=q.device)
+        kv = torch.stack((k, v))
+        size = ring.group.size
+        incoming = None  # (dK/dV buffer, pending) from the previous rank
+        for step in range(size):
+            if step < size - 1:
+                next_kv, kv_pending = ring.exchange(kv)
+            dkv = torch.zeros(kv.shape, dtype=master_dtype(kv.dtype), device=kv.device)
+            for tile in ring.tiles(step, seq):
+                _tile_backward(q5, kv, dout, lse, delta, tile, scale, dq, dkv)
+            if incoming is not None:
+                incoming[1].wait()
+                dkv += incoming[0]
+            if size > 1:
+                incoming = ring.exchange(dkv)  # to the holder of this K/V next; last step: to its owner
+            if step < size - 1:
+                kv_pending.wait()
+                kv = next_kv
+        if incoming is not None:
+            incoming[1].wait()
+            dkv = incoming[0]
+        return dq.to(q.dtype).view(q.shape), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+class RingAttend:
+    """The `attend(q, k, v)` seam as ring attention over one cp group."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _RingAttention.apply(q, k, v, self.ring, None)
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of the local q [B, H, s, h] over the whole sequence's k, v [B, K, s, h] per rank;
+    scores scaled by `scale` (default 1/√h)."""
+    return _RingAttention.apply(q, k, v, ring, scale)
+
+
+def apply_context_parallel(model: nn.Module, ctx: ParallelContext, *, tile: int = DEFAULT_TILE) -> nn.Module:
+    """Give every attention of `model` (modules with an `attend` seam; a Hugging Face model's decoder
+    layers' attention, hf_context.py) ring attention over ctx's cp group.
+
+    A wrapper already on the seam (one exposing `.inner`, e.g. selective recompute) is kept and
+    gets ring attention inside it, so the order of the two does not matter."""
+    if hf_config(model) is not None:  # a Hugging Face model: through transformers' attention registry
+        from ndtrain.models.hf_context import apply_hf_context_parallel
+
+        return apply_hf_context_parallel(model, Ring(ctx.comm, ctx.group("cp"), tile))
+    core = RingAttend(Ring(ctx.comm, ctx.group("cp"), tile))
+    attentions = [m for m in model.modules() if hasattr(m, "attend")]
+    if not attentions:
+        raise UserError(f"{type(model).__name__} has no attention with an `attend` seam: context parallel needs one")
+    for attention in attentions:
+        if hasattr(attention.attend, "inner"):
+            attention.attend.inner = core
+        else:
+            attention.attend = core
+    return model

@@ -1,0 +1,304 @@
+"""Tensor parallelism (Megatron-style): each large matrix of a layer is split over the tp group.
+
+What is split, over the n ranks of `ctx.group("tp")` (activations batch-first, [B, T, ...]):
+- `ColumnParallelLinear`: the weight's output features (rows of W [out, in]); rank r computes
+  out/n output features from the whole input. Optional `gather_output` concatenates them.
+- `RowParallelLinear`: the weight's input features (columns of W); rank r holds in/n input
+  features (the column-parallel output) and produces a partial sum of the whole output, which is
+  all-reduced (or, with sequence parallelism, reduce-scattered onto sequence shards).
+- `ReplicatedHeadsLinear`: grouped-query attention when n does not divide the kv heads: the whole
+  k/v weight on every rank, each rank projecting only the heads its query heads read.
+
+The conjugate communication operators, as autograd functions (named after Megatron's f and g):
+    f  = `CopyToParallel`        forward identity,                 backward all-reduce
+    g  = `ReduceFromParallel`    forward all-reduce,               backward identity
+    ḡ  = `GatherSequence`        forward all-gather of dim 1 (T),  backward reduce-scatter
+    ḡ* = `ScatterSequence`       forward reduce-scatter of dim 1,  backward all-gather
+         `SplitSequence`       forward this rank's slice of dim 1, backward all-gather
+         `GatherLastDim`         forward all-gather of dim −1,     backward slice
+A column-parallel projection is preceded by f (or ḡ with sequence parallelism, which makes the
+residual stream between blocks [B, T/n, d] per rank); a row-parallel one is followed by g (or
+ḡ*). Projections that share one input (q, k, v; w1, w3) share one f / ḡ: `InputOp` is installed as
+a forward pre-hook on their parent block, so the block's first input is communicated once.
+
+Cost per column→row pair with input/output X = b·s·h elements: forward one all-reduce of X,
+backward one all-reduce of X (2(n−1)/n · X each on the wire); with sequence parallelism the same
+wire volume as all-gather + reduce-scatter ((n−1)/n · X each, twice per direction), and the
+activations between blocks take 1/n of the memory. Weights and their gradients take 1/n.
+Parameters replicated over tp whose gradient is partial on each rank (sequence-shard inputs,
+replicated kv heads) get a gradient hook all-reducing it over tp (`sum_gradient_over`).
+A sharded parameter's placement record (placement.py) holds its `Shard` (dim, start, length, padded
+full size): what `is_tensor_parallel` reads, and what a checkpoint needs to place the shard in the full tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndtrain.dist.comm import Communicator, Group
+from ndtrain.errors import UserError
+from ndtrain.parallel.placement import Shard, carry_placement
+
+SEQ_DIM = 1
+
+
+# --------------------------------------------------------------------------- conjugate operators
+class CopyToParallel(torch.autograd.Function):
+    """f: identity forward; backward sums the input gradient over the group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, ctx.group)
+        return grad, None, None
+
+
+class ReduceFromParallel(torch.autograd.Function):
+    """g: forward sums partial outputs over the group; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        comm.all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def _gather_seq(x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+    shard = x.movedim(SEQ_DIM, 0).contiguous()
+    full = shard.new_empty((group.size * shard.shape[0], *shard.shape[1:]))
+    comm.all_gather(full, shard, group)
+    return full.movedim(0, SEQ_DIM)
+
+
+def _scatter_seq(x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+    if x.shape[SEQ_DIM] % group.size:
+        raise UserError(
+            f"sequence length {x.shape[SEQ_DIM]} is not divisible by tp={group.size}: "
+            "sequence parallelism needs a multiple of tp (change seq_len or turn sequence_parallel off)"
+        )
+    full = x.movedim(SEQ_DIM, 0).contiguous()
+    shard = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))
+    comm.reduce_scatter(shard, full, group)
+    return shard.movedim(0, SEQ_DIM)
+
+
+class GatherSequence(torch.autograd.Function):
+    """ḡ: all-gather the sequence shards forward; reduce-scatter the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        return _gather_seq(x, comm, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _scatter_seq(grad, ctx.comm, ctx.group), None, None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """ḡ*: reduce-scatter partial outputs onto sequence shards forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        return _scatter_seq(x, comm, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather_seq(grad, ctx.comm, ctx.group), None, None
+
+
+class GatherLastDim(torch.autograd.Function):
+    """Concatenate every rank's last-dim slice forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+        ctx.rank, ctx.width = group.rank, x.shape[-1]
+        shard = x.movedim(-1, 0).contiguous()
+        full = shard.new_empty((group.size * shard.shape[0], *shard.shape[1:]))
+        comm.all_gather(full, shard, group)
+        return full.movedim(0, -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None, None
+
+
+def gather_shard(value: torch.Tensor, shard: Shard, real: int, comm: Communicator, group: Group) -> torch.Tensor:
+    """The whole tensor from every tp rank's slice `value` of it (`shard`: where the slice sits),
+    padding beyond the `real` size along the split dim cut away (collective over `group`)."""
+    moved = value.movedim(shard.dim, -1).contiguous()
+    full = GatherLastDim.apply(moved, comm, group).movedim(-1, shard.dim)
+    return full.narrow(shard.dim, 0, real).clone()
+
+
+def to_parallel(x: torch.Tensor, comm: Communicator, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """The input of column-parallel work: f, or ḡ when the input is a sequence shard."""
+    op = GatherSequence if sequence_parallel else CopyToParallel
+    return op.apply(x, comm, group)
+
+
+def from_parallel(x: torch.Tensor, comm: Communicator, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """The output of row-parallel work: g, or ḡ* onto sequence shards."""
+    op = ScatterSequence if sequence_parallel else ReduceFromParallel
+    return op.apply(x, comm, group)
+
+
+class SplitSequence(torch.autograd.Function):
+    """Keep this rank's sequence shard of a tensor every tp rank holds whole; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+        if x.shape[SEQ_DIM] % group.size:
+            raise UserError(
+                f"sequence length {x.shape[SEQ_DIM]} is not divisible by tp={group.size}: "
+                "sequence parallelism needs a multiple of tp (change seq_len or turn sequence_parallel off)"
+            )
+        ctx.comm, ctx.group = comm, group
+        length = x.shape[SEQ_DIM] // group.size
+        return x.narrow(SEQ_DIM, group.rank * length, length).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather_seq(grad, ctx.comm, ctx.group), None, None
+
+
+class InputOp:
+    """Forward pre-hook (registered `with_kwargs=True`) rewriting a module's input: its first
+    positional argument, or the keyword `keyword` when it has none (Hugging Face calls attention
+    with `hidden_states=`). `op(x, comm, group)` is applied to it: by default the input operator
+    of column-parallel children sharing it (f, or ḡ with sequence parallelism)."""
+
+    def __init__(
+        self, comm: Communicator, group: Group, sequence_parallel: bool, keyword: str = "hidden_states",
+        op: Any = None,
+    ) -> None:
+        self.comm, self.group, self.keyword = comm, group, keyword
+        self.op = op or (GatherSequence if sequence_parallel else CopyToParallel)
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (self.op.apply(args[0], self.comm, self.group), *args[1:]), kwargs
+        if self.keyword not in kwargs:
+            raise UserError(
+                f"tensor parallel: {type(module).__name__} got neither a positional input nor {self.keyword}=: "
+                "its column-parallel children cannot share an input"
+            )
+        return args, {**kwargs, self.keyword: self.op.apply(kwargs[self.keyword], self.comm, self.group)}
+
+
+def sum_gradient_over(param: nn.Parameter, comm: Communicator, group: Group) -> None:
+    """Make `param`'s gradient the sum of every tp rank's contribution, before it is accumulated
+    (so gradient accumulation and DDP's hooks see complete gradients)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group)
+        return grad
+
+    param.register_hook(hook)
+
+
+# --------------------------------------------------------------------------- parallel layers
+def _slice(t: torch.Tensor, dim: int, rank: int, parts: int, padded: int) -> tuple[torch.Tensor, Shard]:
+    """Rank `rank`'s part of `t` split in `parts` along `dim`, zero-padded to `padded` first."""
+    size = t.shape[dim]
+    if padded > size:
+        pad = t.new_zeros((*t.shape[:dim], padded - size, *t.shape[dim + 1 :]))
+        t = torch.cat([t, pad], dim=dim)
+    length = padded // parts
+    return t.detach().narrow(dim, rank * length, length).clone(), Shard(dim, rank * length, length, padded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵣᵀ (+ bᵣ): this rank's out/n output features. `out_padded` ≥ out pads W with zero rows
+    (a vocabulary padded to a multiple of n); `communicate_input=False` when the parent block
+    applies the input operator (`InputOp`) once for several projections."""
+
+    def __init__(
+        self, linear: nn.Linear, comm: Communicator, group: Group, *, sequence_parallel: bool = False,
+        gather_output: bool = False, communicate_input: bool = True, out_padded: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.comm, self.group = comm, group
+        self.sequence_parallel, self.gather_output, self.communicate_input = (
+            sequence_parallel, gather_output, communicate_input)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_padded = out_padded or linear.out_features
+        weight, shard = _slice(linear.weight, 0, group.rank, group.size, self.out_padded)
+        self.weight = carry_placement(nn.Parameter(weight), linear.weight, tp=shard)
+        self.bias = None
+        if linear.bias is not None:
+            bias, bias_shard = _slice(linear.bias, 0, group.rank, group.size, self.out_padded)
+            self.bias = carry_placement(nn.Parameter(bias), linear.bias, tp=bias_shard)
+        self.out_start = shard.start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.communicate_input:
+            x = to_parallel(x, self.comm, self.group, self.sequence_parallel)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = GatherLastDim.apply(y, self.comm, self.group)[..., : self.out_features]
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (padded {self.out_padded}) / tp={self.group.size}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = g(x_r W_rᵀ) (+ b): x_r is this rank's in/n input features (a column-parallel output); the
+    partial products are all-reduced, or reduce-scattered onto sequence shards. A bias is whole
+    on every rank and added after the reduction."""
+
+    def __init__(self, linear: nn.Linear, comm: Communicator, group: Group, *, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.comm, self.group, self.sequence_parallel = comm, group, sequence_parallel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, shard = _slice(linear.weight, 1, group.rank, group.size, linear.in_features)
+        self.weight = carry_placement(nn.Parameter(weight), linear.weight, tp=shard)
+        self.bias = None if linear.bias is None else carry_placement(nn.Parameter(linear.bias.detach().clone()), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = from_parallel(F.linear(x, self.weight), self.comm, self.group, self.sequence_parallel)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} / tp={self.group.size}, out={self.out_features}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class ReplicatedHeadsLinear(nn.Module):
+    """A k or v projection of grouped-query attention when tp does not divide the kv heads: the
+    whole weight on every rank (initialised from the full layer), each rank projecting only rows
+    [start, stop) — the kv heads its query heads read. Ranks sharing a head each hold part of its
+    gradient, so the weight gradient is all-reduced over tp (the rows no rank reads stay zero)."""
+
+    def __init__(self, linear: nn.Linear, comm: Communicator, group: Group, start: int, stop: int) -> None:
+        super().__init__()
+        if linear.bias is not None:
+            raise UserError("a k/v projection with a bias cannot replicate kv heads over tp: make tp divide n_kv_heads")
+        self.start, self.stop = start, stop
+        self.weight = nn.Parameter(linear.weight.detach().clone())
+        sum_gradient_over(self.weight, comm, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight[self.start : self.stop])
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.start}, {self.stop}) of {tuple(self.weight.shape)}, replicated over tp"

@@ -1,0 +1,106 @@
+"""Vocabulary parallelism: the embedding table and the output head split by vocabulary rows over tp.
+
+What is split: a vocabulary of V entries is padded with zero rows to V' (the next multiple of n,
+the tp size); rank r holds rows [r·V'/n, (r+1)·V'/n) of the embedding table and of the output
+head (a `ColumnParallelLinear` with `out_padded=V'`). Padding rows are never looked up (tokens
+are < V) and their logits are masked to −∞ in the loss, so they never affect it (their
+gradients stay zero).
+
+What is communicated, and when (b·s tokens of width d on each rank):
+- `VocabParallelEmbedding` forward: each rank looks up the tokens in its rows (zeros elsewhere),
+  then the partial embeddings are summed: all-reduce of b·s·d (g), or with sequence parallelism
+  reduce-scattered onto sequence shards (ḡ*, all-gather of the gradient in backward).
+- `vocab_parallel_cross_entropy` forward: one all-reduce (max) of b·s logit maxima, one
+  all-reduce (sum) of 2·b·s numbers (Σ exp and the target's logit, from the rank owning it);
+  backward communicates nothing (softmax − one-hot on the local columns). The full b·s·V logits
+  never exist on one rank: each holds b·s·V'/n of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ndtrain.dist.comm import Communicator, Group
+from ndtrain.parallel.precision import at_least_fp32
+from ndtrain.parallel.placement import carry_placement
+from ndtrain.parallel.model.tensor import from_parallel, _slice
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """V', the smallest multiple of `tp` ≥ `vocab_size`."""
+    return -(-vocab_size // tp) * tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's V'/n rows of an embedding table; output summed over tp (or reduce-scattered)."""
+
+    def __init__(
+        self, embedding: nn.Embedding, comm: Communicator, group: Group, *, sequence_parallel: bool = False
+    ) -> None:
+        super().__init__()
+        self.comm, self.group, self.sequence_parallel = comm, group, sequence_parallel
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padded = padded_vocab(embedding.num_embeddings, group.size)
+        weight, shard = _slice(embedding.weight, 0, group.rank, group.size, self.padded)
+        self.weight = carry_placement(nn.Parameter(weight), embedding.weight, tp=shard)
+        self.start, self.stop = shard.start, shard.start + shard.length
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.start) | (tokens >= self.stop)
+        local = torch.where(outside, 0, tokens - self.start)
+        x = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return from_parallel(x, self.comm, self.group, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return (f"rows [{self.start}, {self.stop}) of {self.num_embeddings} (padded {self.padded}), "
+                f"dim={self.embedding_dim}, sequence_parallel={self.sequence_parallel}")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, start: int, vocab_size: int,
+        comm: Communicator, group: Group,
+    ) -> torch.Tensor:
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        logits = at_least_fp32(logits.flatten(0, -2)).clone()  # [N, v], worked on in place from here
+        width = logits.shape[-1]
+        real = vocab_size - start  # columns of this shard that are real vocabulary entries
+        if real < width:
+            logits[:, max(real, 0):] = float("-inf")
+        maxima = logits.max(dim=-1).values
+        comm.all_reduce(maxima, group, op=dist.ReduceOp.MAX)
+        logits.sub_(maxima.unsqueeze(-1))
+        targets = targets.flatten()
+        local = targets - start
+        mine = (local >= 0) & (local < width)
+        index = torch.where(mine, local, 0).unsqueeze(-1)
+        target_logit = logits.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
+        logits.exp_()
+        totals = torch.stack([logits.sum(dim=-1), target_logit])
+        comm.all_reduce(totals, group)
+        sum_exp, target_logit = totals
+        logits.div_(sum_exp.unsqueeze(-1))  # now this shard's softmax
+        ctx.save_for_backward(logits, index, mine)
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, index, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
+        grad_logits.mul_(grad / softmax.shape[0])
+        return grad_logits.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, start: int, vocab_size: int, comm: Communicator, group: Group,
+) -> torch.Tensor:
+    """Mean cross-entropy (fp32) over all tokens of `targets` [...] given this rank's logit columns
+    [start, start + v) of the padded vocabulary (`logits` [..., v]); columns ≥ `vocab_size` are padding."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, start, vocab_size, comm, group)

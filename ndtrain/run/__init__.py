@@ -1,0 +1,6 @@
+"""What one training run is made of besides its engine: the task it trains (tasks.py), how the
+trainer drives each kind of engine (engine_kinds.py), its lock (lock.py), its description and
+clock (info.py), metrics, progress line and experiment trackers (metrics.py, progress.py,
+trackers.py), signals that ask it to stop (preemption.py), its pipeline timeline (timeline.py) and
+`ndtrain inspect` (inspect.py). Sits under `trainer.py`; imports `engine`, `models`, `data`,
+`checkpoint` and the layers below them."""
