@@ -50,7 +50,8 @@ from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.dist.memory import peak_bytes
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.hf_families import hf_config
+from ndtrain.models.hf_parallel import spec_of
+from ndtrain.parallel.model_spec import bind_spec
 from ndtrain.models.llama import count_parameters
 from ndtrain.parallel.compose import ModelParallelState, prepare_model
 from ndtrain.parallel.placement import name_parameters
@@ -145,7 +146,10 @@ class Engine:
         self.parameter_count = count_parameters(full)
         full_shapes = {name: p.shape for name, p in full.named_parameters(remove_duplicate=False)}
         self.loss_fn = loss_fn
-        self._hf = hf_config(full) is not None  # takes position_ids= (a context-parallel shard's positions)
+        spec = spec_of(full)  # the model's own, or a bare transformers model's family spec (models/)
+        if spec is not None:
+            bind_spec(full, spec)  # what the strategies' `parallel_spec(full)` answers
+        self._positions = spec is not None and spec.takes_position_ids  # a context-parallel shard's positions
         self.model = prepare_model(full, ctx, cfg, tp_plan=tp_plan, loss_fn=loss_fn)
         self.model_parallel = ctx.group("mp").size > 1
         self.mp_state = ModelParallelState(self.model, ctx, full_shapes, cfg.pp_virtual) if self.model_parallel else None
@@ -225,7 +229,7 @@ class Engine:
         """The wrapped model's loss on (tokens, targets[, positions]): its own, or `loss_fn` on its output."""
         if self.loss_fn is None:
             return self.wrapped(*inputs)
-        positions = {"position_ids": inputs[2].unsqueeze(0)} if len(inputs) > 2 and self._hf else {}  # cp shard
+        positions = {"position_ids": inputs[2].unsqueeze(0)} if len(inputs) > 2 and self._positions else {}  # cp shard
         return self.loss_fn(self.wrapped(inputs[0], **positions), inputs[1])
 
     def _model_inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

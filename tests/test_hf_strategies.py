@@ -175,11 +175,15 @@ def test_engine_loss_fn_applies_to_the_models_output() -> None:
 
 
 def test_tensor_parallel_refusals_are_one_line() -> None:
+    from ndtrain.models.hf_parallel import spec_of
     from ndtrain.parallel.model.tp_plan import parallelize
+    from ndtrain.parallel.model_spec import bind_spec
 
+    bare = make_model("llama").hf
+    bind_spec(bare, spec_of(bare))  # as Engine does: a bare transformers model gets its family's spec
     cases = [
         (make_model("gpt2"), None, "tensor parallel is not supported for gpt2"),
-        (make_model("llama").hf, None, "needs the adapter"),
+        (bare, None, "needs the adapter"),
         (make_model("llama"), {"hf.model.layers.*.mlp.up_proj": "colwise"}, "must make 'hf.lm_head' vocab-parallel"),
     ]
     mistral = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -18,7 +18,7 @@ from ndtrain.errors import UserError
 from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.models.llama_parallel import LLAMA_PLAN, LlamaParallel
-from ndtrain.models.parallel_spec import Heads, ModelParallel, parallel_spec
+from ndtrain.parallel.model_spec import Heads, ModelParallel, parallel_spec
 from ndtrain.parallel.pipeline import split_model
 from ndtrain.parallel.model.recompute import apply_recompute
 from ndtrain.parallel.model.tp_plan import default_plan
@@ -35,9 +35,9 @@ def imported_modules(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategies_import_no_model(strategy: str) -> None:
-    """Only the model-neutral lookup (and the generic decoder-layer finder) come from ndtrain.models."""
+    """A strategy learns a model only through `parallel.model_spec`: nothing comes from ndtrain.models."""
     models = {m for m in imported_modules(ROOT / strategy) if m.startswith("ndtrain.models")}
-    assert models <= {"ndtrain.models.parallel_spec", "ndtrain.models.hf_families"}, models
+    assert not models, models
 
 
 def test_lookup_per_kind_of_model() -> None:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ndtrain.models.hf_parallel import HFParallel
+from ndtrain.parallel.model_spec import ModelParallel
 from ndtrain.parallel.precision import at_least_fp32
 
 
@@ -39,6 +41,10 @@ class CausalLM(nn.Module):
             position_ids = position_ids.unsqueeze(0).expand(tokens.shape[0], -1)
         logits = self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
         return self.full_logits(logits) if targets is None else self.loss_fn(logits, targets)
+
+    def parallel_spec(self) -> ModelParallel:
+        """What the parallel strategies need to know to split this model: its family's spec (hf_parallel.py)."""
+        return HFParallel(self)
 
     @staticmethod
     def full_logits(logits: torch.Tensor) -> torch.Tensor:

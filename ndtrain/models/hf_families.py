@@ -28,6 +28,8 @@ from typing import Any
 
 from torch import nn
 
+from ndtrain.parallel.model_spec import largest_block_list
+
 _LLAMA_LIKE_PLAN: dict[str, str] = {
     "model.embed_tokens": "vocab",
     "model.layers.*.self_attn.q_proj": "colwise",
@@ -131,16 +133,6 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """(name, list) of `model`'s decoder layers: the family's list for a known HF family, else the
     nn.ModuleList of identical block classes holding the most parameters (None if there is none)."""
     family = family_of(model)
-    modules = dict(model.named_modules())
     if family is not None:
-        return family.layers, modules[family.layers]  # type: ignore[return-value]
-    best: tuple[int, str, nn.ModuleList] | None = None
-    for name, module in modules.items():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if best is None or size > best[0]:
-            best = (size, name, module)
-    return None if best is None else (best[1], best[2])
+        return family.layers, model.get_submodule(family.layers)  # type: ignore[return-value]
+    return largest_block_list(model)

@@ -25,10 +25,11 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.causal_lm import CausalLM
 from ndtrain.models.hf_families import FAMILIES, decoder_layers, family_of, hf_config
-from ndtrain.models.parallel_spec import Heads, LossFn, ModelParallel, SequenceCut
+from ndtrain.models.hf_context import apply_hf_context_parallel
 from ndtrain.models.hf_stages import HFStage, end_costs
+from ndtrain.parallel.model.context import Ring
+from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, SequenceCut
 from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim
 from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy
 
@@ -51,7 +52,7 @@ class HFParallel(ModelParallel):
         return None if self.family is None else self.family.tp_plan
 
     def check_tensor_parallel(self) -> None:
-        if self.family is not None and not isinstance(self.model, CausalLM):
+        if self.family is not None and getattr(self.model, "hf", None) is None:
             raise UserError("tensor parallel on a Hugging Face model needs the adapter: "
                             "pass ndtrain.models.causal_lm.CausalLM(model)")
 
@@ -118,6 +119,16 @@ class HFParallel(ModelParallel):
     def selective_unit(self, block: nn.Module) -> nn.Module | None:
         return None if self.family is None else block.get_submodule(self.family.attention)
 
+    def decoder_layers(self) -> tuple[str, nn.ModuleList] | None:
+        return decoder_layers(self.model)
+
+    @property
+    def takes_position_ids(self) -> bool:
+        return True
+
+    def context_parallel(self, ring: Ring) -> nn.Module | None:
+        return apply_hf_context_parallel(self.model, ring)
+
     def _layers(self) -> nn.ModuleList:
         return decoder_layers(self.model)[1]  # type: ignore[index]
 
@@ -125,3 +136,12 @@ class HFParallel(ModelParallel):
 def _gather_vocab(head: ColumnParallelLinear, ctx: ParallelContext, logits: torch.Tensor) -> torch.Tensor:
     """Logit shards [..., V'/n] → the real vocabulary [..., V] on every tp rank."""
     return GatherLastDim.apply(logits, ctx.comm, ctx.group("tp"))[..., : head.out_features]
+
+
+def spec_of(model: nn.Module) -> ModelParallel | None:
+    """The spec of any model the engine is given: the model's own (`parallel_spec()`: the built-in
+    Llama, the `CausalLM` adapter), a bare transformers model's family spec, or None."""
+    own = getattr(model, "parallel_spec", None)
+    if callable(own):
+        return own()
+    return HFParallel(model) if hf_config(model) is not None else None

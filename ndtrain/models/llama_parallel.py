@@ -44,7 +44,7 @@ from ndtrain.config import ModelConfig
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import Attention, Llama
-from ndtrain.models.parallel_spec import Heads, LossFn, ModelParallel, Timer
+from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, Timer
 from ndtrain.config.options import RecomputeMode
 from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim
 from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy

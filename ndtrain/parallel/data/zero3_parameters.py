@@ -2,7 +2,7 @@
 
 What is split: everything. The module is cut into wrapping units: each outermost module whose
 name matches one of the `wrap` patterns (fnmatch over `named_modules()`), or with `wrap="auto"`
-(the default) one unit per decoder layer of the model's layer list (`hf_families.decoder_layers`:
+(the default) one unit per decoder layer of the model's layer list (`model_spec.decoder_layers`:
 `layers.*` on the built-in Llama, `hf.model.layers.*` on an HF Llama, `hf.transformer.h.*` on
 GPT-2, else the largest nn.ModuleList of identical blocks; no such list: the root unit alone),
 plus the root unit of every parameter left over (embedding, final norm, head). Each unit is a `FlatUnit` (zero3_unit.py): a flat fp32 buffer padded to a multiple of
@@ -77,7 +77,7 @@ from ndtrain.errors import UserError
 from ndtrain.dist.host_stream import SlotRing
 from ndtrain.dist.memory import optimizer_state_bytes
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.hf_families import decoder_layers
+from ndtrain.parallel.model_spec import decoder_layers
 from ndtrain.parallel.data.flat_layout import Segment
 from ndtrain.parallel.placement import Placement, Shard
 from ndtrain.parallel.pipeline.chunks import FullyShardedChunks

@@ -49,7 +49,7 @@ from torch import nn
 from ndtrain.dist.comm import Communicator, Group, Pending
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.hf_families import hf_config
+from ndtrain.parallel.model_spec import parallel_spec
 from ndtrain.parallel.precision import at_least_fp32, master_dtype
 
 Chunks = tuple[int, ...]
@@ -289,16 +289,18 @@ def ring_attention(
 
 
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext, *, tile: int = DEFAULT_TILE) -> nn.Module:
-    """Give every attention of `model` (modules with an `attend` seam; a Hugging Face model's decoder
-    layers' attention, hf_context.py) ring attention over ctx's cp group.
+    """Give every attention of `model` ring attention over ctx's cp group: the model's own way when its
+    spec has one (a Hugging Face model: transformers' attention registry, models/hf_context.py), else
+    every module with an `attend` seam.
 
     A wrapper already on the seam (one exposing `.inner`, e.g. selective recompute) is kept and
     gets ring attention inside it, so the order of the two does not matter."""
-    if hf_config(model) is not None:  # a Hugging Face model: through transformers' attention registry
-        from ndtrain.models.hf_context import apply_hf_context_parallel
-
-        return apply_hf_context_parallel(model, Ring(ctx.comm, ctx.group("cp"), tile))
-    core = RingAttend(Ring(ctx.comm, ctx.group("cp"), tile))
+    ring = Ring(ctx.comm, ctx.group("cp"), tile)
+    spec = parallel_spec(model)
+    routed = None if spec is None else spec.context_parallel(ring)
+    if routed is not None:
+        return routed
+    core = RingAttend(ring)
     attentions = [m for m in model.modules() if hasattr(m, "attend")]
     if not attentions:
         raise UserError(f"{type(model).__name__} has no attention with an `attend` seam: context parallel needs one")

@@ -1,6 +1,6 @@
 """Activation recomputation: keep fewer activations for backward, recompute the rest in backward.
 
-Modes, per block of the model's decoder-layer list (`hf_families.decoder_layers`: the built-in
+Modes, per block of the model's decoder-layer list (`model_spec.decoder_layers`: the built-in
 Llama's `layers`, a Hugging Face family's layer list, or else the largest nn.ModuleList of
 identical blocks), with torch.utils.checkpoint in its non-reentrant form, positional and keyword
 arguments passed through (HF layers take `attention_mask=`, `position_embeddings=`, ... by keyword):
@@ -34,8 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ndtrain.errors import UserError
-from ndtrain.models.hf_families import decoder_layers
-from ndtrain.models.parallel_spec import parallel_spec
+from ndtrain.parallel.model_spec import decoder_layers, parallel_spec
 from ndtrain.config.options import RECOMPUTE_MODES as MODES
 from ndtrain.config.options import RecomputeMode
 

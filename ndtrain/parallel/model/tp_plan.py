@@ -18,7 +18,7 @@ parameter sees only its rank's tokens: its gradient is summed over tp by a hook.
 
 `parallelize(model, ctx, plan)` slices the weights of the *full* model (so a tp run starts from
 exactly the unsharded weights). What is specific to a model comes from its spec
-(`models.parallel_spec.parallel_spec`; no model is imported here): its shipped plan (plan=None;
+(`parallel.model_spec.parallel_spec`; no model is imported here): its shipped plan (plan=None;
 the built-in Llama's in models/llama_parallel.py, a Hugging Face family's in models/hf_parallel.py),
 its attention `Heads` (query heads split over tp, n must divide them; kv heads split when n divides
 them and otherwise replicated, `ReplicatedHeadsLinear`, when they divide n), where sequence
@@ -38,7 +38,7 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.parallel_spec import Heads, parallel_spec
+from ndtrain.parallel.model_spec import Heads, parallel_spec
 from ndtrain.config.options import TP_STYLES as STYLES
 from ndtrain.parallel.placement import is_tensor_parallel
 from ndtrain.parallel.model.tensor import (

@@ -1,7 +1,7 @@
 """Cut a model into S = p·v pipeline stages and keep this rank's v of them.
 
 What is split: the blocks, contiguously, into S stages (rank r holds stages r, r+p, …). A model
-with a spec (`models.parallel_spec`: the built-in Llama's `LlamaStage`, a Hugging Face family's
+with a spec (`parallel.model_spec`: the built-in Llama's `LlamaStage`, a Hugging Face family's
 `HFStage`; no model is imported here) names its blocks, what its first stage (embedding) and last
 stage (norm, head, loss) add, and builds its stages; a `nn.Sequential` (or list of blocks) with a
 `loss_fn` puts the loss on the last stage. Stages are cut from the full seeded model, so their
@@ -29,7 +29,7 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.parallel_spec import ModelParallel, parallel_spec
+from ndtrain.parallel.model_spec import ModelParallel, parallel_spec
 from ndtrain.config.options import PP_BALANCES, PipelineBalance
 from ndtrain.parallel.placement import place, placement_of
 

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from ndtrain.errors import UserError
-from ndtrain.models.hf_families import hf_config
 
 if TYPE_CHECKING:
     from ndtrain.dist.mesh import ParallelContext
 
+_BOUND = "_ndtrain_parallel_spec"
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 Timer = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], float]  # median fwd+bwd seconds of fn(x)
 
@@ -110,6 +110,21 @@ class ModelParallel:
         """(embedding, head) parameter names when they share one tensor (the pipeline keeps a copy per end)."""
         return None
 
+    # structure ---------------------------------------------------------------------------------
+    def decoder_layers(self) -> tuple[str, nn.ModuleList] | None:
+        """(name, list) of the blocks ZeRO-3 wraps as units and recompute checkpoints one by one."""
+        return largest_block_list(self.model)
+
+    @property
+    def takes_position_ids(self) -> bool:
+        """The forward takes `position_ids=` (a context-parallel shard passes its global positions)."""
+        return False
+
+    # context parallel --------------------------------------------------------------------------
+    def context_parallel(self, ring: Ring) -> nn.Module | None:
+        """Route the model's attention through `ring` its own way and return it; None: the `attend` seams."""
+        return None
+
     # activation recomputation ---------------------------------------------------------------
     def selective_unit(self, block: nn.Module) -> nn.Module | None:
         """What `recompute=selective` recomputes whole in `block`; None: the attention cores (`attend` seams)."""
@@ -117,14 +132,38 @@ class ModelParallel:
 
 
 def parallel_spec(model: nn.Module | Sequence[nn.Module]) -> ModelParallel | None:
-    """The spec of `model` (see the module docstring); None for a model with none (or a list of blocks)."""
+    """The spec bound to `model` (`bind_spec`), else the one its `parallel_spec()` method returns; None
+    for a model with neither (or a list of blocks)."""
     if not isinstance(model, nn.Module):
         return None
+    bound = model.__dict__.get(_BOUND)
+    if bound is not None:
+        return bound
     own = getattr(model, "parallel_spec", None)
-    if callable(own):
-        return own()
-    if hf_config(model) is not None:
-        from ndtrain.models.hf_parallel import HFParallel  # imports the strategies' modules: not at import time
+    return own() if callable(own) else None
 
-        return HFParallel(model)
-    return None
+
+def bind_spec(model: nn.Module, spec: ModelParallel) -> None:
+    """Make `spec` the answer of `parallel_spec(model)`: how a caller that knows the model's package (the
+    engine, for a bare transformers model) hands its spec to the strategies, which never import a model."""
+    object.__setattr__(model, _BOUND, spec)  # a plain attribute: not a submodule, not in the state dict
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(name, list) of `model`'s decoder layers: its spec's, else `largest_block_list(model)`."""
+    spec = parallel_spec(model)
+    return largest_block_list(model) if spec is None else spec.decoder_layers()
+
+
+def largest_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The nn.ModuleList of identical block classes holding the most parameters (None if there is none)."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, name, module)
+    return None if best is None else (best[1], best[2])
