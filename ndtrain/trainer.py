@@ -35,6 +35,7 @@ from ndtrain.dist.memory import peak_bytes, reset_peak
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.run.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.models.build import build_run_model, model_label
+from ndtrain.run.directory import nothing_to_resume
 from ndtrain.run.preemption import Preempted, StopRequest
 from ndtrain.run.progress import Progress
 from ndtrain.run.info import environment, utc_now
@@ -187,7 +188,7 @@ class Trainer:
         path = select_checkpoint(self.checkpoints, self.ctx, start_over)
         if path is None:
             if self.cfg.checkpoint.resume:
-                raise UserError(f"--resume: no checkpoint in {str(self.checkpoints)!r}; drop --resume to start a new run")
+                raise nothing_to_resume(self.checkpoints)
             return 0
         progress = load_checkpoint(path, self.engine)  # any layout: the data position is in global batches
         saved_batch = progress.get("global_batch", self.cfg.schedule.global_batch)

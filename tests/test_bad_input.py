@@ -32,6 +32,7 @@ from ndtrain.config import DataConfig, TrainConfig, load_config, read_toml
 from ndtrain.data.corpus import load_corpus
 from ndtrain.data.prepare import prepare_data
 from ndtrain.errors import UserError
+from ndtrain.run.directory import MARKER
 
 HANG_S = 20  # generous: the inputs here are answered in milliseconds; a blocked open never returns
 PROPERTY = settings(max_examples=200, deadline=timedelta(seconds=10), derandomize=True,
@@ -100,7 +101,9 @@ def make_files(root: Path) -> None:
     (root / "text.txt").write_text("def f(x):\n    return x + 1\n" * 400)
     (root / "not-a-profile.json").write_text('{"kind": "something else"}\n')
     (root / "odd-run" / "metrics.jsonl").mkdir(parents=True)
+    (root / "odd-run" / MARKER).write_text("{}\n")  # a run directory of ours with odd entries
     (root / "odd-run-2").mkdir()
+    (root / "odd-run-2" / MARKER).write_text("{}\n")
     (root / "odd-run-2" / "checkpoints").write_text("a file where the checkpoints go\n")
     os.mkfifo(root / "fifo")
 

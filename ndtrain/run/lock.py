@@ -1,5 +1,8 @@
 """One live run per run directory: rank 0 holds an exclusive `flock` on RUN_DIR/.lock.
 
+Only in a run directory of ours (run/directory.py): a foreign folder is refused before the lock
+file is created in it.
+
 Rank 0 takes the lock before anything is written and writes its PID into the file; the result
 (0, or the holder's PID) is broadcast so that every rank of a refused run stops with the same
 one-line UserError (exit status 2) and writes nothing. The kernel drops the lock when the holding
@@ -19,10 +22,12 @@ import torch
 
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
+from ndtrain.run.directory import check_owned, is_owned
 
 LOCK_NAME = ".lock"
 UNKNOWN_HOLDER = -1  # the holder has not written its PID yet
 UNWRITABLE = -2      # the lock file cannot be created
+FOREIGN = -3         # the run directory is another program's folder (run/directory.py)
 
 
 def _try_lock(path: Path) -> tuple[int | None, int]:
@@ -72,10 +77,15 @@ def refuse_if_locked(run_dir: Path) -> None:
 def run_lock(run_dir: Path, ctx: ParallelContext) -> Iterator[None]:
     """Hold RUN_DIR/.lock for the duration (collective: every rank enters it)."""
     path = Path(run_dir) / LOCK_NAME
-    fd, holder = _try_lock(path) if ctx.is_main else (None, 0)
+    foreign = ctx.is_main and not is_owned(Path(run_dir))  # the launcher claimed it; a direct worker start may not have
+    fd, holder = (None, FOREIGN) if foreign else _try_lock(path) if ctx.is_main else (None, 0)
     refused = torch.tensor([holder], dtype=torch.int64, device=ctx.device)
     ctx.comm.broadcast(refused, ctx.group("world"))
     holder = int(refused.item())
+    if holder == FOREIGN:
+        if ctx.is_main:
+            check_owned(Path(run_dir))  # raises, naming what the folder holds
+        raise UserError(f"--out {str(run_dir)!r} is not an ndtrain run directory: give another --out")
     if holder == UNWRITABLE:
         raise UserError(f"cannot create the run lock {str(path)!r}: use a writable --out directory")
     if holder:
