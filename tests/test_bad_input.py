@@ -153,6 +153,7 @@ CASES = [
     (["train", "--check", *OUT, "--steps", "many"], "argument --steps: invalid int value"),
     (["train", "--check", *OUT, "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     (["train", "--check", *OUT, "--nproc", "0"], "launch.nproc must be > 0"),
+    (["train", "--check", *OUT, "--nproc", "100000"], "processes per core on this machine's"),
     (["train", "--check", *OUT, "--zero", "7"], "argument --zero: invalid choice: 7"),
     (["train", "--check", *OUT, "--bogus"], "unrecognized arguments: --bogus"),
     # data: a FIFO, a socket, a device, binary, empty, no text, too short

@@ -15,12 +15,15 @@ import sys
 import tempfile
 import typing
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ndtrain.cli import flags as cli_flags
 from ndtrain.cli.flags import parse_bool
 from ndtrain.config import TrainConfig, dump_toml, load_config, parse_override
 from ndtrain.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 # Everyday flags and the config key each one sets; the help adds the key, its allowed values and
 # its config default (cli_flags.add_config_flag).
@@ -70,6 +73,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 # What a run writes into its directory (trainer.py) and the kind each must be.
+MAX_PROCS_PER_CORE = 8  # CPU workers per core a local launch accepts
 RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "file", "summary.json": "file",
              "loss.png": "file", "timeline.json": "file", "logs": "folder"}
 
@@ -159,15 +163,17 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = train_config(args)
     if in_worker():
         return train_worker(cfg)
+    from ndtrain.dist.mesh import resolve_backend, resolve_device
+
+    device = resolve_device(cfg.parallel.device, 0)
+    check_nproc(cfg.launch.nproc, device)  # before the layout checks: they would name a dp no machine can run
     dp = cfg.parallel.resolve_dp(cfg.launch.nproc)
     if cfg.ps.servers:
         from ndtrain.ps.engine import check_ps_config
 
         dp = check_ps_config(cfg, cfg.launch.nproc)
     cfg.schedule.accumulation_steps(dp)
-    from ndtrain.dist.mesh import resolve_backend, resolve_device
-
-    resolve_backend(cfg.parallel.backend, resolve_device(cfg.parallel.device, 0))
+    resolve_backend(cfg.parallel.backend, device)
     from ndtrain.models.hf import check_hf_model, hf_path, is_hf_model
 
     if is_hf_model(cfg.model.preset):
@@ -192,6 +198,23 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.launch.nproc == 1:
         return train_worker(cfg)
     return launch_local(argv, cfg.launch.nproc, cfg.launch.max_restarts, Path(cfg.log.out))
+
+
+def check_nproc(nproc: int, device: torch.device) -> None:
+    """Local workers this machine can hold: one per GPU on CUDA (NCCL refuses two ranks on one device),
+    at most MAX_PROCS_PER_CORE per core on CPU (beyond that a run only thrashes, or exhausts the machine)."""
+    import torch
+
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            raise UserError(f"--nproc {nproc} needs {nproc} GPUs on CUDA (one process per GPU), this machine has "
+                            f"{gpus}: use --nproc {gpus} or fewer")
+        return
+    cores = os.cpu_count() or 1
+    if nproc > MAX_PROCS_PER_CORE * cores:
+        raise UserError(f"--nproc {nproc} is more than {MAX_PROCS_PER_CORE} processes per core on this machine's "
+                        f"{cores} cores: use --nproc {MAX_PROCS_PER_CORE * cores} or fewer")
 
 
 def check_host_memory(cfg: TrainConfig) -> None:
