@@ -31,7 +31,7 @@ from ndtrain.bench import fresh_memory
 from ndtrain.bench.harness import BenchOptions, ContestResult, MemoryMeasured
 from ndtrain.config import MODEL_PRESETS, ParallelConfig
 from ndtrain.errors import UserError
-from ndtrain.launch import in_worker, launch_local, set_worker_threads
+from ndtrain.launch import die_with_parent, in_worker, launch_local, set_worker_threads
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.config.options import Device, values
 
@@ -115,6 +115,7 @@ def main(args: argparse.Namespace) -> int:
             return launch_local(["bench", *_worker_argv(args), *extra], args.nproc)
 
         return fresh_memory.measure_each(launch, args.out or _default_out(args.scenario, args.nproc))
+    die_with_parent()  # a benchmark worker ends with its launcher, as a training worker does
     set_worker_threads(args.threads)
     scenario = SCENARIOS[args.scenario]
     ctx = init(dataclasses.replace(scenario.layout(args.nproc), device=args.device))
