@@ -13,7 +13,7 @@ from torch import nn
 from ndtrain import ParallelConfig, init
 from ndtrain.parallel.data.ddp import DistributedDataParallel
 from ndtrain.parallel.data.flat_layout import FlatLayout, Segment
-from ndtrain.parallel.placement import Shard, name_parameters, place, placement_of
+from ndtrain.parallel.placement import Shard, name_parameters, place, placement_or_whole
 from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
 from ndtrain.parallel.data.zero2_gradients import Zero2DataParallel
 from ndtrain.parallel.data.zero3_parameters import FullyShardedDataParallel
@@ -42,7 +42,7 @@ def test_segments_cover_each_element_once_without_padding(ranks: int) -> None:
         assert sum(s.stop - s.start for s in segments) == layout.real
         for s in segments:
             p = params[s.index]
-            assert s.placement == placement_of(p) and s.local_shape == tuple(p.shape)
+            assert s.placement == placement_or_whole(p) and s.local_shape == tuple(p.shape)
             assert torch.equal(s.flat_view, p.detach().reshape(-1)[s.start : s.stop])
             assert s.flat_view.data_ptr() == shard[s.offset :].data_ptr()  # a view of the shard, not a copy
             seen[s.index][s.start : s.stop] += 1
@@ -52,7 +52,7 @@ def test_segments_cover_each_element_once_without_padding(ranks: int) -> None:
 def test_placement_is_read_at_construction_and_views_runs_follow_the_layout() -> None:
     params = _params()
     layout = FlatLayout(params, 4, 1)  # size 10: [10, 20) holds the ends of p0, all of p1, the start of p2
-    place(params[2], pipeline_duplicate=False)  # later changes do not reach the layout's record
+    place(params[2], pipeline_duplicate=False, replace=True)  # later changes do not reach the layout's record
     assert layout.placements[2].pipeline_duplicate and layout.placements[0].tp == Shard(1, 4, 4, 8)
     assert [(s.index, s.start, s.stop, s.offset) for s in layout.segments(torch.zeros(10))] == [(0, 10, 12, 0), (1, 0, 5, 2), (2, 0, 3, 7)]
     assert layout.runs([0, 1, 1, 0, 0]) == [(10, 12, 0), (12, 20, 1)]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ndtrain.parallel.placement import placement_of
+from ndtrain.parallel.placement import placement_or_whole
 from ndtrain.config import ModelConfig, ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import init
@@ -152,7 +152,7 @@ def _pp_tp_worker(sequence_parallel: bool) -> tuple[float, dict[str, tuple[torch
     stages = split_model(model, ctx)
     del model
     loss, _ = run_pipeline(stages, micro_batches(4, SEED), ctx, "1f1b")
-    grads = {n: (q.grad.clone(), placement_of(q).tp) for s in stages for n, q in s.named_parameters()}
+    grads = {n: (q.grad.clone(), placement_or_whole(q).tp) for s in stages for n, q in s.named_parameters()}
     return loss.item(), grads
 
 

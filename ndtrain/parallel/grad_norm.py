@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.parallel.placement import Placement, placement_of
+from ndtrain.parallel.placement import Placement, placement_or_whole
 from ndtrain.parallel.precision import at_least_fp32
 
 GradPiece = tuple[torch.Tensor, float]  # gradient elements this rank holds, their weight in Σg²
@@ -30,10 +30,11 @@ Span = tuple[int, int, float]  # [start, end) in a flat buffer (or segment), wei
 
 
 def whole_pieces(params: Iterable[torch.Tensor], tp: int) -> list[GradPiece]:
-    """Each parameter's whole `.grad` (parameters without one left out) with its placement's weight."""
+    """Each parameter's whole `.grad` (parameters without one left out) with its placement's weight (a
+    bare model's parameters, which nothing placed, are whole: `placement_or_whole`)."""
     pieces = []
     for p in params:
-        weight = placement_of(p).norm_weight(tp)
+        weight = placement_or_whole(p).norm_weight(tp)
         if p.grad is not None and weight:
             pieces.append((p.grad.detach(), weight))
     return pieces

@@ -8,6 +8,14 @@ live in one record, `Placement`, attached to the parameter by whoever changes it
 (`place`, `carry_placement`) and read with `placement_of`. Data-parallel strategies that flatten
 parameters into buffers read the record at construction and keep it with each segment, so it
 survives the flattening. Nothing here communicates.
+
+The rule: every parameter of a prepared model is placed. The `Engine` names the whole model
+(`name_parameters`), the model-parallel transforms carry the record to every parameter they make,
+and `prepare_model` ends with `check_placed`, which names the first parameters without one.
+`placement_of` refuses a parameter nothing placed; `placement_or_whole` is the explicit reading for
+code that also takes a bare model (a strategy or tensor parallel used without the `Engine`), where
+an unplaced parameter is whole and unnamed. A parameter is placed once: a second `place` raises
+unless it says `replace=True`.
 """
 
 from __future__ import annotations
@@ -20,6 +28,11 @@ import torch
 from torch import nn
 
 _ATTRIBUTE = "_ndtrain_placement"
+_NAMED_IN_ERROR = 3  # unplaced parameters `check_placed` names before counting the rest
+
+
+class PlacementError(RuntimeError):
+    """A parameter without a `Placement` where one is required, or a second placement by accident."""
 
 
 @dataclass(frozen=True)
@@ -54,29 +67,68 @@ class Placement:
         return 1.0 if self.tp is not None else 1.0 / tp_size
 
 
-def placement_of(param: torch.Tensor) -> Placement:
-    """The parameter's record (a whole, unnamed parameter when nothing placed it)."""
+def is_placed(param: torch.Tensor) -> bool:
+    """Whether something placed `param` (it carries a `Placement`)."""
+    return getattr(param, _ATTRIBUTE, None) is not None
+
+
+def placement_of(param: torch.Tensor, name: str | None = None) -> Placement:
+    """The parameter's record; `PlacementError` for a parameter nothing placed (`name`: how the caller
+    knows it, for the message)."""
+    placement = getattr(param, _ATTRIBUTE, None)
+    if placement is None:
+        what = repr(name) if name is not None else f"of shape {tuple(param.shape)} ({param.dtype})"
+        raise PlacementError(f"parameter {what} has no Placement: the Engine names the whole model "
+                             "(name_parameters) and every transform carries the record (carry_placement)")
+    return placement
+
+
+def placement_or_whole(param: torch.Tensor) -> Placement:
+    """The parameter's record, or a whole, unnamed one when nothing placed it: for code that also takes
+    a bare model (a strategy or tensor parallel used without the `Engine`), never for code that needs
+    the unsharded name."""
     return getattr(param, _ATTRIBUTE, None) or Placement()
 
 
-def place(param: nn.Parameter, **changes: Any) -> nn.Parameter:
-    """Set fields of `param`'s record (the rest kept); returns `param`."""
-    setattr(param, _ATTRIBUTE, dataclasses.replace(placement_of(param), **changes))
+def place(param: nn.Parameter, *, replace: bool = False, **changes: Any) -> nn.Parameter:
+    """Set fields of `param`'s record (the rest kept; a whole, unnamed record if it had none); returns
+    `param`. A placed parameter is re-placed only with `replace=True`: otherwise `PlacementError`."""
+    if is_placed(param) and not replace:
+        raise PlacementError(f"parameter {placement_of(param).name or tuple(param.shape)!r} is already placed "
+                             f"({placement_of(param)}): re-place it explicitly with place(..., replace=True)")
+    setattr(param, _ATTRIBUTE, dataclasses.replace(placement_or_whole(param), **changes))
     return param
 
 
 def carry_placement(new: nn.Parameter, old: torch.Tensor, **changes: Any) -> nn.Parameter:
-    """`new` (e.g. a tp slice built from `old`) takes `old`'s record with `changes`; returns `new`."""
-    setattr(new, _ATTRIBUTE, dataclasses.replace(placement_of(old), **changes))
+    """`new` (e.g. a tp slice built from `old`, unplaced) takes `old`'s record (whole if `old` has none:
+    tensor parallel on a bare model) with `changes`; returns `new`."""
+    if is_placed(new):
+        raise PlacementError(f"carry_placement: the new parameter of shape {tuple(new.shape)} is already placed "
+                             f"({placement_of(new)})")
+    setattr(new, _ATTRIBUTE, dataclasses.replace(placement_or_whole(old), **changes))
     return new
 
 
 def name_parameters(model: nn.Module) -> None:
-    """Record every parameter's name and shape in the whole model (a tied parameter keeps its first name)."""
+    """Record every parameter's name and shape in the whole model (a tied parameter keeps its first
+    name). Explicitly a re-placement: a model handed to a second `Engine` is named again."""
     for name, param in model.named_parameters():
-        place(param, name=name, shape=tuple(param.shape))
+        place(param, name=name, shape=tuple(param.shape), replace=True)
+
+
+def check_placed(model: nn.Module) -> None:
+    """Every parameter of `model` carries a `Placement`; `PlacementError` naming the first ones that do not
+    (as nanotron's `sanity_check`)."""
+    unplaced = [name for name, param in model.named_parameters() if not is_placed(param)]
+    if unplaced:
+        named = ", ".join(repr(n) for n in unplaced[:_NAMED_IN_ERROR])
+        more = f" and {len(unplaced) - _NAMED_IN_ERROR} more" if len(unplaced) > _NAMED_IN_ERROR else ""
+        raise PlacementError(f"after preparation, parameter(s) {named}{more} have no Placement: whatever made them "
+                             "must carry the record of the parameter they replace (carry_placement)")
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
-    """True for parameters split over tp (their squared norms add up over the tp group)."""
-    return placement_of(param).tp is not None
+    """True for parameters split over tp (their squared norms add up over the tp group); a parameter
+    nothing placed is not split (tensor parallel places every slice it makes)."""
+    return placement_or_whole(param).tp is not None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ndtrain.parallel.placement import Placement, placement_of
+from ndtrain.parallel.placement import Placement, placement_or_whole
 
 OPTIMIZER_RUN = 1 << 20  # elements: the longest tensor ZeRO hands its (elementwise) optimizer
 
@@ -58,7 +58,7 @@ class FlatLayout:
 
     def __init__(self, params: Sequence[torch.Tensor], ranks: int, rank: int) -> None:
         self.params = list(params)
-        self.placements = [placement_of(p) for p in self.params]
+        self.placements = [placement_or_whole(p) for p in self.params]  # a bare model's are whole
         self.shapes = [tuple(p.shape) for p in self.params]
         self.offsets: list[int] = []
         offset = 0

@@ -294,7 +294,7 @@ class ReplicatedHeadsLinear(nn.Module):
         if linear.bias is not None:
             raise UserError("a k/v projection with a bias cannot replicate kv heads over tp: make tp divide n_kv_heads")
         self.start, self.stop = start, stop
-        self.weight = nn.Parameter(linear.weight.detach().clone())
+        self.weight = carry_placement(nn.Parameter(linear.weight.detach().clone()), linear.weight)
         sum_gradient_over(self.weight, comm, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

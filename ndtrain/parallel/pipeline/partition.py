@@ -31,14 +31,14 @@ from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.model_spec import ModelParallel, parallel_spec
 from ndtrain.config.options import PP_BALANCES, PipelineBalance
-from ndtrain.parallel.placement import place, placement_of
+from ndtrain.parallel.placement import place, placement_or_whole
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_pipeline_duplicate(param: torch.Tensor) -> bool:
     """True on the copy of a tied weight (the head's) that a pipeline-wide sum must skip."""
-    return placement_of(param).pipeline_duplicate
+    return placement_or_whole(param).pipeline_duplicate  # the cut places every duplicate it makes
 
 
 class SequentialStage(nn.Module):
@@ -132,7 +132,7 @@ def split_model(
             embedding, head = tied
             stage.tied = embedding if is_first else head
             if is_last:
-                place(stage.get_parameter(head), pipeline_duplicate=True)
+                place(stage.get_parameter(head), pipeline_duplicate=True, replace=True)  # the engine named it
         out.append(stage)
     return out
 
