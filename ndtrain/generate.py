@@ -6,18 +6,15 @@ which is fine for the small models trained here.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ndtrain.checkpoint.store import load_model_weights, newest_verified
-from ndtrain.config import TrainConfig, load_config
+from ndtrain.checkpoint.run_model import load_run
 from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import UserError
-from ndtrain.models.build import build_run_model
 
 
 @torch.no_grad()
@@ -39,21 +36,6 @@ def sample(
             next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
         tokens = torch.cat([tokens, next_token.view(1)])
     return tokens
-
-
-def load_run(run_dir: Path) -> tuple[TrainConfig, nn.Module, Path]:
-    """The config and final weights of a run directory (its newest verified checkpoint, also
-    returned), as a single-process model in eval mode."""
-    config_file = run_dir / "config.toml"
-    if not config_file.is_file():
-        raise UserError(f"{str(run_dir)!r} is not an ndtrain run directory (no config.toml): give the --out of a run")
-    cfg = load_config(config_file)
-    checkpoint = newest_verified(run_dir / "checkpoints")
-    if checkpoint is None:
-        raise UserError(f"run directory {str(run_dir)!r} has no checkpoint yet: train it first")
-    model = build_run_model(dataclasses.replace(cfg.model, init_from=None), cfg.seed)  # the checkpoint overwrites it
-    load_model_weights(checkpoint, model)
-    return cfg, model.eval(), checkpoint
 
 
 def generate_text(

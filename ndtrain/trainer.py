@@ -34,7 +34,8 @@ from ndtrain.errors import UserError
 from ndtrain.dist.memory import peak_bytes, reset_peak
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.run.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
-from ndtrain.models.build import build_run_model, model_label
+from ndtrain.checkpoint.run_model import build_run_model
+from ndtrain.models.build import model_label
 from ndtrain.run.directory import nothing_to_resume
 from ndtrain.run.preemption import Preempted, StopRequest
 from ndtrain.run.progress import Progress

@@ -11,12 +11,13 @@ import torch
 from ndtrain.config import TrainConfig, load_config
 from ndtrain.errors import UserError
 from ndtrain.checkpoint.export import export_safetensors
-from ndtrain.checkpoint.export_hf import builtin_to_hf, export_hf, write_tokenizer
-from ndtrain.generate import load_run
+from ndtrain.checkpoint.export_hf import export_hf, write_tokenizer
+from ndtrain.models.llama_hf import builtin_to_hf
+from ndtrain.checkpoint.run_model import load_run
 from ndtrain.checkpoint.init_from import load_init_weights
 from ndtrain.run.inspect import inspect_run
 from ndtrain.dist.mesh import init
-from ndtrain.models.build import build_run_model
+from ndtrain.checkpoint.run_model import build_run_model
 from ndtrain.models.llama import build_model
 from ndtrain.trainer import Trainer
 from tests.helpers.hf import hf_dir, hf_run_config, transformers

@@ -15,7 +15,7 @@ import torch
 
 from ndtrain.config import ParallelConfig, load_config
 from ndtrain.errors import UserError
-from ndtrain.generate import load_run
+from ndtrain.checkpoint.run_model import load_run
 from ndtrain.dist.mesh import init
 from ndtrain.models.hf import build_hf_model, check_family_supports, check_hf_model
 from ndtrain.trainer import Trainer

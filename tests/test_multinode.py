@@ -26,7 +26,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from ndtrain.generate import load_run
+from ndtrain.checkpoint.run_model import load_run
 from tests.helpers.processes import no_restarts, wait_for
 from tests.helpers.runs import corpus_file
 

@@ -1,6 +1,6 @@
 """`ndtrain export RUN_DIR OUT.safetensors`: a run's whole model as one safetensors file.
 
-The newest verified checkpoint is read with `load_model_weights` into the single-process model:
+The newest verified checkpoint is read into the single-process model (`run_model.load_run`):
 every checkpoint holds the full model under its unsharded names (DCP gathers dp, ZeRO-3, tp and
 pp runs alike), so one path serves every layout. The file holds each parameter under its model
 name (tied weights stored under each name) and, in its metadata, the model config as JSON
@@ -21,8 +21,8 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ndtrain.checkpoint.manifest import PARTIAL, step_of
+from ndtrain.checkpoint.run_model import load_run
 from ndtrain.errors import UserError
-from ndtrain.generate import load_run
 
 
 def export_safetensors(run_dir: Path, out: Path) -> tuple[Path, int]:

@@ -6,7 +6,7 @@ safetensors are read: nothing is unpickled. The weights go into the freshly buil
 parallelism, so every layout starts from them; the optimizer and the step start fresh (step 0).
 
 Names are matched after undoing the known renamings: the `CausalLM` wrapper's `hf.` prefix, and
-HF `LlamaForCausalLM` names for the built-in Llama (export_hf.LLAMA_TO_HF). Tied parameters need
+HF `LlamaForCausalLM` names for the built-in Llama (models/llama_hf.py). Tied parameters need
 one of their names present. Any missing, unexpected or differently shaped tensor is refused in one
 line listing the first few.
 """
@@ -22,6 +22,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ndtrain.errors import UserError
+from ndtrain.models.causal_lm import CausalLM
+from ndtrain.models.llama_hf import hf_names_to_llama
 
 _SHOWN = 4
 
@@ -56,9 +58,6 @@ def _load(file: Path) -> dict[str, torch.Tensor]:
 
 def _to_model_names(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """`state` under `model`'s state-dict names, undoing the `hf.` prefix or HF Llama naming."""
-    from ndtrain.checkpoint.export_hf import hf_names_to_llama
-    from ndtrain.models.causal_lm import CausalLM
-
     state = {name.removeprefix("hf."): t for name, t in state.items()}
     if isinstance(model, CausalLM):
         return {f"hf.{name}": t for name, t in state.items()}

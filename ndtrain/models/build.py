@@ -1,10 +1,9 @@
-"""The model a run trains, from its `ModelConfig`: the built-in Llama or an `hf:PATH` model, then
-the `model.init_from` weights when given. Built whole in every process (before any parallelism),
-from the run's seed, so every layout starts from the same weights."""
+"""The model a run's `ModelConfig` names, freshly initialised: the built-in Llama or an `hf:PATH` model.
+Built whole in every process (before any parallelism), from the run's seed, so every layout starts
+from the same weights. A run's `model.init_from` weights are loaded on top by the checkpoint layer
+(checkpoint/run_model.py), which imports this module, never the reverse."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from torch import nn
 
@@ -13,14 +12,10 @@ from ndtrain.models.hf import build_hf_model, hf_model_type, hf_path, is_hf_mode
 from ndtrain.models.llama import build_model
 
 
-def build_run_model(cfg: ModelConfig, seed: int) -> nn.Module:
-    """The run's model on the CPU, initialised from `seed` or loaded from `cfg.init_from`."""
-    model = build_hf_model(hf_path(cfg.preset), seed) if is_hf_model(cfg.preset) else build_model(cfg, seed)
-    if cfg.init_from is not None:
-        from ndtrain.checkpoint.init_from import load_init_weights
-
-        load_init_weights(model, Path(cfg.init_from))
-    return model
+def build_seeded_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The model `cfg.preset` names on the CPU, initialised from `seed` (an `hf:PATH` model's own
+    weights when its folder holds some); `cfg.init_from` is not read here."""
+    return build_hf_model(hf_path(cfg.preset), seed) if is_hf_model(cfg.preset) else build_model(cfg, seed)
 
 
 def model_label(cfg: ModelConfig) -> str:

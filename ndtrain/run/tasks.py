@@ -44,7 +44,7 @@ def language_model_task(cfg: TrainConfig) -> Task:
     """The config's model (built-in Llama preset or hf:PATH, with model.init_from) on windows of seq_len+1 tokens of `data.path` (default: Python's own source), read
     from the token file that `data/prepare.py` builds."""
     from ndtrain.data.prepare import prepare_data
-    from ndtrain.models.build import build_run_model
+    from ndtrain.checkpoint.run_model import build_run_model
 
     data = prepare_data(cfg.data, cfg.model.seq_len, Path(cfg.log.out))
     return Task(

@@ -15,7 +15,7 @@ import torch
 
 from ndtrain.config import TrainConfig, load_config
 from ndtrain.dist.mesh import init
-from ndtrain.models.build import build_run_model
+from ndtrain.checkpoint.run_model import build_run_model
 from ndtrain.trainer import Trainer
 from tests.helpers.runner import init_method
 
