@@ -52,7 +52,7 @@ from ndtrain.dist.memory import peak_bytes
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.hf_parallel import spec_of
 from ndtrain.parallel.model_spec import bind_spec
-from ndtrain.models.llama import count_parameters
+from ndtrain.parallel.counting import count_parameters
 from ndtrain.parallel.compose import ModelParallelState, prepare_model
 from ndtrain.parallel.placement import name_parameters
 from ndtrain.parallel.model.context import shard_sequence

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from ndtrain.config import MODEL_PRESETS, ModelConfig
 from ndtrain.errors import UserError
-from ndtrain.models import Llama, build_model, count_parameters
+from ndtrain.models import Llama, build_model
+from ndtrain.parallel.counting import count_parameters
 from ndtrain.models.llama import apply_rotary, rotary_tables
 
 

@@ -24,17 +24,14 @@ models/llama_parallel.py, which `Llama.parallel_spec()` returns.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.config import ModelConfig
+from ndtrain.models.llama_parallel import LlamaParallel
 from ndtrain.parallel.precision import at_least_fp32
-
-if TYPE_CHECKING:
-    from ndtrain.models.llama_parallel import LlamaParallel
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,9 +171,7 @@ class Llama(nn.Module):
         return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten())
 
     def parallel_spec(self) -> LlamaParallel:
-        """What the parallel strategies need to know to split this model (models/parallel_spec.py)."""
-        from ndtrain.models.llama_parallel import LlamaParallel  # it imports this module
-
+        """What the parallel strategies need to know to split this model (models/llama_parallel.py)."""
         return LlamaParallel(self)
 
 
@@ -186,8 +181,3 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu")
         torch.manual_seed(seed)
         model = Llama(cfg)
     return model.to(device)
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of parameter elements, a tied (shared) tensor counted once."""
-    return sum(p.numel() for p in model.parameters())

@@ -1,5 +1,9 @@
 """How the parallel strategies split the built-in Llama (models/llama.py): its `ModelParallel` spec.
 
+`Llama.parallel_spec()` returns `LlamaParallel(self)`, so llama.py imports this module; this one knows
+the model only through the instance it is handed (its classes by type, `Llama` in annotations), so
+the import points one way.
+
 - Tensor parallel: `LLAMA_PLAN` (Megatron's: q/k/v and w1/w3 by columns, wo and w2 by rows, the
   embedding and the head over the vocabulary, norms whole); query heads split over tp, kv heads split
   when tp divides them and otherwise replicated (`Heads`); after the split the model's `loss_fn`
@@ -35,19 +39,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
 
 from ndtrain.config import ModelConfig
-from ndtrain.errors import UserError
-from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.llama import Attention, Llama
-from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, Timer
 from ndtrain.config.options import RecomputeMode
+from ndtrain.dist.mesh import ParallelContext
+from ndtrain.errors import UserError
 from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim
 from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy
+from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, Timer
+
+if TYPE_CHECKING:
+    from ndtrain.models.llama import Llama
 
 LLAMA_PLAN: dict[str, str] = {
     "tok_embeddings": "vocab",
@@ -75,7 +81,8 @@ class LlamaParallel(ModelParallel):
 
     def heads(self) -> Heads:
         cfg = self.model.cfg
-        return Heads(cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads, Attention, ("wk", "wv"))
+        attention_type = type(self.model.layers[0].attention)  # llama.Attention, known by its instances
+        return Heads(cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads, attention_type, ("wk", "wv"))
 
     def fit_tensor_parallel(self, ctx: ParallelContext, heads: Heads | None) -> None:
         model, output = self.model, self.model.output

@@ -30,7 +30,7 @@ from ndtrain.engine import Batch, StepResult
 from ndtrain.errors import UserError
 from ndtrain.dist.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.llama import count_parameters
+from ndtrain.parallel.counting import count_parameters
 from ndtrain.ps.parameter_server import LossFn, OptimizerFn, ParameterServer, PSSetup, PSWorker
 from ndtrain.parallel.data.zero1_optimizer import GroupFn, no_decay_for_vectors
 

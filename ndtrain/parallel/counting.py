@@ -1,0 +1,12 @@
+"""Parameter counting for any model: what the engines report as a run's size (Ψ).
+
+Neutral ground below the engines and every model: it knows `nn.Module`, nothing of ndtrain."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameter elements, a tied (shared) tensor counted once."""
+    return sum(p.numel() for p in model.parameters())
