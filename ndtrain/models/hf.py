@@ -24,6 +24,8 @@ import torch
 
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
+from ndtrain.models.causal_lm import CausalLM
+from ndtrain.models.hf_families import FAMILIES
 
 PREFIX = "hf:"
 INSTALL = "pip install 'ndtrain[hf]'"
@@ -138,8 +140,6 @@ def _meta_model(path: Path) -> torch.nn.Module:
 
 def check_family_supports(model_type: str, parallel: ParallelConfig) -> None:
     """tp needs the family's shipped plan, pp and cp its layer/embedding/head spec (hf_families.py)."""
-    from ndtrain.models.hf_families import FAMILIES
-
     family = FAMILIES.get(model_type)
     supported = ", ".join(FAMILIES)
     for axis, degree in (("tp", parallel.tp), ("pp", parallel.pp), ("cp", parallel.cp)):
@@ -162,8 +162,6 @@ def parameter_count(path: Path) -> int:
 
 def build_hf_model(path: Path, seed: int) -> torch.nn.Module:
     """The `CausalLM` of PATH: its weights when present, else seeded init (identical on every rank)."""
-    from ndtrain.models.causal_lm import CausalLM
-
     transformers = require_transformers()
     options = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     with torch.random.fork_rng(devices=[]):

@@ -6,7 +6,7 @@ parallel applies the family's plan, and a pipeline cut or context parallel needs
 embedding(s), the layer list, the final norm, the head and how a layer is called (its inputs:
 RoPE tables from the rotary module, or learned positions added to the embeddings). A `Family`
 records those as module names relative to the transformers `*ForCausalLM` (the `CausalLM`
-adapter's `.hf`); `for_model` prefixes them with `hf.` for the adapter.
+adapter's `.hf`); `family_of` prefixes them with `hf.` for the adapter.
 
 How HF calls a decoder layer (transformers 5.x): the hidden states [B, T, d] first and
 positionally, everything else by keyword (Llama/Qwen2: attention_mask=, position_embeddings=
@@ -16,9 +16,10 @@ keywords). A layer returns the new hidden states (one tensor). Inside a layer th
 module is called with `hidden_states=` as a keyword, which is why hooks that rewrite a module's
 input must look at keyword arguments too (`Family.layer_input`).
 
-Any other model: `decoder_layers` falls back to the largest `nn.ModuleList` of identical block
-classes (by parameter count), which is also what it finds on the built-in `Llama` (`layers`);
-tensor parallel then needs a plan given by the user (`Engine(..., tp_plan=...)`).
+The strategies read none of this directly: the family's spec (hf_parallel.py, a `ModelParallel`)
+answers them from it. For a model of no listed family `decoder_layers` falls back to the largest
+`nn.ModuleList` of identical block classes (`model_spec.largest_block_list`, the rule the base spec
+applies to any model); tensor parallel then needs a plan given by the user (`Engine(..., tp_plan=...)`).
 """
 
 from __future__ import annotations

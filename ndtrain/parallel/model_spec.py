@@ -1,13 +1,16 @@
 """What a model tells the parallel strategies about itself: the `ModelParallel` interface and its lookup.
 
-Tensor parallel (`parallel/model/tp_plan.py`), the pipeline cut (`parallel/pipeline/partition.py`) and
-activation recomputation (`parallel/model/recompute.py`) never import a model. They call
+Tensor parallel (`parallel/model/tp_plan.py`), the pipeline cut (`parallel/pipeline/partition.py`),
+context parallel (`parallel/model/context.py`), activation recomputation (`parallel/model/recompute.py`)
+and ZeRO-3's units (`parallel/data/zero3_parameters.py`) never import a model. They call
 `parallel_spec(model)`, which returns
-- what the model's own `parallel_spec()` method returns (the built-in Llama: `models/llama_parallel.py`);
-- for a Hugging Face model or its `CausalLM` adapter, its family's spec (`models/hf_parallel.py`), which
-  refuses in one line what it cannot do for a model_type ndtrain has no family for;
-- for any other model, None: the strategies' generic path (a tp plan the user gives, a sequential
-  pipeline with `loss_fn`, the `attend` seams for selective recomputation).
+- the spec a caller bound to the model (`bind_spec`: the engine binds a bare transformers model's
+  family spec, `models/hf_parallel.spec_of`);
+- else what the model's own `parallel_spec()` method returns (the built-in Llama:
+  `models/llama_parallel.py`; the `CausalLM` adapter: its family's spec, `models/hf_parallel.py`, which
+  refuses in one line what it cannot do for a model_type ndtrain has no family for);
+- else None: the strategies' generic path (a tp plan the user gives, a sequential pipeline with
+  `loss_fn`, the `attend` seams for selective recomputation, `largest_block_list` for the layers).
 
 A new model brings its plan by defining `parallel_spec(self) -> ModelParallel` (a subclass overriding
 what applies to it): no strategy changes. The base class describes a model with no model-specific
@@ -25,8 +28,9 @@ from torch import nn
 
 from ndtrain.errors import UserError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the context module asks this one for a model's spec
     from ndtrain.dist.mesh import ParallelContext
+    from ndtrain.parallel.model.context import Ring
 
 _BOUND = "_ndtrain_parallel_spec"
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]

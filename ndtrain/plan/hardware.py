@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from ndtrain.errors import UserError
 from ndtrain.plan.efficiency import GPU_EFFICIENCY, GpuEfficiency
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: cpu_profile builds its profiles on this module
     from ndtrain.plan.cpu_profile import CpuProfile
 
 GIB = 1024**3
