@@ -9,10 +9,11 @@ Public surface:
     ndtrain.Trainer(cfg, model_fn=..., loss_fn=...).run()   # data, eval, schedule, metrics, checkpoints
 """
 
-from ndtrain.config import ParallelConfig, TrainConfig, load_config
+from ndtrain.config import ParallelConfig, TrainConfig
 from ndtrain.engine import Engine, StepResult
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext, init
+from ndtrain.run.config_checks import resolve_config as load_config
 from ndtrain.trainer import Trainer
 from ndtrain.version import package_version
 

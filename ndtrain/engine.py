@@ -56,11 +56,11 @@ from ndtrain.parallel.counting import count_parameters
 from ndtrain.parallel.compose import ModelParallelState, prepare_model
 from ndtrain.parallel.placement import name_parameters
 from ndtrain.parallel.model.context import shard_sequence
-from ndtrain.parallel.data.strategy import ShardedModel, build_data_parallel
+from ndtrain.parallel.data.strategy import STRATEGIES, ShardedModel, Strategies, build_data_parallel
 from ndtrain.parallel.grad_norm import clip_, global_grad_norm
 from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
 from ndtrain.parallel.precision import DTYPES, LossScaler
-from ndtrain.parallel.data.zero1_optimizer import GroupFn, no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import GroupFn, no_decay_for_vectors
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
 
@@ -120,6 +120,7 @@ class Engine:
         skip_nonfinite: bool = False,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         tp_plan: Mapping[str, str] | None = None,
+        strategies: Strategies = STRATEGIES,
     ) -> None:
         """`optimizer_fn(groups)` builds the optimizer from parameter groups (`group_fn(name, param)`
         gives each parameter's group options); under ZeRO the groups hold this rank's shards.
@@ -131,7 +132,8 @@ class Engine:
         targets)` returns the loss (the built-in Llama, the `CausalLM` adapter). `tp_plan` (module
         pattern → style, tp_plan.py) splits the model over tp; None: the plan shipped for the model.
         `ctx` is the topology (groups, device); `parallel` the strategy options (zero, precision,
-        schedules, buckets...), whose axis sizes must be the context's."""
+        schedules, buckets...), whose axis sizes must be the context's. `strategies`: the registry
+        the data-parallel strategy is built from (parallel/data/strategy.py; default the built-in one)."""
         cfg = parallel
         check_layout(cfg, ctx)
         self.ctx = ctx
@@ -155,7 +157,7 @@ class Engine:
         self.mp_state = ModelParallelState(self.model, ctx, full_shapes, cfg.pp_virtual) if self.model_parallel else None
         self.pipeline = cfg.pp > 1
         self.timeline: Timeline | None = None  # set one to record the next steps' pipeline actions
-        self.dp = build_data_parallel(self.model, ctx, cfg, optimizer_fn, group_fn)  # casts to compute_dtype
+        self.dp = build_data_parallel(self.model, ctx, cfg, optimizer_fn, group_fn, strategies)  # casts to compute_dtype
         self.wrapped: nn.Module = self.dp.module
         self.optimizer: torch.optim.Optimizer = self.dp.optimizer
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
@@ -175,6 +177,7 @@ class Engine:
             batches = [self._model_inputs(x, y) for x, y in micro_batches]
             loss_sum, tokens = run_pipeline(
                 self.dp.chunks, batches, self.ctx, self.parallel.pp_schedule, self.timeline, loss_scale=scale,
+                hooks=self.dp.stage_hooks,
             )
         else:
             loss_sum, tokens = self._forward_backward(micro_batches, scale)

@@ -28,7 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ndtrain.cli import commands as cli
-from ndtrain.config import DataConfig, TrainConfig, load_config, read_toml
+from ndtrain.config import DataConfig, TrainConfig, read_toml
+from ndtrain.run.config_checks import resolve_config
 from ndtrain.data.corpus import load_corpus
 from ndtrain.data.prepare import prepare_data
 from ndtrain.errors import UserError
@@ -298,7 +299,7 @@ def valid_or_one_line(argv: list[str]) -> None:
 @given(st.dictionaries(KEYS, VALUES, max_size=4))
 def test_config_loader_gives_a_config_or_a_user_error(workdir: Path, overrides: dict[str, Any]) -> None:
     try:
-        cfg = load_config(None, overrides)
+        cfg = resolve_config(None, overrides)
     except UserError as e:
         assert "\n" not in str(e) and str(e)
     else:

@@ -1,6 +1,6 @@
 """ZeRO-2 and ZeRO-3 with interleaved pipeline stages (vpp > 1) and with the zero-bubble schedule (zb).
 
-Interleaved: each of a rank's stage chunks gets its own sharded wrapper (pipeline/chunks.py), one
+Interleaved: each of a rank's stage chunks gets its own sharded wrapper (parallel/data/chunks.py), one
 optimizer over all of them. zb: the split backward's weight pass W produces the weight gradients,
 so the sharding hooks must reduce them there, and ZeRO-3 gathers its units for I and for W.
 
@@ -28,7 +28,7 @@ from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import no_decay_for_vectors
 from tests.helpers.layouts import BF16_LOSS_TOLERANCE, DTYPE, GLOBAL_BATCH, MAX_NORM, MODEL, SEQ, STEPS, adamw, batch
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import Reference, decay_groups, train_reference

@@ -28,7 +28,7 @@ from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import no_decay_for_vectors
 from tests.helpers.layouts import DTYPE, MAX_NORM, MODEL, STEPS, State, adamw, batch
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import Reference, decay_groups, train_reference

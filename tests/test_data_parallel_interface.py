@@ -27,7 +27,7 @@ from ndtrain.parallel.grad_norm import (
     segment_spans, whole_pieces,
 )
 from ndtrain.parallel.placement import Shard, place
-from ndtrain.parallel.data.zero1_optimizer import GroupFn, OptimizerFn, parameter_groups
+from ndtrain.parallel.data.param_groups import GroupFn, OptimizerFn, parameter_groups
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed
 

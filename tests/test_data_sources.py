@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain.config import DataConfig, load_config
+from ndtrain.config import DataConfig
+from ndtrain.run.config_checks import resolve_config
 from ndtrain.data import load_tokenizer, prepare_data
 from ndtrain.data.tokenizer import HFTokenizer
 from ndtrain.errors import UserError
@@ -114,18 +115,18 @@ def test_vocab_size_comes_from_the_tokenizer_and_a_smaller_one_is_refused(tmp_pa
     spec = f"hf:{train_tokenizer(tmp_path / 'tok.json', texts(), kind='wordlevel')}"
     vocab = load_tokenizer(spec).vocab_size
     assert vocab == len(WORDS) + 2  # the words, "." and [UNK]
-    cfg = load_config(overrides={"model.preset": "tiny", "data.tokenizer": spec})
+    cfg = resolve_config(overrides={"model.preset": "tiny", "data.tokenizer": spec})
     assert cfg.model.vocab_size == vocab
-    assert load_config(overrides={"data.tokenizer": spec, "model.vocab_size": 500}).model.vocab_size == 500
+    assert resolve_config(overrides={"data.tokenizer": spec, "model.vocab_size": 500}).model.vocab_size == 500
     with pytest.raises(UserError, match=rf"model.vocab_size=10 is smaller than the {vocab} tokens of data.tokenizer='hf:"):
-        load_config(overrides={"data.tokenizer": spec, "model.vocab_size": 10})
+        resolve_config(overrides={"data.tokenizer": spec, "model.vocab_size": 10})
     with pytest.raises(UserError, match="model.vocab_size=100 is smaller than the byte tokenizer's 256 tokens"):
-        load_config(overrides={"model.vocab_size": 100})
+        resolve_config(overrides={"model.vocab_size": 100})
     for bad, message in [("hf:", "is not 'bytes' or 'hf:PATH'"), ("sentencepiece", "is not 'bytes'"),
                          (f"hf:{tmp_path / 'missing.json'}", "does not exist"),
                          (f"hf:{write_jsonl(tmp_path / 'x.jsonl', ['a'])}", "not a readable tokenizer.json")]:
         with pytest.raises(UserError, match=message):
-            load_config(overrides={"data.tokenizer": bad})
+            resolve_config(overrides={"data.tokenizer": bad})
 
 
 def test_missing_packages_name_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import no_decay_for_vectors
 from tests.helpers.layouts import BF16_LOSS_TOLERANCE, DTYPE, GLOBAL_BATCH, MAX_NORM, MODEL, SEQ, STEPS, State, adamw, batch
 from tests.helpers.models import shard
 from tests.helpers.parity import assert_params_close

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain.config import TrainConfig, load_config
+from ndtrain.config import TrainConfig
+from ndtrain.run.config_checks import resolve_config
 from ndtrain.errors import UserError
 from ndtrain.checkpoint.export import export_safetensors
 from ndtrain.checkpoint.export_hf import export_hf, write_tokenizer
@@ -48,7 +49,7 @@ def trained_run(tmp_path: Path, cfg: TrainConfig) -> Path:
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_builtin_llama_is_llama_for_causal_lm(tied: bool) -> None:
     """Same RoPE convention (halves, as rotate_half): a renaming, no q/k permutation."""
-    cfg = load_config(None, {"model.preset": "tiny", "model.tie_embeddings": tied, "model.init_std": 0.2})
+    cfg = resolve_config(None, {"model.preset": "tiny", "model.tie_embeddings": tied, "model.init_std": 0.2})
     model = build_model(cfg.model, 3).eval()
     assert_same_logits(logits(builtin_to_hf(model, cfg.model)), logits(model))
 
@@ -66,7 +67,7 @@ def test_builtin_run_exports_to_hf_and_init_from_reproduces_it(tmp_path: Path, o
     assert_same_logits(logits(theirs), logits(ours))
     export_safetensors(run, tmp_path / "model.safetensors")
     for source in (out, tmp_path / "model.safetensors"):
-        start = build_run_model(load_config(None, {"model.preset": "tiny", "model.init_from": str(source)}).model, 99)
+        start = build_run_model(resolve_config(None, {"model.preset": "tiny", "model.init_from": str(source)}).model, 99)
         assert_same_logits(logits(start), logits(ours))
     with pytest.raises(UserError, match="already exists: give a new folder name"):
         export_hf(run, out)
@@ -89,19 +90,19 @@ def test_hf_run_exports_to_hf_and_init_from_reproduces_it(tmp_path: Path, family
     assert not torch.allclose(logits(fresh), logits(ours))  # training moved the weights
     export_safetensors(run, tmp_path / "model.safetensors")
     for source in (out, tmp_path / "model.safetensors"):
-        start = build_run_model(load_config(None, {"model.preset": f"hf:{model_dir}", "model.seq_len": 32,
+        start = build_run_model(resolve_config(None, {"model.preset": f"hf:{model_dir}", "model.seq_len": 32,
                                                    "model.init_from": str(source)}).model, 99)
         assert_same_logits(logits(start), logits(ours))
 
 
 def test_init_from_refuses_other_models(tmp_path: Path) -> None:
-    tiny = load_config(None, {"model.preset": "tiny"}).model
+    tiny = resolve_config(None, {"model.preset": "tiny"}).model
     model = build_model(tiny, 0)
     qwen = hf_dir(tmp_path, "qwen2", weights=build_run_model(
-        load_config(None, {"model.preset": f"hf:{hf_dir(tmp_path, 'qwen2')}"}).model, 0).hf)
+        resolve_config(None, {"model.preset": f"hf:{hf_dir(tmp_path, 'qwen2')}"}).model, 0).hf)
     with pytest.raises(UserError, match=r"does not fit this model: .*unexpected model\.layers\.0\.self_attn\.k_proj\.bias, .* \(\+2 more\)"):
         load_init_weights(model, qwen)
-    other = build_model(load_config(None, {"model.preset": "tiny", "model.dim": 64}).model, 0)
+    other = build_model(resolve_config(None, {"model.preset": "tiny", "model.dim": 64}).model, 0)
     export = tmp_path / "other.safetensors"
     from safetensors.torch import save_file
 
@@ -111,7 +112,7 @@ def test_init_from_refuses_other_models(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="holds no model.safetensors"):
         load_init_weights(model, tmp_path)
     with pytest.raises(UserError, match="model.init_from .* does not exist"):
-        load_config(None, {"model.preset": "tiny", "model.init_from": str(tmp_path / "absent")})
+        resolve_config(None, {"model.preset": "tiny", "model.init_from": str(tmp_path / "absent")})
 
 
 def test_export_writes_the_runs_hf_tokenizer(tmp_path: Path) -> None:
@@ -135,7 +136,7 @@ def test_hf_model_with_hf_tokenizer_trains_through_the_cli_and_exports_both(tmp_
     transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=320, max_position_embeddings=64).save_pretrained(model_dir)
     with pytest.raises(UserError, match=r"model.vocab_size=256 is smaller than the 300 tokens of data.tokenizer"):
-        load_config(None, {"model.preset": f"hf:{hf_dir(tmp_path, 'llama')}", "data.tokenizer": f"hf:{tokenizer_file}"})
+        resolve_config(None, {"model.preset": f"hf:{hf_dir(tmp_path, 'llama')}", "data.tokenizer": f"hf:{tokenizer_file}"})
     run = tmp_path / "run"
     proc = ndtrain("train", "--model", f"hf:{model_dir}", "--set", f"data.tokenizer=hf:{tokenizer_file}",
                    "--data", str(tmp_path / "d.jsonl"), "--nproc", "1", "--steps", "2", "--out", str(run),

@@ -30,7 +30,7 @@ from ndtrain.dist.memory import optimizer_state_bytes
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.data.zero3_parameters import FullyShardedDataParallel
-from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import no_decay_for_vectors
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import decay_groups, train_reference
 from tests.helpers.runner import init_method, run_distributed

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain.config import ParallelConfig, load_config
+from ndtrain.config import ParallelConfig
+from ndtrain.run.config_checks import parameter_count, resolve_config
 from ndtrain.errors import UserError
 from ndtrain.checkpoint.run_model import load_run
 from ndtrain.dist.mesh import init
@@ -50,18 +51,18 @@ def test_seeded_init_is_identical_and_weights_are_loaded(tmp_path: Path, family:
 
 def test_sizes_come_from_config_json(tmp_path: Path) -> None:
     path = hf_dir(tmp_path, "gpt2")
-    cfg = load_config(None, {"model.preset": f"hf:{path}", "model.seq_len": 48})
+    cfg = resolve_config(None, {"model.preset": f"hf:{path}", "model.seq_len": 48})
     m = cfg.model
     assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.tie_embeddings, m.seq_len) == \
         (32, 2, 4, 4, 128, 256, True, 48)
     assert m.preset == f"hf:{path.resolve()}"
-    assert m.parameter_count() == sum(p.numel() for p in build_hf_model(path, 0).parameters())
+    assert parameter_count(m) == sum(p.numel() for p in build_hf_model(path, 0).parameters())
     with pytest.raises(UserError, match=r"model.dim=64 differs from 32 .* drop model.dim"):
-        load_config(None, {"model.preset": f"hf:{path}", "model.dim": 64})
+        resolve_config(None, {"model.preset": f"hf:{path}", "model.dim": 64})
     with pytest.raises(UserError, match=r"model.seq_len=65 exceeds the 64 positions .* use model.seq_len <= 64"):
-        load_config(None, {"model.preset": f"hf:{path}", "model.seq_len": 65})
+        resolve_config(None, {"model.preset": f"hf:{path}", "model.seq_len": 65})
     with pytest.raises(UserError, match="no config.json"):
-        load_config(None, {"model.preset": f"hf:{tmp_path}"})
+        resolve_config(None, {"model.preset": f"hf:{tmp_path}"})
 
 
 def train_float64(cfg, model_dir: Path) -> dict[str, torch.Tensor]:
@@ -115,7 +116,7 @@ def test_cli_trains_hf_model_on_two_processes_like_one(tmp_path: Path, family: s
                    "--steps", "5", *CLI_TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"model hf:{path.resolve()} ({family})" in proc.stdout
-    reference = train(load_config(run / "config.toml", {"parallel.dp": 1, "schedule.micro_batch": 8,
+    reference = train(resolve_config(run / "config.toml", {"parallel.dp": 1, "schedule.micro_batch": 8,
                                                          "log.out": str(tmp_path / "ref")}))
     _, model, checkpoint = load_run(run)
     assert checkpoint.name == "step_00000005"
@@ -129,9 +130,9 @@ def test_cli_check_and_refusals(tmp_path: Path) -> None:
     assert f'preset = "hf:{path.resolve()}"' in proc.stdout and "dim = 32" in proc.stdout
     assert "seq_len = 64" in proc.stdout  # min(128, max_position_embeddings)
     with pytest.raises(UserError, match="no config.json"):
-        load_config(None, {"model.preset": f"hf:{tmp_path}"})
+        resolve_config(None, {"model.preset": f"hf:{tmp_path}"})
     with pytest.raises(UserError, match=r"is not a directory: give a folder"):
-        load_config(None, {"model.preset": f"hf:{tmp_path / 'absent'}"})
+        resolve_config(None, {"model.preset": f"hf:{tmp_path / 'absent'}"})
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text('{"model_type": "no-such-family", "hidden_size": 8, '
                                                   '"num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 256}')

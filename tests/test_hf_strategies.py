@@ -123,7 +123,7 @@ def test_layer_lists_are_found_from_the_model() -> None:
     from ndtrain.models.hf_families import decoder_layers
     from ndtrain.models.llama import build_model
     from ndtrain.config import config_from_dict
-    from ndtrain.parallel.data.zero3_parameters import wrap_patterns
+    from ndtrain.parallel.data.zero3_wrap import wrap_patterns
 
     llama, gpt2 = make_model("llama"), make_model("gpt2")
     assert decoder_layers(llama)[0] == "hf.model.layers" and decoder_layers(gpt2)[0] == "hf.transformer.h"

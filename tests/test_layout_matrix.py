@@ -52,7 +52,7 @@ from ndtrain.config import ParallelConfig
 from ndtrain.engine import Engine
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.models.llama import build_model
-from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import no_decay_for_vectors
 from tests.helpers.layouts import MATRIX_MODEL, MAX_NORM, State, adamw
 from tests.helpers.models import token_batch
 from tests.helpers.parity import assert_params_close, max_relative_error

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from ndtrain.config import dump_toml, load_config
+from ndtrain.config import dump_toml
+from ndtrain.run.config_checks import resolve_config
 from ndtrain.errors import UserError
 from ndtrain.run.metrics import MetricsLog
 from ndtrain.run.info import SOURCE_DIR, git_revision
@@ -183,21 +184,21 @@ def test_resume_continues_the_tracker_runs(tmp_path: Path) -> None:
 
 
 def test_report_to_is_checked_at_config_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = load_config(None, {"log.report_to": ["tensorboard", "mlflow"]})
-    assert cfg.log.report_to == ["tensorboard", "mlflow"] and load_config(None).log.report_to == []
-    assert 'report_to = ["tensorboard", "mlflow"]' in dump_toml(cfg)
+    cfg = resolve_config(None, {"log.report_to": ["tensorboard", "mlflow"]})
+    assert cfg.log.report_to == ["tensorboard", "mlflow"] and resolve_config(None).log.report_to == []
+    assert 'report_to = [\n    "tensorboard",\n    "mlflow",\n]' in dump_toml(cfg)  # tomli-w: one item a line
     with pytest.raises(UserError, match=r"'neptune': choose from tensorboard, wandb, mlflow"):
-        load_config(None, {"log.report_to": ["neptune"]})
+        resolve_config(None, {"log.report_to": ["neptune"]})
     with pytest.raises(UserError, match=r"'log.report_to' must be list\[str\], got 'wandb'"):
-        load_config(None, {"log.report_to": "wandb"})
+        resolve_config(None, {"log.report_to": "wandb"})
     with pytest.raises(UserError, match="names a tracker twice"):
-        load_config(None, {"log.report_to": ["wandb", "wandb"]})
+        resolve_config(None, {"log.report_to": ["wandb", "wandb"]})
     import ndtrain.run.trackers
 
     real = ndtrain.run.trackers.importlib.util.find_spec
     monkeypatch.setattr(ndtrain.run.trackers.importlib.util, "find_spec", lambda n: None if n == "wandb" else real(n))
     with pytest.raises(UserError, match=r"wandb is not installed: pip install 'ndtrain\[wandb\]'"):
-        load_config(None, {"log.report_to": ["tensorboard", "wandb"]})
+        resolve_config(None, {"log.report_to": ["tensorboard", "wandb"]})
 
 
 def test_unknown_tracker_is_one_line_exit_2(tmp_path: Path) -> None:

@@ -32,7 +32,8 @@ from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.parallel.data.buckets import MB, pack
 from ndtrain.parallel.data.ddp import DistributedDataParallel
 from ndtrain.parallel.data.zero1_gradients import Zero1DataParallel
-from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer, no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import no_decay_for_vectors
+from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
 from tests.helpers.counts import counted_since
 from tests.helpers.models import make_llama
 from tests.helpers.parity import assert_params_close

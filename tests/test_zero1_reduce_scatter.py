@@ -29,7 +29,7 @@ from ndtrain.engine import Engine
 from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.data.buckets import MB, pack
-from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import no_decay_for_vectors
 from tests.helpers.counts import counted_since
 from tests.helpers.layouts import BF16_LOSS_TOLERANCE, DTYPE, MAX_NORM, MODEL, STEPS, State, adamw, batch
 from tests.helpers.parity import assert_params_close

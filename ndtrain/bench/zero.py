@@ -141,8 +141,7 @@ def run_zero2(ctx: ParallelContext, options: BenchOptions) -> ContestResult:
         optimizer = ZeroOptimizer(model, ctx, adamw_factory(LR, options.flat_adamw))
 
         def state_bytes() -> int:
-            return (sum(s.flat.numel() * s.flat.element_size() for s in optimizer._shards)
-                    + model.gradient_bytes + optimizer.state_bytes())
+            return optimizer.parameter_bytes() + model.gradient_bytes + optimizer.state_bytes()
 
         return training_step(model, optimizer, work.tokens), state_bytes
 

@@ -5,11 +5,11 @@ Keys (one DCP tensor each, with the unsharded model's global shape, stored as ch
     optim.state.<name>.<key>          the optimizer's state of it: AdamW's exp_avg and exp_avg_sq
                                       (the parameter's shape) and step (a scalar)
 `<name>` is `Placement.name`, the parameter's name in the whole model (a tied weight under its
-first name). Each rank offers the boxes of its runs (`checkpoint_slices`); DCP's deduplication
-keeps one copy of a box offered by several replicas, so every element is written once and no
-tensor is ever gathered; DCP's coordinator checks that the chunks of each tensor tile it exactly
-(no gap, no overlap). Loading asks DCP for the boxes this rank
-holds under its own layout; DCP reads each from the saved chunks that overlap it. Checkpoint
+first name). Each rank offers the boxes of its runs (slices.py: what its data-parallel strategy
+holds); DCP's deduplication keeps one copy of a box offered by several replicas, so every element
+is written once and no tensor is ever gathered; DCP's coordinator checks that the chunks of each
+tensor tile it exactly (no gap, no overlap). Loading asks DCP for the boxes this rank holds under
+its own layout; DCP reads each from the saved chunks that overlap it. Checkpoint
 size: Ψ·(4 + 8) bytes for fp32 AdamW, whatever the layout; each rank writes and reads only its
 share (replicas read the same boxes).
 

@@ -1,17 +1,14 @@
-"""Where this rank's checkpoint slices come from: the one module that reads strategy internals.
+"""This rank's checkpoint slices, as the data-parallel strategy answers for them.
 
 A checkpoint stores each parameter under the unsharded model's name (`Placement.name`) with its
 global shape (`Placement.shape`), as the fp32 master when the model computes in bf16/fp16, and
 the optimizer's state of it beside it (AdamW: exp_avg and exp_avg_sq of the same shape, step a
 scalar). What a rank holds of a parameter is one or more `Run`s: a contiguous range of the
 row-major flattened tp-local parameter (its tp slice, padding included), kept in `owner`, the
-tensor the optimizer updates and keys its state by, from element `at` on:
-
-| strategy                       | owner                                   | runs per rank                          |
-|--------------------------------|-----------------------------------------|----------------------------------------|
-| zero 0, fp32 (plain optimizer) | the (tp-local, stage-local) parameter   | every parameter, whole                 |
-| ZeRO-1/2, fp32/bf16/fp16 masters (`ZeroOptimizer`) | a segment of a bucket's flat buffer, or of its fp32 master | this rank's share of each bucket |
-| ZeRO-3 (`FullyShardedDataParallel`) | a segment of a unit's fp32 shard   | this rank's share of each unit         |
+tensor the optimizer updates and keys its state by, from element `at` on. The strategy says which
+ranges it holds (`DataParallelStrategy.held_slices()`, parallel/data/held_slices.py: whole
+parameters when replicated, this rank's share of each flat bucket or unit under ZeRO); this module
+never looks at its type or fields, only at the parameters' placements.
 
 `boxes` turns a run into at most 2·ndim − 1 rectangular pieces of the global tensor (global
 offsets, sizes, and a view of any owner-shaped tensor), cutting tp padding away. `Run.writes`
@@ -20,22 +17,20 @@ not a tp-replicated parameter on tp ranks other than 0 (their flat layouts may d
 over dp/cp (zero 0, unsharded fp32 masters) all offer identical boxes and DCP's deduplication
 keeps one of each, spreading the writes over the replicas.
 `compute_copies` lists the module parameters that are not owners and must be refilled whole on
-load (ZeRO-1/2: the replicated flat buffers, in the compute dtype). Nothing here communicates.
+load (the strategy's `compute_copies()`: ZeRO-1/2's replicated buffers, in the compute dtype).
+Nothing here communicates.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ndtrain.parallel.data.flat_layout import FlatLayout
-from ndtrain.parallel.pipeline.chunks import FullyShardedChunks
 from ndtrain.parallel.placement import Placement, Shard, placement_of
-from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
-from ndtrain.parallel.data.zero3_parameters import FullyShardedDataParallel
 
 
 @dataclass(frozen=True)
@@ -115,49 +110,20 @@ def boxes(run: Run) -> list[Box]:
 
 
 def runs(engine: Any) -> list[Run]:
-    """Every run this rank holds (see the module docstring), in a deterministic order."""
+    """Every run this rank holds (see the module docstring), in the strategy's order."""
     tp_first = engine.ctx.coord("tp") == 0
-    fsdp = _fsdp(engine)
-    if fsdp is not None:
-        out = [run for unit in fsdp.units for run in _fsdp_runs(unit, tp_first)]
-    elif isinstance(engine.optimizer, ZeroOptimizer):
-        out = [run for shard in engine.optimizer._shards for run in _zero_runs(shard, tp_first)]
-    else:
-        out = []
-    covered = _covered(engine)  # the rest (zero 0, or frozen parameters ZeRO-1/2 leave out): whole
-    out += [_run(p, 0, p.numel(), p, 0, tp_first) for p in engine.model.parameters() if id(p) not in covered]
-    return out
+    return [_run(h.param, h.start, h.end, h.owner, h.at, tp_first) for h in engine.dp.held_slices()]
 
 
 def compute_copies(engine: Any) -> list[Run]:
     """Module parameters a load must fill whole besides the runs' owners (ZeRO-1/2's replicated
     buffers, in the compute dtype), each as one run held in the parameter itself."""
-    if _fsdp(engine) is None and isinstance(engine.optimizer, ZeroOptimizer):
-        covered = _covered(engine)
-        return [_run(p, 0, p.numel(), p, 0, True) for p in engine.model.parameters() if id(p) in covered]
-    return []
+    return [_run(p, 0, p.numel(), p, 0, True) for p in engine.dp.compute_copies()]
 
 
-def optimizer_state(engine: Any) -> dict[int, dict[str, Any]]:
-    """The optimizer's per-owner state (keyed by the owner's id): AdamW's exp_avg, exp_avg_sq, step."""
-    optimizer = engine.optimizer.optimizer if isinstance(engine.optimizer, ZeroOptimizer) else engine.optimizer
-    return optimizer.state
-
-
-def _covered(engine: Any) -> set[int]:
-    """Ids of module parameters whose values live in a flat buffer owned by ZeRO (their runs come from it)."""
-    fsdp = _fsdp(engine)
-    if fsdp is not None:
-        return {id(p) for u in fsdp.units for p in u.params}
-    if isinstance(engine.optimizer, ZeroOptimizer):
-        return {id(p) for b in engine.optimizer.model.buckets for p in b.params}
-    return set()
-
-
-def _fsdp(engine: Any) -> FullyShardedDataParallel | FullyShardedChunks | None:
-    """ZeRO-3's wrapper when the engine's data-parallel strategy is FSDP (its units hold the shards)."""
-    model = engine.dp.sharded_model
-    return model if isinstance(model, (FullyShardedDataParallel, FullyShardedChunks)) else None
+def optimizer_state(engine: Any) -> MutableMapping[torch.Tensor, dict[str, Any]]:
+    """The optimizer's per-owner state (keyed by the owner): AdamW's exp_avg, exp_avg_sq, step."""
+    return engine.dp.optimizer_state()
 
 
 def _run(param: torch.Tensor, start: int, end: int, owner: torch.Tensor, at: int, tp_first: bool) -> Run:
@@ -166,25 +132,3 @@ def _run(param: torch.Tensor, start: int, end: int, owner: torch.Tensor, at: int
         raise RuntimeError("a parameter without a Placement name: Engine names the whole model's parameters")
     writes = not placement.pipeline_duplicate and (placement.tp is not None or tp_first)
     return Run(placement.name, placement.shape, placement.tp, tuple(param.shape), start, end, owner, at, writes)
-
-
-def _zero_runs(shard: Any, tp_first: bool) -> list[Run]:
-    """A ZeroOptimizer bucket: its optimizer segments (a, b) are in the bucket's flat coordinates."""
-    return _flat_runs(shard.flat_layout, [(a, b, segment) for a, b, _, segment in shard.segments], tp_first)
-
-
-def _fsdp_runs(unit: Any, tp_first: bool) -> list[Run]:
-    """An FSDP unit: its optimizer segments [a, b) are in shard coordinates (from the rank's `lo`)."""
-    base = unit.flat_layout.lo
-    return _flat_runs(unit.flat_layout, [(base + a, base + b, segment) for a, b, segment in unit.segments], tp_first)
-
-
-def _flat_runs(layout: FlatLayout, owners: list[tuple[int, int, torch.Tensor]], tp_first: bool) -> list[Run]:
-    """Each owner tensor holding flat elements [a, b) of `layout`, cut at parameter boundaries."""
-    out = []
-    for a, b, owner in owners:
-        for p, offset in zip(layout.params, layout.offsets):
-            lo, hi = max(a, offset), min(b, offset + p.numel())
-            if lo < hi:
-                out.append(_run(p, lo - offset, hi - offset, owner, lo - a, tp_first))
-    return out

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ndtrain.cli import flags as cli_flags
 from ndtrain.cli.flags import parse_bool
-from ndtrain.config import TrainConfig, dump_toml, load_config, parse_override
+from ndtrain.config import TrainConfig, dump_toml, parse_override
 from ndtrain.errors import UserError
+from ndtrain.run.config_checks import parameter_count, resolve_config
 
 if TYPE_CHECKING:
     import torch
@@ -139,7 +140,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.overwrite:
         overrides["checkpoint.overwrite"] = True
     overrides.update(parse_override(item) for item in args.set)
-    cfg = load_config(args.config, overrides)
+    cfg = resolve_config(args.config, overrides)
     from ndtrain.launch import in_worker
 
     warning = cli_flags.preset_override_warning(args.config, overrides)
@@ -220,7 +221,7 @@ def check_nproc(nproc: int, device: torch.device) -> None:
 def check_host_memory(cfg: TrainConfig) -> None:
     """Each local worker first builds the whole fp32 model on the host (then shards or moves it):
     nproc × 4Ψ bytes is the least the run needs, so more than this machine's memory cannot run."""
-    params = cfg.model.parameter_count()
+    params = parameter_count(cfg.model)
     need = cfg.launch.nproc * 4 * params
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:

@@ -2,15 +2,15 @@
 
 Everything that checks or lists these values reads them from here:
 - config validation: a config field annotated with one of these types is checked against its
-  values (`config._check_choices`), with one line naming the key and the allowed values;
+  values (`checks.check_choices`), with one line naming the key and the allowed values;
 - the command line: a flag's argparse `choices` are the values of the annotation of the config key
-  it sets (`config.allowed_values`, `cli_flags.value_options`), and `ndtrain plan` uses the tuples below;
+  it sets (`train.allowed_values`, `cli/flags.py`'s `value_options`), and `ndtrain plan` uses the tuples below;
 - the strategies: the pipeline schedules (`parallel/pipeline/schedules.py`), recompute modes
   (`parallel/model/recompute.py`), pipeline balance (`parallel/pipeline/partition.py`) and tensor-parallel
   styles (`parallel/model/tp_plan.py`); the data formats (`data/sources.py`); the planner's layouts.
 - the docs: tests/test_cli_conventions.py checks the README's `ndtrain train` usage line against them.
 Open-ended keys are not here: `parallel.fsdp_wrap` ("auto" or module patterns), `data.tokenizer`
-("bytes" or hf:PATH), `model.preset` (a preset name or hf:PATH, checked by `cli_flags.parse_model`).
+("bytes" or hf:PATH), `model.preset` (a preset name or hf:PATH, checked by `cli/flags.py`'s `parse_model`).
 
 `values(T)` is a type's values as a tuple, in the order the help lists them (the same tuple object
 on every call, so `choices` can be compared by identity).

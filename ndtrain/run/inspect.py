@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ndtrain.checkpoint.store import PROGRESS, newest_verified
 from ndtrain.checkpoint.manifest import MANIFEST
-from ndtrain.config import load_config
+from ndtrain.run.config_checks import resolve_config
 from ndtrain.errors import UserError
 from ndtrain.models.build import model_label
 from ndtrain.checkpoint.safe_pickle import SafeReader, UnsafePickle
@@ -54,7 +54,7 @@ def inspect_run(run_dir: Path) -> str:
     config_file = run_dir / "config.toml"
     if not config_file.is_file():
         raise UserError(f"{str(run_dir)!r} is not an ndtrain run directory (no config.toml): give the --out of a run")
-    cfg = load_config(config_file)
+    cfg = resolve_config(config_file)
     rows = [("run", str(run_dir)), ("model", model_label(cfg.model)), ("seq_len", str(cfg.model.seq_len))]
     if cfg.model.init_from:
         rows.append(("init from", cfg.model.init_from))

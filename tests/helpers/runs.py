@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ndtrain.config import TrainConfig, load_config
+from ndtrain.config import TrainConfig
+from ndtrain.run.config_checks import resolve_config
 from ndtrain.dist.mesh import init
 from ndtrain.checkpoint.run_model import build_run_model
 from ndtrain.trainer import Trainer
@@ -75,7 +76,7 @@ def tiny_config(data: str, out: str, **overrides: object) -> TrainConfig:
         "schedule.warmup_steps": 2, "data.eval_samples": 16, "log.eval_every": 0, "log.log_every": 1,
     }
     base.update(overrides)
-    return load_config(None, base)
+    return resolve_config(None, base)
 
 
 def train(cfg: TrainConfig, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

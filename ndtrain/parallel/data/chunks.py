@@ -1,17 +1,18 @@
 """An interleaved pipeline's stage chunks, each in its own data-parallel wrapper, seen as one model.
 
 With `--vpp` v > 1 a rank holds v stage chunks, and each is wrapped on its own over dp×cp, so that
-each chunk's gradients are reduced in that chunk's own backwards (runner.py):
+each chunk's gradients are reduced in that chunk's own backwards (pipeline/runner.py, through each
+chunk's `StageHooks`):
 
 - `DataParallelChunks`: v bucketed gradient wrappers, DDP's `DistributedDataParallel` (ZeRO-0/1,
   and the fp32 masters of bf16/fp16) or ZeRO-2's `Zero2DataParallel`, as the one `GradientSource`
-  that `ZeroOptimizer` reads: the chunks' buckets in chunk order as one sequence, so the optimizer
-  shards, updates and all-gathers every chunk's buckets as it would one model's. DDP chunks
-  all-reduce in their last backward of the step (the others run under `no_sync`); ZeRO-2 chunks
-  reduce-scatter every backward into their gradient shards.
+  that `ZeroOptimizer` (zero1_optimizer.py) reads: the chunks' buckets in chunk order as one
+  sequence, so the optimizer shards, updates and all-gathers every chunk's buckets as it would one
+  model's. DDP chunks all-reduce in their last backward of the step (the others run under
+  `no_sync`); ZeRO-2 chunks reduce-scatter every backward into their gradient shards.
 - `FullyShardedChunks`: v ZeRO-3 `FullyShardedDataParallel` wrappers (each its own units over the
   chunk's blocks and root) as one sharded model: all their units, one optimizer's parameter groups
-  over all their shards, and the rank's whole state dict.
+  over all their shards, and the rank's whole state dict (zero3_strategy.py).
 
 Nothing more is communicated than for one model of the chunks' combined size split into the same
 buckets or units; each chunk's collectives are issued in its own backwards (every rank of the
@@ -20,11 +21,12 @@ dp×cp group runs the same action list, so they match).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from ndtrain.parallel.data.param_groups import GroupFn
 
 
 class DataParallelChunks(nn.ModuleList):
@@ -67,7 +69,7 @@ class FullyShardedChunks(nn.ModuleList):
     def ctx(self) -> Any:
         return self[0].ctx
 
-    def parameter_groups(self, group_fn: Callable[[str, nn.Parameter], dict[str, Any]]) -> list[dict[str, Any]]:
+    def parameter_groups(self, group_fn: GroupFn) -> list[dict[str, Any]]:
         """Each chunk's `parameter_groups(group_fn)` merged by their options, in order of first appearance
         over the chunks: one list of groups over all the chunks' shards (call once)."""
         merged: dict[tuple, dict[str, Any]] = {}

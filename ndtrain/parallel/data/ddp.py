@@ -42,7 +42,7 @@ gradients in float64 (`reduction_dtype`), so a float64 model is never narrowed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any, Callable
 
 import torch
@@ -56,8 +56,10 @@ from ndtrain.dist.mesh import ParallelContext
 from ndtrain.dist.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.parallel.data.buckets import MB, AllReduceBucket, BucketKind, GradientBuckets, broadcast_state
 from ndtrain.parallel.data.flat_adamw import FlatAdamW
-from ndtrain.parallel.grad_norm import GradPiece, optimizer_param_grads, whole_pieces
+from ndtrain.parallel.data.held_slices import HeldSlice, whole
 from ndtrain.parallel.data.host_buckets import host_all_reduce_bucket
+from ndtrain.parallel.grad_norm import GradPiece, optimizer_param_grads, whole_pieces
+from ndtrain.parallel.pipeline.hooks import StageHooks
 from ndtrain.parallel.precision import DTYPES
 
 
@@ -111,7 +113,7 @@ class DistributedDataParallel(nn.Module):
         """The gradient buckets in launch order (their `params`, `flat` storage and per-parameter `views`)."""
         return tuple(self._buckets)
 
-    gradients_sharded = False  # every rank holds the whole averaged gradient (see zero.GradientSource)
+    gradients_sharded = False  # every rank holds the whole averaged gradient (zero1_optimizer.GradientSource)
 
     def gradient_slice(self, bucket: int, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of gradient bucket `bucket` (a view)."""
@@ -263,9 +265,11 @@ def held_gradient_bytes(chunks: Sequence[DistributedDataParallel]) -> int:
 
 
 class DDPStrategy:
-    """ZeRO-0 in fp32 (`data_parallel.DataParallelStrategy`): DDP wrappers (one, or one per interleaved
+    """ZeRO-0 in fp32 (a `DataParallelStrategy`, strategy.py): DDP wrappers (one, or one per interleaved
     pipeline chunk) and the caller's optimizer over the whole model. Gradients are replicated, so the
-    norm's pieces are whole `.grad`s, summed over mp only; checkpoints need no per-rank optimizer state."""
+    norm's pieces are whole `.grad`s, summed over mp only; a checkpoint reads every parameter whole
+    and its optimizer state (identical on every replica); the pipeline runner is handed each chunk's
+    `no_sync` (the chunk all-reduces in its last backward of the step)."""
 
     grads_sharded = False
     sharded_model = None
@@ -277,6 +281,7 @@ class DDPStrategy:
         self.chunks: list[nn.Module] = list(chunks)
         self.module: nn.Module = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.optimizer = optimizer
+        self.stage_hooks = [StageHooks(no_sync=chunk.no_sync) for chunk in chunks]
         self._tp = ctx.group("tp").size
         self._overlap = overlap
 
@@ -300,3 +305,12 @@ class DDPStrategy:
     def state_bytes(self) -> dict[str, int]:
         return {"parameters": sum(tensor_bytes(p) for p in self.module.parameters()),
                 "gradients": held_gradient_bytes(self.chunks), "optimizer": optimizer_state_bytes(self.optimizer)}
+
+    def held_slices(self) -> list[HeldSlice]:
+        return whole(self.module.parameters())
+
+    def compute_copies(self) -> list[nn.Parameter]:
+        return []
+
+    def optimizer_state(self) -> MutableMapping[torch.Tensor, dict[str, Any]]:
+        return self.optimizer.state

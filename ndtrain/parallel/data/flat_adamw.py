@@ -41,17 +41,29 @@ loading one keeps the kernel the run's config chose.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from ndtrain.errors import UserError
-
-if TYPE_CHECKING:  # ddp.py builds this optimizer
-    from ndtrain.parallel.data.ddp import DistributedDataParallel
+from ndtrain.parallel.data.buckets import AllReduceBucket
 
 UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+class BucketedGradients(Protocol):
+    """What FlatAdamW needs of DDP's `DistributedDataParallel` (ddp.py, which builds this optimizer):
+    its gradient buckets, the bucket-averaged callback and the repacking callbacks."""
+
+    @property
+    def buckets(self) -> Sequence[AllReduceBucket]: ...
+
+    on_bucket_reduced: Callable[[int], None] | None
+    after_reorder: list[Callable[[], None]]
+
+    def zero_grad(self, set_to_none: bool = False) -> None: ...
 
 
 @dataclass
@@ -71,7 +83,7 @@ class FlatAdamW(torch.optim.Optimizer):
     """AdamW over every trainable parameter of `ddp`, laid out flat bucket by bucket (see the module docstring)."""
 
     def __init__(
-        self, ddp: DistributedDataParallel, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+        self, ddp: BucketedGradients, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None,
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
@@ -94,7 +106,7 @@ class FlatAdamW(torch.optim.Optimizer):
         ddp.after_reorder.append(self._layout)
 
     @classmethod
-    def replacing(cls, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, *,
+    def replacing(cls, ddp: BucketedGradients, optimizer: torch.optim.Optimizer, *,
                   fused: bool | None = None) -> FlatAdamW | None:
         """A FlatAdamW with `optimizer`'s groups and options when it is a plain, unused `torch.optim.AdamW`
         over exactly `ddp`'s trainable parameters; None otherwise (keep `optimizer`)."""

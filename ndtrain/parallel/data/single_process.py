@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -53,11 +53,10 @@ from torch import nn
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.parallel.data import zero1_optimizer
-from ndtrain.parallel.data.zero1_optimizer import GroupFn, OptimizerFn
-
-if TYPE_CHECKING:
-    from ndtrain.parallel.data.strategy import DataParallelStrategy
+from ndtrain.parallel.data import replicated, zero_strategy
+from ndtrain.parallel.data.ddp import DDPStrategy
+from ndtrain.parallel.data.param_groups import GroupFn, OptimizerFn
+from ndtrain.parallel.data.zero_strategy import ZeroStrategy
 
 __all__ = ["SingleProcessDataParallel", "ReplicaError", "chunk_sizes"]
 
@@ -247,11 +246,13 @@ def _replicas(ctx: ParallelContext, cfg: ParallelConfig) -> Callable[[nn.Module]
     return lambda module: SingleProcessDataParallel(module, [ctx.device] * cfg.replicas)
 
 
-def build_replicated(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> DataParallelStrategy:
+def build_replicated(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn,
+                     group_fn: GroupFn) -> DDPStrategy | ZeroStrategy:
     """dp_mode=single-process, zero=0: replicas on threads inside each process, DDP across processes."""
-    return zero1_optimizer.build_replicated(model, ctx, cfg, optimizer_fn, group_fn, wrap=_replicas(ctx, cfg))
+    return replicated.build_replicated(model, ctx, cfg, optimizer_fn, group_fn, wrap=_replicas(ctx, cfg))
 
 
-def build_zero1(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> DataParallelStrategy:
+def build_zero1(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn,
+                group_fn: GroupFn) -> ZeroStrategy:
     """dp_mode=single-process, zero=1: as `build_replicated` with the optimizer state sharded over dp_cp."""
-    return zero1_optimizer.build_zero1(model, ctx, cfg, optimizer_fn, group_fn, wrap=_replicas(ctx, cfg))
+    return zero_strategy.build_zero1(model, ctx, cfg, optimizer_fn, group_fn, wrap=_replicas(ctx, cfg))

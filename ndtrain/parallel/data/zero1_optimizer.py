@@ -48,76 +48,35 @@ bf16/fp16 compute copies, each segment is instead an fp32 *master* copy of the s
 its gradient an fp32 cast of the gradient slice made in `prepare_grads()`, and after the inner step
 the master slice is cast into the flat buffer before the all-gather (which then moves 2-byte
 elements). With `sharded=False` (plain DDP + mixed precision) N is taken as 1: every rank keeps the
-whole master copy and nothing is gathered.
+whole master copy and nothing is gathered. The engine drives it through `ZeroStrategy`
+(zero_strategy.py: ZeRO-0 masters, 1, 2); checkpoints read this rank's segments as parameter pieces
+(`held_slices()`), whatever the layout.
 
 Limitations: a parameter that no rank used (DDP `allow_unused`, `.grad` None) still gets weight
 decay here (its gradient slice is zero), where a single-process optimizer would skip it. The
 flat buffers must keep backing the parameters: do not move the model (`.to()`) or reassign
-`param.data` after construction. State dicts are per rank and only load into the same layout.
+`param.data` after construction. `state_dict()` is per rank and only loads into the same layout
+(the engine's checkpoints are layout-agnostic: checkpoint/slices.py).
 """
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ndtrain.dist.comm import Pending
-from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.dist.host_stream import SlotRing
 from ndtrain.dist.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.parallel.data.ddp import DDPStrategy, DistributedDataParallel, all_no_sync, build_ddp, ddp_chunks, held_gradient_bytes
 from ndtrain.parallel.data.flat_layout import OPTIMIZER_RUN, FlatLayout, Segment
-from ndtrain.parallel.grad_norm import (
-    GradPiece, Span, clip_, flat_pieces, global_grad_norm, segment_pieces, segment_spans,
-)
-from ndtrain.parallel.pipeline.chunks import DataParallelChunks
-from ndtrain.parallel.precision import DTYPES
-from ndtrain.parallel.data.zero1_gradients import HostShardReduceBucket, ShardReduceBucket, Zero1DataParallel
-
-GroupFn = Callable[[str, nn.Parameter], dict[str, Any]]
-OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-
-
-def _one_group(name: str, param: nn.Parameter) -> dict[str, Any]:
-    return {}
-
-
-def no_decay_for_vectors(name: str, param: nn.Parameter) -> dict[str, Any]:
-    """The usual split: weight decay on matrices and embeddings, none on biases and norm weights."""
-    return {"weight_decay": 0.0} if param.ndim < 2 else {}
-
-
-def _group_keys(module: nn.Module, group_fn: GroupFn) -> tuple[dict[tuple, int], list[dict[str, Any]]]:
-    """Distinct `group_fn` results over the trainable parameters, in order of first appearance."""
-    keys: dict[tuple, int] = {}  # group options -> group index
-    options: list[dict[str, Any]] = []
-    for name, p in module.named_parameters():
-        if p.requires_grad:
-            opts = dict(group_fn(name, p))
-            key = tuple(sorted(opts.items()))
-            if key not in keys:
-                keys[key] = len(options)
-                options.append(opts)
-    return keys, options
-
-
-def parameter_groups(module: nn.Module, group_fn: GroupFn = _one_group) -> list[dict[str, Any]]:
-    """The unsharded parameter groups `group_fn` defines: what a plain optimizer is built from."""
-    keys, options = _group_keys(module, group_fn)
-    groups: list[dict[str, Any]] = [{"params": [], **o} for o in options]
-    for name, p in module.named_parameters():
-        if p.requires_grad:
-            groups[keys[tuple(sorted(dict(group_fn(name, p)).items()))]]["params"].append(p)
-    return groups
-
+from ndtrain.parallel.data.held_slices import HeldSlice, flat_slices
+from ndtrain.parallel.data.param_groups import GroupFn, OptimizerFn, group_key, group_keys, one_group
+from ndtrain.parallel.data.zero1_gradients import HostShardReduceBucket, ShardReduceBucket
+from ndtrain.parallel.grad_norm import GradPiece, Span, clip_, flat_pieces, global_grad_norm, segment_pieces, segment_spans
 
 class GradientSource(Protocol):
     """What ZeroOptimizer needs of the gradient side: DistributedDataParallel (replicated) or Zero2DataParallel (sharded)."""
@@ -161,8 +120,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, model: DistributedDataParallel | GradientSource, ctx: ParallelContext, optimizer_fn: OptimizerFn, *,
-        group_fn: GroupFn = _one_group, masters: dict[int, torch.Tensor] | None = None, sharded: bool = True,
+        self, model: GradientSource, ctx: ParallelContext, optimizer_fn: OptimizerFn, *,
+        group_fn: GroupFn = one_group, masters: dict[int, torch.Tensor] | None = None, sharded: bool = True,
     ) -> None:
         """`masters` maps `id(param)` to its fp32 initial value when the parameters are low-precision
         compute copies (default: their upcast); `sharded=False` keeps the whole state on every rank."""
@@ -181,7 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grads_in_shard = model.gradients_sharded or any(
             isinstance(b, (ShardReduceBucket, HostShardReduceBucket)) for b in model.buckets)
         names = {id(p): name for name, p in model.module.named_parameters()}
-        keys, options = _group_keys(model.module, group_fn)
+        keys, options = group_keys(model.module, group_fn)
         segments: list[list[nn.Parameter]] = [[] for _ in options]
         self._shards: list[_Shard] = []
         for k, bucket in enumerate(model.buckets):
@@ -200,7 +159,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         p = layout.params[piece.index]
                         source = (masters or {}).get(id(p), p.detach()).reshape(-1)
                         piece.flat_view.copy_(source[piece.start : piece.stop])
-            group_of = [keys[tuple(sorted(dict(group_fn(names[id(p)], p)).items()))] for p in bucket.params]
+            group_of = [keys[group_key(group_fn, names[id(p)], p)] for p in bucket.params]
             for a, b, g in layout.runs(group_of, OPTIMIZER_RUN):
                 # the fp32 master: the flat buffer itself, or this rank's separate fp32 copy
                 segment = nn.Parameter(flat[a:b] if master is None else master[a - shard.lo : b - shard.lo])
@@ -306,7 +265,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = self.prepare_grads()
         tp = self.ctx.group("tp").size
         if self._grads_in_shard:
-            pieces = shard_pieces(self, grads, shard_norm_spans(self, tp))
+            pieces = self.norm_pieces(grads, self.norm_spans(tp))
         else:
             pieces = [piece for b in self.model.buckets
                       for piece in segment_pieces(b.flat, segment_spans(0, b.flat.numel(), b.flat_layout.placed_ranges(), tp))]
@@ -333,6 +292,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def master_bytes(self) -> int:
         """Bytes of separate fp32 master slices (0 when the parameters themselves are fp32 or fp64)."""
         return sum(s.master.numel() * 4 for s in self._shards if s.master is not None)
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the flat parameter buffers (the module's parameters are views of them)."""
+        return sum(tensor_bytes(s.flat) for s in self._shards)
+
+    def norm_spans(self, tp: int) -> list[list[Span]]:
+        """For each segment (in `prepare_grads()` order), where the placement weight of the parameters
+        under it changes (`grad_norm.segment_spans`); fixed by the layout."""
+        return [segment_spans(a, b, shard.flat_layout.placed_ranges(), tp)
+                for shard in self._shards for a, b, *_ in shard.segments]
+
+    def norm_pieces(self, grads: list[torch.Tensor], spans: list[list[Span]]) -> list[GradPiece]:
+        """The norm's pieces of this rank's segments; on a rank whose slices are all padding, one empty
+        piece of the gradients' dtype, so that its Σg² is summed over dp_cp in the others' dtype (a
+        float32 zero against their float64 would be a mismatched all-reduce)."""
+        pieces = flat_pieces(grads, spans)
+        if pieces or not self._shards:
+            return pieces
+        lo = self._shards[0].lo
+        empty = self.model.gradient_slice(0, lo, lo)
+        return [(empty if self._shards[0].master is None else empty.float(), 1.0)]
+
+    def held_slices(self) -> list[HeldSlice]:
+        """The parameter pieces this rank's segments hold, bucket by bucket (for checkpoints; a
+        segment's [a, b) is in its bucket's flat coordinates)."""
+        return [h for s in self._shards for h in flat_slices(s.flat_layout, [(a, b, seg) for a, b, _, seg in s.segments])]
 
     def segments(self, grad: bool = False) -> list[Segment]:
         """Each parameter piece this rank updates, bucket by bucket: its placement, local shape,
@@ -371,110 +356,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for shard, master in zip([s for s in self._shards if s.master is not None], state_dict.get("masters", [])):
                 shard.master.copy_(master)
-
-
-# ----------------------------------------------------------------------------- data-parallel strategy (ZeRO-0 masters, 1, 2)
-def compute_copies(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor] | None:
-    """Cast `model` to the compute `dtype` (bf16/fp16) and return its fp32 initial weights by
-    `id(param)`, for `ZeroOptimizer(masters=...)`; None (nothing cast) in fp32."""
-    if dtype == torch.float32:
-        return None
-    masters = {id(p): p.detach().clone() for p in model.parameters()}
-    model.to(dtype)
-    return masters
-
-
-def shard_norm_spans(optimizer: ZeroOptimizer, tp: int) -> list[list[Span]]:
-    """For each optimizer segment (in `prepare_grads()` order), where the placement weight of the
-    parameters under it changes (`grad_norm.segment_spans`); fixed by the layout."""
-    return [segment_spans(a, b, shard.flat_layout.placed_ranges(), tp)
-            for shard in optimizer._shards for a, b, *_ in shard.segments]
-
-
-def shard_pieces(optimizer: ZeroOptimizer, grads: list[torch.Tensor], spans: list[list[Span]]) -> list[GradPiece]:
-    """The norm's pieces of this rank's segments; on a rank whose slices are all padding, one empty
-    piece of the gradients' dtype, so that its Σg² is summed over dp_cp in the others' dtype (a
-    float32 zero against their float64 would be a mismatched all-reduce)."""
-    pieces = flat_pieces(grads, spans)
-    if pieces or not optimizer._shards:
-        return pieces
-    lo = optimizer._shards[0].lo
-    empty = optimizer.model.gradient_slice(0, lo, lo)
-    return [(empty if optimizer._shards[0].master is None else empty.float(), 1.0)]
-
-
-class ZeroStrategy:
-    """`data_parallel.DataParallelStrategy` of a bucketed gradient wrapper with `ZeroOptimizer`:
-    DistributedDataParallel for ZeRO-1 (and for ZeRO-0 in bf16/fp16, unsharded, for the fp32
-    masters), Zero2DataParallel for ZeRO-2. The optimizer reads this rank's gradient segments, so
-    the norm's pieces are those segments (summed over dp_cp when sharded); each rank checkpoints
-    its own optimizer state."""
-
-    sharded_model = None
-    forward_communicates = False
-
-    def __init__(
-        self, gradients: GradientSource, optimizer: ZeroOptimizer, *,
-        no_sync: Callable[[], AbstractContextManager[None]], gradient_bytes: Callable[[], int], release: bool = False,
-        chunks: Sequence[nn.Module] | None = None,
-    ) -> None:
-        """`no_sync()`: the context of a micro-batch whose gradient need not be synchronised yet;
-        `gradient_bytes()`: bytes of gradient `gradients` holds; `release`: `zero_grad` drops the
-        parameters' `.grad`s (ZeRO-1 on one host, whose gradients are autograd's own until reduced);
-        `chunks`: the modules to run (an interleaved pipeline's wrapped chunks; default `gradients` itself)."""
-        self.module: nn.Module = gradients  # type: ignore[assignment]
-        self.chunks: list[nn.Module] = list(chunks) if chunks is not None else [self.module]
-        self.optimizer = optimizer
-        self.no_sync = no_sync
-        self._gradient_bytes = gradient_bytes
-        self._release = release
-        self._norm_spans = shard_norm_spans(optimizer, optimizer.ctx.group("tp").size)
-
-    @property
-    def grads_sharded(self) -> bool:
-        return self.optimizer.sharded
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=self._release)
-
-    def step_during_backward(self, allowed: bool) -> None:
-        """Never: the step updates shards and all-gathers them after the norm."""
-
-    def optimizer_grads(self) -> list[torch.Tensor]:
-        return self.optimizer.prepare_grads()
-
-    def grad_pieces(self) -> list[GradPiece]:
-        return shard_pieces(self.optimizer, self.optimizer.prepare_grads(), self._norm_spans)
-
-    def state_bytes(self) -> dict[str, int]:
-        return {"parameters": sum(tensor_bytes(s.flat) for s in self.optimizer._shards),
-                "gradients": self._gradient_bytes(),
-                "optimizer": optimizer_state_bytes(self.optimizer) + self.optimizer.master_bytes}
-
-
-def build_replicated(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
-                     wrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> DDPStrategy | ZeroStrategy:
-    """ZeRO-0: DDP (over `wrap(model)`) with the caller's optimizer over the whole model, or, in
-    bf16/fp16, an unsharded `ZeroOptimizer` holding the fp32 masters."""
-    masters = compute_copies(model, DTYPES[cfg.precision])
-    if masters is None:
-        return build_ddp(wrap(model), ctx, cfg, lambda: optimizer_fn(parameter_groups(model, group_fn)))
-    return _with_ddp(ddp_chunks(wrap(model), ctx, cfg), ctx, optimizer_fn, group_fn, masters=masters, sharded=False)
-
-
-def build_zero1(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
-                wrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> ZeroStrategy:
-    """ZeRO-1: `Zero1DataParallel` (over `wrap(model)`: DDP that reduce-scatters each bucket into
-    this rank's range) with the optimizer state sharded over dp_cp."""
-    masters = compute_copies(model, DTYPES[cfg.precision])
-    return _with_ddp(ddp_chunks(wrap(model), ctx, cfg, wrapper=Zero1DataParallel), ctx, optimizer_fn, group_fn, masters=masters, sharded=True)
-
-
-def _with_ddp(chunks: list[DistributedDataParallel], ctx: ParallelContext, optimizer_fn: OptimizerFn, group_fn: GroupFn, *,
-              masters: dict[int, torch.Tensor] | None, sharded: bool) -> ZeroStrategy:
-    """`chunks`: one wrapper, or an interleaved pipeline's chunks (one bucket sequence over all of them)."""
-    source = chunks[0] if len(chunks) == 1 else DataParallelChunks(chunks)
-    optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=sharded)
-    return ZeroStrategy(source, optimizer, no_sync=functools.partial(all_no_sync, chunks),
-                        gradient_bytes=lambda: held_gradient_bytes(chunks), chunks=chunks,
-                        release=any(b.transient for b in source.buckets))

@@ -1,7 +1,7 @@
 """ZeRO stage 2: gradients too are sharded over the data-parallel ranks; parameters are not.
 
-What is split: the optimizer state (as in stage 1, by `ZeroOptimizer` of zero1_optimizer.py) and the
-gradient. The trainable parameters are packed into buckets exactly as DDP packs them, by the same
+What is split: the optimizer state (as in stage 1, by `ZeroOptimizer` of zero1_optimizer.py, driven
+by `ZeroStrategy` of zero_strategy.py) and the gradient. The trainable parameters are packed into buckets exactly as DDP packs them, by the same
 bucket layer (buckets.py: `GradientBuckets`, here of `ReduceScatterBucket`s; in reverse
 registration order, at most `bucket_mb` per bucket), each laid out flat and padded to a multiple
 of N (the size of `ctx.group("dp_cp")`; flat_layout.py). Group rank r keeps only the fp32
@@ -40,14 +40,15 @@ What is communicated, and when:
   step belongs to `ZeroOptimizer`.
 - Under tp, a tp-replicated parameter's partial gradient is summed over tp by its tensor hook
   before accumulation (tensor.py), so the shards hold complete gradients; under pp each stage is
-  one wrapper, reduce-scattering every micro-batch's backward (the runner never uses `no_sync`),
-  and an interleaved pipeline's v chunks are v wrappers (pipeline/chunks.py `DataParallelChunks`:
+  one wrapper, reduce-scattering every micro-batch's backward (its `StageHooks` have no `no_sync`),
+  and an interleaved pipeline's v chunks are v wrappers (chunks.py `DataParallelChunks`:
   one `ZeroOptimizer` over all their buckets), each reduce-scattering in its own backwards.
 - zb's split backward: the input-gradient pass I produces no weight gradient (nothing reaches the
-  hooks); the weight pass W runs one autograd call per weight operation (split_backward.py), so it
-  runs inside `weight_pass()`: the hooks stage each gradient as it is produced and the buckets are
-  reduce-scattered when W ends (not overlapped with W's compute), exactly once per micro-batch
-  (through the slots: the first P buckets staged in their slots, the others privately).
+  hooks); the weight pass W runs one autograd call per weight operation (pipeline/split_backward.py),
+  so it runs inside `weight_pass()` (the chunk's `StageHooks.weight_pass`): the hooks stage each
+  gradient as it is produced and the buckets are reduce-scattered when W ends (not overlapped with
+  W's compute), exactly once per micro-batch (through the slots: the first P buckets staged in their
+  slots, the others privately).
 
 Cost, Ψ trainable elements, G = Ψ · comm itemsize, N ranks, k micro-batches, ring algorithms:
 each rank sends k·(N−1)/N·G (reduce-scatter) + (N−1)/N·Ψ'·param itemsize (all-gather) per step,
@@ -80,10 +81,13 @@ from ndtrain.dist.host_slots import HostSlots
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.data.buckets import MB, GradientBuckets, ReduceScatterBucket, broadcast_state, pack
 from ndtrain.parallel.data.flat_layout import FlatLayout, Segment
+from ndtrain.parallel.data.chunks import DataParallelChunks
 from ndtrain.parallel.data.host_buckets import open_bucket_slots
-from ndtrain.parallel.pipeline.chunks import DataParallelChunks
+from ndtrain.parallel.data.param_groups import GroupFn, OptimizerFn
+from ndtrain.parallel.data.zero1_optimizer import ZeroOptimizer
+from ndtrain.parallel.data.zero_strategy import ZeroStrategy, cast_to_compute
+from ndtrain.parallel.pipeline.hooks import StageHooks
 from ndtrain.parallel.precision import DTYPES
-from ndtrain.parallel.data.zero1_optimizer import GroupFn, OptimizerFn, ZeroOptimizer, ZeroStrategy, compute_copies
 
 MAX_IN_FLIGHT = 2  # reduce-scatters in flight during backward (bounds the staging memory)
 
@@ -262,11 +266,12 @@ def build_zero2(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, opt
     """ZeRO-2: `Zero2DataParallel` gradient shards with `ZeroOptimizer` (one wrapper per chunk of an
     interleaved pipeline, one optimizer over all). Every micro-batch's backward reduce-scatters into
     the shard (no `no_sync`), keeping the gradient memory sharded."""
-    masters = compute_copies(model, DTYPES[cfg.precision])
+    masters = cast_to_compute(model, DTYPES[cfg.precision])
     chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
     wrappers = [Zero2DataParallel(chunk, ctx, bucket_mb=cfg.bucket_mb, comm_dtype=DTYPES[cfg.comm_dtype],
                                   host_slots=cfg.host_shared_memory) for chunk in chunks]
     source = wrappers[0] if len(wrappers) == 1 else DataParallelChunks(wrappers)
     optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=True)
     return ZeroStrategy(source, optimizer, no_sync=contextlib.nullcontext,
-                        gradient_bytes=lambda: sum(w.gradient_bytes for w in wrappers), chunks=wrappers)
+                        gradient_bytes=lambda: sum(w.gradient_bytes for w in wrappers), chunks=wrappers,
+                        stage_hooks=[StageHooks(gradients_sharded=True, weight_pass=w.weight_pass) for w in wrappers])

@@ -1,13 +1,12 @@
 """ZeRO stage 3 (FSDP): parameters, gradients and optimizer state sharded over the data-parallel ranks.
 
-What is split: everything. The module is cut into wrapping units: each outermost module whose
-name matches one of the `wrap` patterns (fnmatch over `named_modules()`), or with `wrap="auto"`
-(the default) one unit per decoder layer of the model's layer list (`model_spec.decoder_layers`:
-`layers.*` on the built-in Llama, `hf.model.layers.*` on an HF Llama, `hf.transformer.h.*` on
-GPT-2, else the largest nn.ModuleList of identical blocks; no such list: the root unit alone),
-plus the root unit of every parameter left over (embedding, final norm, head). Each unit is a `FlatUnit` (zero3_unit.py): a flat fp32 buffer padded to a multiple of
-N (the size of `ctx.group("dp_cp")`) of which each rank keeps 1/N, with its gradient; the
-optimizer sees only those shards (`parameter_groups`), so its state is sharded too.
+What is split: everything. The module is cut into wrapping units: the outermost modules the `wrap`
+patterns select (zero3_wrap.py; "auto", the default: one unit per decoder layer), plus the root
+unit of every parameter left over (embedding, final norm, head). Each unit is a `FlatUnit`
+(zero3_unit.py): a flat fp32 buffer padded to a multiple of N (the size of `ctx.group("dp_cp")`)
+of which each rank keeps 1/N, with its gradient; the optimizer sees only those shards
+(`parameter_groups`), so its state is sharded too. The engine drives it through `FSDPStrategy`
+(zero3_strategy.py).
 Under tensor parallel the units are built on the tp-sharded model: a unit's flat buffer holds this
 tp rank's slices (and the tp-replicated parameters, whose partial gradients tensor.py's hooks sum
 over tp before they reach the flat gradient), sharded further over dp×cp; each segment keeps its
@@ -48,7 +47,7 @@ Several forwards may precede their backwards (a pipeline stage under 1F1B or GPi
 with grad queues its units, and each backward takes the oldest forward's (backwards must run in
 their forwards' order), reducing every micro-batch's gradient into the shards. A pipeline stage's
 blocks (an nn.ModuleDict of identical blocks) are its units under `wrap="auto"`; with interleaved
-stages each chunk is a wrapper of its own (pipeline/chunks.py `FullyShardedChunks`). zb's split
+stages each chunk is a wrapper of its own (chunks.py `FullyShardedChunks`). zb's split
 backward runs inside `input_pass()` and `weight_pass()` (zero3_split_passes.py): one all-gather
 more per unit and micro-batch than a plain backward.
 
@@ -61,7 +60,6 @@ With `param_dtype` ≠ fp32, floating-point inputs of the root forward are cast 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 import weakref
 from collections import deque
@@ -72,60 +70,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.dist.host_stream import SlotRing
-from ndtrain.dist.memory import optimizer_state_bytes
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.parallel.model_spec import decoder_layers
 from ndtrain.parallel.data.flat_layout import Segment
-from ndtrain.parallel.placement import Placement, Shard
-from ndtrain.parallel.pipeline.chunks import FullyShardedChunks
+from ndtrain.parallel.data.param_groups import GroupFn, group_key, group_keys, one_group
 from ndtrain.parallel.data.sync_switch import SyncSwitch
-from ndtrain.parallel.grad_norm import (
-    GradPiece, Span, flat_pieces, local_squares, optimizer_param_grads, segment_spans,
-)
-from ndtrain.parallel.precision import DTYPES, compute_dtype
-from ndtrain.parallel.model.tensor import gather_shard
 from ndtrain.parallel.data.zero3_split_passes import SplitBackwardPasses
 from ndtrain.parallel.data.zero3_unit import FlatUnit
-from ndtrain.parallel.data.zero1_optimizer import GroupFn, OptimizerFn, _group_keys, _one_group
-
-
-def wrap_patterns(module: nn.Module, wrap: Sequence[str] | str) -> list[str]:
-    """The unit patterns of `wrap` ("auto": each block of the decoder-layer list; [] when there is none)."""
-    if isinstance(wrap, str):
-        if wrap.strip() == "auto":
-            found = decoder_layers(module)
-            name = found[0] if found is not None else _stage_layers(module)
-            return [] if name is None else [f"{name}.*"]
-        return [p.strip() for p in wrap.split(",") if p.strip()]
-    return list(wrap)
-
-
-def _stage_layers(module: nn.Module) -> str | None:
-    """The name of a pipeline stage's blocks (an nn.ModuleDict keyed by their index in the whole model)."""
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.ModuleDict) and len(sub) and len({type(child) for child in sub.values()}) == 1:
-            return name
-    return None
-
-
-def select_units(module: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module]]:
-    """The outermost submodules whose names match one of `patterns`, in registration order."""
-    chosen: list[tuple[str, nn.Module]] = []
-    for name, sub in module.named_modules():
-        if not name or any(name.startswith(c + ".") for c, _ in chosen):
-            continue
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
-            chosen.append((name, sub))
-    if not chosen:
-        names = [n for n, _ in module.named_modules() if n][:6]
-        raise UserError(
-            f"FSDP wrap patterns {list(patterns)} match no module; module names here include {names}: "
-            "give fnmatch patterns over these names (parallel.fsdp_wrap)"
-        )
-    return chosen
+from ndtrain.parallel.data.zero3_wrap import select_units, wrap_patterns
+from ndtrain.parallel.grad_norm import Span, flat_pieces, local_squares, segment_spans
+from ndtrain.parallel.model.tensor import gather_shard
+from ndtrain.parallel.placement import Placement, Shard
+from ndtrain.parallel.precision import compute_dtype
 
 
 def _call(owner: weakref.ref, method: str, *args: Any) -> Any:
@@ -321,14 +278,14 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
             u.drop_grads()
             u.attach_segment_grads()
 
-    def parameter_groups(self, group_fn: GroupFn = _one_group) -> list[dict[str, Any]]:
+    def parameter_groups(self, group_fn: GroupFn = one_group) -> list[dict[str, Any]]:
         """`[{"params": [segments], **options}]`, one group per distinct `group_fn(name, param)`, in order
         of first appearance in `module.named_parameters()` (the same list on every rank, a group possibly
         without segments here), for `optimizer_fn(groups)`. Call it once: it rebuilds the segments."""
-        keys, options = _group_keys(self.module, group_fn)
+        keys, options = group_keys(self.module, group_fn)
         groups: list[dict[str, Any]] = [{"params": [], **o} for o in options]
         for u in self.units:
-            group_of = [keys[tuple(sorted(dict(group_fn(n, p)).items()))] for n, p in zip(u.names, u.params)]
+            group_of = [keys[group_key(group_fn, n, p)] for n, p in zip(u.names, u.params)]
             for g, segment in u.build_segments(group_of):
                 groups[g]["params"].append(segment)
         return groups
@@ -416,59 +373,7 @@ def _real_size(placement: Placement, shard: Shard) -> int:
     return placement.shape[shard.dim] if placement.shape is not None else shard.full
 
 
-# ----------------------------------------------------------------------------- data-parallel strategy
 def unit_norm_spans(units: Sequence[FlatUnit], tp: int) -> list[list[Span]]:
     """For each unit's shard, where the placement weight of the parameters under it changes, padding
     left out (`grad_norm.segment_spans`); fixed by the layout."""
     return [segment_spans(u.flat_layout.lo, u.flat_layout.hi, u.flat_layout.placed_ranges(), tp) for u in units]
-
-
-class FSDPStrategy:
-    """ZeRO-3 as a `data_parallel.DataParallelStrategy`: `FullyShardedDataParallel` and the caller's
-    optimizer over its fp32 shards. Every micro-batch's backward reduce-scatters (no `no_sync`: the
-    gradient memory stays sharded); forwards all-gather, so evaluation pads ranks with fewer batches;
-    `sharded_model` gathers the whole model from the shards."""
-
-    grads_sharded = True
-    forward_communicates = True
-
-    def __init__(self, fsdp: FullyShardedDataParallel | FullyShardedChunks, optimizer: torch.optim.Optimizer) -> None:
-        """`fsdp`: the wrapper, or an interleaved pipeline's chunks each in its own."""
-        self.module: nn.Module = fsdp
-        self.chunks: list[nn.Module] = list(fsdp) if isinstance(fsdp, FullyShardedChunks) else [fsdp]
-        self.sharded_model = fsdp
-        self.optimizer = optimizer
-        self._norm_spans = unit_norm_spans(fsdp.units, fsdp.ctx.group("tp").size)
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def zero_grad(self) -> None:
-        self.sharded_model.zero_grad()
-
-    def step_during_backward(self, allowed: bool) -> None:
-        """Never: the optimizer steps the fp32 shards after the norm."""
-
-    def optimizer_grads(self) -> list[torch.Tensor]:
-        return optimizer_param_grads(self.optimizer)
-
-    def grad_pieces(self) -> list[GradPiece]:
-        return flat_pieces((u.shard_grad for u in self.sharded_model.units), self._norm_spans)
-
-    def state_bytes(self) -> dict[str, int]:
-        return {**self.sharded_model.state_bytes(), "optimizer": optimizer_state_bytes(self.optimizer)}
-
-
-def build_zero3(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, optimizer_fn: OptimizerFn, group_fn: GroupFn) -> FSDPStrategy:
-    """ZeRO-3: the model cut into FSDP units as configured (`fsdp_wrap`, `reshard_after_forward`),
-    computing in the configured precision over fp32 shards; an interleaved pipeline's chunks (a
-    ModuleList) each in a wrapper of their own, with one optimizer over all their shards."""
-    def shard(module: nn.Module) -> FullyShardedDataParallel:
-        return FullyShardedDataParallel(
-            module, ctx, wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
-            param_dtype=DTYPES[cfg.precision], reduce_dtype=DTYPES[cfg.comm_dtype],
-            host_slots=cfg.host_shared_memory,
-        )
-
-    fsdp = FullyShardedChunks([shard(chunk) for chunk in model]) if isinstance(model, nn.ModuleList) else shard(model)
-    return FSDPStrategy(fsdp, optimizer_fn(fsdp.parameter_groups(group_fn)))

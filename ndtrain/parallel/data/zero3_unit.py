@@ -16,7 +16,8 @@ of `full`, a Ψᵤ'-element buffer in the compute dtype whose storage exists onl
   `shard_grad`.
 - `build_segments()` cuts the real elements of the shard (padding excluded) where the parameter
   group changes and every `OPTIMIZER_RUN` elements (flat_layout.py): `nn.Parameter`s aliasing
-  `shard`, with `.grad` aliasing `shard_grad`, which is what the optimizer updates in place.
+  `shard`, with `.grad` aliasing `shard_grad`, which is what the optimizer updates in place;
+  `held_slices()` maps them back to parameter pieces for checkpoints (held_slices.py).
 
 A float64 model keeps float64 masters, gradients and compute (`master_dtype`): "fp32" below means
 the master dtype; only a 16-bit `param_dtype` is mixed precision.
@@ -47,6 +48,7 @@ from ndtrain.dist.comm import Communicator, Group, Pending
 from ndtrain.dist.host_stream import SlotRing
 from ndtrain.dist.memory import tensor_bytes
 from ndtrain.parallel.data.flat_layout import OPTIMIZER_RUN, FlatLayout
+from ndtrain.parallel.data.held_slices import HeldSlice, flat_slices
 from ndtrain.parallel.precision import compute_dtype, master_dtype, reduction_dtype
 
 
@@ -201,6 +203,11 @@ class FlatUnit:
         self.segments = [(a, b, nn.Parameter(self.shard[a:b])) for a, b, _ in runs]
         self.attach_segment_grads()
         return [(g, seg) for (_, _, g), (_, _, seg) in zip(runs, self.segments)]
+
+    def held_slices(self) -> list[HeldSlice]:
+        """The parameter pieces the segments hold (for checkpoints; their [a, b) is in shard coordinates)."""
+        lo = self.flat_layout.lo
+        return flat_slices(self.flat_layout, [(lo + a, lo + b, segment) for a, b, segment in self.segments])
 
     # ----------------------------------------------------------------------------- accounting
     def parameter_bytes(self) -> int:

@@ -34,35 +34,41 @@ gradients I left at each weight's operation (`split_backward`): together about o
 Stage 0 has no input gradient: its I is free, its W the whole backward. Sent tensors are kept
 until the end of the step (a c10d send needs its buffer until done).
 
-Data parallel: stages wrapped in `DistributedDataParallel` synchronise only in the last gradient-producing
-action of each stage (the others run under `no_sync()`): the usual 2(N−1)/N·G per step, once,
-overlapped with that last backward only. A tied embedding/head weight with data parallel: each
-copy is averaged over dp first, then the two are summed across the pipeline (linear, so exact).
-Stages whose gradients are sharded (`gradients_sharded`: ZeRO-2's `Zero2DataParallel`, ZeRO-3's
-`FullyShardedDataParallel`) never run under `no_sync()`: each micro-batch's backward reduce-scatters
-its gradient into the shard, so the gradients stay sharded while several forwards wait for their
-backwards (FSDP pairs each backward with the oldest waiting forward: every schedule runs a chunk's
-backwards, and zb its W passes, in its forwards' order). With interleaved stages each chunk is a
-wrapper of its own (chunks.py), reducing in that chunk's backwards.
-zb with such a stage: I runs inside the stage's `input_pass()` when it has one (ZeRO-3 gathers the
-weights the input gradient needs, then frees them), and a split W inside its `weight_pass()`, which
-makes W's autograd calls (one per weight operation) one synchronising backward: ZeRO-2 stages the
-gradients and reduce-scatters at W's end, ZeRO-3 gathers each unit ahead of its calls and reduces
-it once its gradients are in. Every micro-batch is reduced once, in its W.
-The copies of a tied embedding/head under such stages are summed from the shards after the schedule (`tied_shards.TiedShards`:
-whole copy gathered over dp×cp, swapped, each rank adding the other copy's elements of its ranges).
+Data parallel: the runner never asks what wraps a stage; it is handed one `StageHooks` per chunk
+(hooks.py, from the strategy: `DataParallelStrategy.stage_hooks`) and only calls them. A chunk whose
+hooks have `no_sync` (DDP, ZeRO-1: gradients accumulate locally) synchronises only in its last
+gradient-producing action of the step (the others run under `no_sync()`): the usual 2(N−1)/N·G per
+step, once, overlapped with that last backward only. A tied embedding/head weight with data
+parallel: each copy is averaged over dp first, then the two are summed across the pipeline (linear,
+so exact). A chunk whose gradients are sharded (`gradients_sharded`: ZeRO-2, ZeRO-3) has no
+`no_sync`: each micro-batch's backward reduces its gradient into the shard, so the gradients stay
+sharded while several forwards wait for their backwards (FSDP pairs each backward with the oldest
+waiting forward: every schedule runs a chunk's backwards, and zb its W passes, in its forwards'
+order). With interleaved stages each chunk is a wrapper of its own, reducing in that chunk's
+backwards.
+zb: I runs inside the chunk's `input_pass()` (ZeRO-3 gathers the weights the input gradient needs,
+then frees them), and a split W inside its `weight_pass()` when it has one, which makes W's
+autograd calls (one per weight operation) one synchronising backward: ZeRO-2 stages the gradients
+and reduce-scatters at W's end, ZeRO-3 gathers each unit ahead of its calls and reduces it once its
+gradients are in. Every micro-batch is reduced once, in its W.
+The copies of a tied embedding/head under sharded chunks are summed from the shards after the
+schedule (`tied_shards.TiedShards`: whole copy gathered over dp×cp, swapped, each rank adding the
+other copy's elements of its ranges). A stage names its copy of a tied weight in its `tied`
+attribute (partition.py's `split_model`); the runner finds it among the modules of each chunk.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from ndtrain.dist.comm import Pending
 from ndtrain.dist.mesh import ParallelContext
+from ndtrain.parallel.pipeline.hooks import StageHooks
 from ndtrain.parallel.pipeline.schedules import Action, build, forward_actions, place, stage_of, with_communication
 from ndtrain.parallel.pipeline.split_backward import WeightPasses
 from ndtrain.parallel.pipeline.tied_shards import tied_shards
@@ -73,17 +79,14 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _HEADER = 10
 
 
-def _unwrap(stage: nn.Module) -> nn.Module:
-    return getattr(stage, "module", stage)
-
-
 class _Step:
     """The state of one `run_pipeline` call on one rank."""
 
     def __init__(self, stages: list[nn.Module], micro_batches: list[MicroBatch],
                  ctx: ParallelContext, plans: list[list[Action]], timeline: Timeline | None,
-                 forward_only: bool = False, loss_scale: float = 1.0) -> None:
+                 forward_only: bool = False, loss_scale: float = 1.0, hooks: list[StageHooks] | None = None) -> None:
         self.stages, self.micro_batches, self.ctx, self.timeline = stages, micro_batches, ctx, timeline
+        self.hooks = hooks if hooks is not None else [StageHooks() for _ in stages]
         self.loss_scale = loss_scale
         self.group = ctx.group("pp")
         self.p, self.rank, self.v, self.m = self.group.size, self.group.rank, len(stages), len(micro_batches)
@@ -211,28 +214,28 @@ class _Step:
         else:
             grad = None if s == self.last else self._receive("B", mb, chunk)
         x, out = self.inputs[key], self.outputs[key]
-        stage = self.stages[chunk]
+        stage, hooks = self.stages[chunk], self.hooks[chunk]
         params = [p for p in stage.parameters() if p.requires_grad]
         if part == "I":
             self.grad_out[key] = grad
             if s > 0:
                 passes = WeightPasses(out, params)
-                with getattr(stage, "input_pass", contextlib.nullcontext)():
+                with hooks.input_pass():
                     (gx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
                 passes.input_pass_done()
                 self.weight_passes[key] = passes
                 self._hand_over("B", mb, chunk, gx)
             return
-        ddp = hasattr(stage, "no_sync") and not getattr(stage, "gradients_sharded", False)  # ZeRO-3: always syncs
+        defers = hooks.no_sync is not None  # gradients accumulate locally, synchronised in the chunk's final backward
         final = self.final[chunk] == index
-        with stage.no_sync() if ddp and not final else contextlib.nullcontext():
+        with hooks.no_sync() if hooks.no_sync is not None and not final else contextlib.nullcontext():
             passes = self.weight_passes.pop(key, None)
             split = part == "W" and passes is not None and passes.complete
-            if split and hasattr(stage, "weight_pass"):  # sharded gradients: W's calls are one backward
-                with stage.weight_pass() as before:
+            if split and hooks.weight_pass is not None:  # W's calls are one synchronising backward
+                with hooks.weight_pass() as before:
                     passes.run(before)
-            elif split and not (ddp and final):
-                passes.run()  # DDP's sync needs the final W as one backward: re-walk instead
+            elif split and not (defers and final):
+                passes.run()  # a deferred sync needs the final W as one backward: re-walk instead
             elif part == "W":
                 torch.autograd.backward(out, grad, inputs=params)
             else:
@@ -264,29 +267,37 @@ class _Step:
 
 
 def _tied_weight(stages: list[nn.Module]) -> nn.Parameter | None:
+    """This rank's copy of a tied embedding/head weight: named by the `tied` attribute of a pipeline
+    stage (`split_model`'s) among the chunks' modules, wrapped or not."""
     for stage in stages:
-        base = _unwrap(stage)
-        if getattr(base, "tied", None):
-            return base.get_parameter(base.tied)
+        for module in stage.modules():
+            name = getattr(module, "tied", None)
+            if name:
+                return module.get_parameter(name)
     return None
 
 
 def run_pipeline(
     stages: list[nn.Module], micro_batches: list[MicroBatch], ctx: ParallelContext,
     schedule: str, timeline: Timeline | None = None, loss_scale: float = 1.0,
+    hooks: Sequence[StageHooks] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Forward and backward of all micro-batches `(inputs, targets[, positions])` (the same list on
     every pp rank; under context parallel this cp rank's sequence shards and their global positions)
-    through this rank's `stages` (from `split_model`, optionally each in `DistributedDataParallel`).
+    through this rank's `stages` (from `split_model`, optionally each in a data-parallel wrapper whose
+    synchronisation `hooks` gives, one per stage; None: bare stages).
 
     Returns (Σ over micro-batches of the micro-batch mean loss, on every pp rank; target count).
     Gradients of the mean loss over micro-batches, times `loss_scale` (fp16: applied on the last
     stage, so every stage's gradients carry it), are accumulated into `.grad`."""
     p = ctx.group("pp").size
     plans = build(schedule, p, len(micro_batches), len(stages))  # validates (p, m, v) first
-    step = _Step(stages, micro_batches, ctx, plans, timeline, loss_scale=loss_scale)
+    if hooks is not None and len(hooks) != len(stages):
+        raise ValueError(f"{len(hooks)} stage hooks for {len(stages)} stage chunks: give one per chunk")
+    step = _Step(stages, micro_batches, ctx, plans, timeline, loss_scale=loss_scale,
+                 hooks=None if hooks is None else list(hooks))
     tied = _tied_weight(stages) if step.p > 1 else None
-    sharded = [s for s in stages if getattr(s, "gradients_sharded", False)]
+    sharded = [s for s, h in zip(stages, step.hooks) if h.gradients_sharded]
     tied_grads = tied_shards(sharded, tied) if tied is not None and sharded else None
     stash = None
     if tied_grads is not None:

@@ -1,0 +1,223 @@
+"""The sections of the run configuration other than the layout (parallel.py): one dataclass per TOML
+table, each with the defaults of a run and a `validate` that checks its own values (checks.py).
+
+model (sizes of the built-in Llama, or an `hf:PATH` model), data (corpus, tokenizer, token cache),
+optim (AdamW, clipping), schedule (steps, batch, learning rate), checkpoint (cadence, resume),
+log (run directory, evaluation, progress, trackers), launch (local processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ndtrain.config.checks import check_choices, exists, positive
+from ndtrain.config.options import DataFormat, ProgressMode
+from ndtrain.config.presets import DEFAULT_PRESET, is_hf_preset
+from ndtrain.errors import UserError
+
+MAX_THREADS = 2**31 - 1  # torch.set_num_threads takes a C int
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
+
+    preset: str = DEFAULT_PRESET
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 688
+    vocab_size: int = 256
+    seq_len: int = 128
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    init_from: str | None = None  # weights to start from: an HF save_pretrained folder or a .safetensors file
+
+    def validate(self) -> None:
+        positive(self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")
+        positive(self, "norm_eps", "rope_theta", "init_std")
+        if self.init_from is not None and not exists(self.init_from):
+            raise UserError(f"model.init_from {self.init_from!r} does not exist: give an HF model folder or a .safetensors file")
+        if self.dim % self.n_heads:
+            raise UserError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if is_hf_preset(self.preset):  # the HF config decides the rest (models/hf.py)
+            return
+        if (self.dim // self.n_heads) % 2:
+            raise UserError(f"model head size dim/n_heads={self.dim // self.n_heads} must be even for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}"
+            )
+
+    def parameter_count(self) -> int:
+        """Ψ of the built-in Llama with these sizes (the formula in models/llama.py), by arithmetic.
+        An `hf:PATH` model is counted on its construction: `ndtrain.run.config_checks.parameter_count`."""
+        if is_hf_preset(self.preset):
+            raise ValueError(f"model.preset={self.preset!r}: count it with ndtrain.run.config_checks.parameter_count")
+        d, head = self.dim, self.dim // self.n_heads
+        layer = 2 * d * d + 2 * d * self.n_kv_heads * head + 3 * d * self.ffn_dim + 2 * d
+        return self.vocab_size * d * (1 if self.tie_embeddings else 2) + self.n_layers * layer + d
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from (`path=None` is the Python standard library's own source), how it
+    is read and tokenized, and where its token file is cached (None: RUN_DIR/data). See ndtrain/data."""
+
+    path: str | None = None
+    val_fraction: float = 0.02
+    eval_samples: int = 256
+    tokenizer: str = "bytes"          # bytes | hf:PATH (a tokenizer.json or a tokenizer directory)
+    format: DataFormat = "auto"
+    text_field: str = "text"          # the text field/column of JSONL, Parquet and datasets records
+    cache: str | None = None          # token-file folder (default RUN_DIR/data)
+
+    def validate(self) -> None:
+        check_choices(self)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise UserError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.eval_samples < 0:
+            raise UserError(f"data.eval_samples must be >= 0 (0 = whole validation set), got {self.eval_samples}")
+        if self.path is not None and not self.path.strip():
+            raise UserError("data.path is empty: leave it out for the standard library's source, or give a file or folder")
+        if self.path is not None and not exists(self.path):
+            raise UserError(f"data.path {self.path!r} does not exist: give a text file, a folder or a .jsonl file")
+        if not self.text_field:
+            raise UserError('data.text_field is empty: name the field that holds the text (default "text")')
+        if self.cache is not None and not self.cache.strip():
+            raise UserError("data.cache is empty: leave it out for RUN_DIR/data, or give a folder")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with global-norm gradient clipping (`grad_clip=0` disables clipping).
+
+    A NaN/inf loss or gradient norm (fp32/bf16) stops the run naming the step; `skip_nonfinite`
+    skips such steps instead (fp16 always skips them through its loss scaler)."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    skip_nonfinite: bool = False
+
+    def validate(self) -> None:
+        positive(self, "lr", "eps")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise UserError("optim.weight_decay and optim.grad_clip must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduleConfig:
+    """Steps, batch and learning-rate schedule (linear warmup, cosine decay to min_lr_ratio·lr).
+
+    `global_batch` sequences per optimizer step are split over the dp ranks and then into
+    micro-batches of `micro_batch` sequences; gradient accumulation covers the rest.
+    """
+
+    steps: int = 200
+    global_batch: int = 32
+    micro_batch: int = 16
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+
+    def validate(self) -> None:
+        positive(self, "steps", "global_batch", "micro_batch")
+        if self.warmup_steps < 0:
+            raise UserError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def accumulation_steps(self, dp: int) -> int:
+        """Micro-steps per optimizer step on each rank; the batch must split evenly."""
+        per_rank, rest = divmod(self.global_batch, dp)
+        if rest or per_rank % self.micro_batch:
+            raise UserError(
+                f"schedule.global_batch={self.global_batch} is not divisible by dp={dp} × "
+                f"schedule.micro_batch={self.micro_batch}: change one of them"
+            )
+        return per_rank // self.micro_batch
+
+
+@dataclass
+class CheckpointConfig:
+    """DCP checkpoints in RUN_DIR/checkpoints every `save_every` steps (0 = only at the end).
+
+    `exit_after` > 0 stops this invocation after that many steps with a checkpoint, for jobs
+    with a time limit; running the same command again continues the run. `overwrite` deletes the
+    run directory's checkpoints and metrics and starts over (the only way to start over in a
+    directory that holds checkpoints).
+    """
+
+    save_every: int = 0
+    keep: int = 2
+    resume: bool = False
+    exit_after: int = 0
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        if self.save_every < 0 or self.exit_after < 0:
+            raise UserError("checkpoint.save_every and checkpoint.exit_after must be >= 0")
+        positive(self, "keep")
+        if self.resume and self.overwrite:
+            raise UserError("--resume and --overwrite exclude each other: continue the run or start it over, not both")
+
+
+@dataclass
+class LogConfig:
+    """Run directory, evaluation cadence and progress display.
+
+    `every`: a metrics record and a progress line every N steps (`log_every` is its old name, still
+    read). `progress`: auto (a bar on a terminal, lines otherwise), bar, lines or off; true/false
+    mean auto/off. `report_to`: experiment trackers (run/trackers.py; their names and libraries are
+    checked in the run layer, run/config_checks.py).
+    """
+
+    out: str = "runs/default"
+    eval_every: int = 50
+    every: int = 10
+    progress: bool | ProgressMode = "auto"
+    report_to: list[str] = field(default_factory=list)  # any of "tensorboard", "wandb", "mlflow"
+    timeline: bool | int = False  # pp > 1: record one step's pipeline timeline (true: step 2; N: step N)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.progress, bool):
+            self.progress = "auto" if self.progress else "off"
+
+    def validate(self) -> None:
+        if not isinstance(self.timeline, bool) and self.timeline < 1:
+            raise UserError(f"log.timeline must be true, false or a step number >= 1, got {self.timeline}")
+        if not self.out.strip():
+            raise UserError("log.out (--out) is empty: give the run directory, e.g. --out runs/my-run")
+        if self.eval_every < 0:
+            raise UserError(f"log.eval_every must be >= 0 (0 = only at the end), got {self.eval_every}")
+        positive(self, "every")
+        check_choices(self)
+
+
+@dataclass
+class LaunchConfig:
+    """Local processes started by `ndtrain train` (ignored when an external torchrun started us).
+
+    `max_restarts`: how many times a dead worker group is restarted (resuming from the newest
+    checkpoint) before the run fails.
+    """
+
+    nproc: int = 2
+    threads: int = 0
+    max_restarts: int = 3
+
+    def validate(self) -> None:
+        positive(self, "nproc")
+        if self.max_restarts < 0:
+            raise UserError(f"launch.max_restarts must be >= 0, got {self.max_restarts}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise UserError(f"launch.threads must be in [0, {MAX_THREADS}] (0 = cores / nproc), got {self.threads}")

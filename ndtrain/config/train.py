@@ -1,0 +1,74 @@
+"""`TrainConfig`: the whole run configuration, one field per section, and the checks across sections
+that the config alone can make. Checks that need a model, a tokenizer or a tracker library live in
+the run layer (`ndtrain/run/config_checks.py`).
+
+`allowed_values` reads a dotted key's allowed values from its annotation (the command line's choices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ndtrain.config.checks import check_vocab_size
+from ndtrain.config.options import literal_in, values
+from ndtrain.config.parallel import ParallelConfig, PSConfig
+from ndtrain.config.presets import TASK_PRESETS
+from ndtrain.config.sections import (
+    CheckpointConfig, DataConfig, LaunchConfig, LogConfig, ModelConfig, OptimConfig, ScheduleConfig,
+)
+from ndtrain.errors import UserError
+
+BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (data/tokenizer.py), the least a model can have
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+
+    def validate(self) -> None:
+        """Every section's own checks, then those across sections (the byte tokenizer's vocabulary
+        included; an `hf:` tokenizer's is checked in the run layer)."""
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"seed must be in [0, 2**63), got {self.seed}")
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                section.validate()
+        p = self.parallel
+        if self.model.preset in TASK_PRESETS and (p.tp * p.pp * p.cp > 1 or self.ps.servers or self.data.path is not None):
+            raise UserError(
+                f"--model {self.model.preset} trains on its own data with data parallelism only (dp, zero, dp_mode): "
+                "leave data.path unset and tp, pp, cp at 1, ps.servers at 0"
+            )
+        if p.overlap_optimizer and (self.optim.grad_clip > 0 or self.optim.skip_nonfinite or p.precision == "fp16"):
+            raise UserError(
+                "parallel.overlap_optimizer=true updates parameters during backward, before the global gradient norm "
+                "exists: set optim.grad_clip=0 and optim.skip_nonfinite=false (and no fp16), or overlap_optimizer=false"
+            )
+        if self.data.tokenizer == "bytes":
+            check_vocab_size(self.model.vocab_size, self.data.tokenizer, BYTE_VOCAB)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def allowed_values(key: str) -> tuple[Any, ...] | None:
+    """The values a dotted config key (`parallel.precision`) is limited to, from its annotation; None for an open key."""
+    section: Any = TrainConfig
+    *parents, name = key.split(".")
+    for part in parents:
+        section = typing.get_type_hints(section)[part]
+    option = literal_in(typing.get_type_hints(section)[name])
+    return None if option is None else values(option)
