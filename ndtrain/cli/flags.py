@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from ndtrain.config import MODEL_PRESETS, PRESET_NAMES, TrainConfig, allowed_values, read_toml
+from ndtrain.config import HF_PREFIX, MODEL_PRESETS, PRESET_NAMES, TrainConfig, allowed_values, read_toml
 
 BOOL_METAVAR = "{true,false}"
 TRUE_WORDS = ("true", "1", "yes", "on")
@@ -31,13 +31,12 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-HF_MODEL_PREFIX = "hf:"
 MODEL_METAVAR = "{" + ",".join(PRESET_NAMES) + ",hf:PATH}"
 
 
 def parse_model(text: str) -> str:
     """A built-in preset name or `hf:PATH` (a folder with a transformers config.json, checked by the config)."""
-    if text in PRESET_NAMES or (text.startswith(HF_MODEL_PREFIX) and len(text) > len(HF_MODEL_PREFIX)):
+    if text in PRESET_NAMES or (text.startswith(HF_PREFIX) and len(text) > len(HF_PREFIX)):
         return text
     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(PRESET_NAMES)} or hf:PATH)")
 
