@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ndtrain.checkpoint.store import checkpoint_name
 from ndtrain.run.directory import MARKER
 from tests.helpers.runs import TINY_ARGS, corpus_file, ndtrain, one_error_line
 
@@ -60,6 +61,17 @@ def test_resume_without_a_checkpoint_writes_nothing(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_a_data_refusal_leaves_no_trace_in_a_new_or_empty_folder(tmp_path: Path) -> None:
+    """The data are checked after the marker is written: a refusal there takes back what the run added."""
+    (tmp_path / "short.txt").write_text("too short\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for out in (tmp_path / "new-run", empty):
+        line = one_error_line(train(out, str(tmp_path / "short.txt")))
+        assert "too few" in line, line
+    assert not (tmp_path / "new-run").exists() and list(empty.iterdir()) == []
+
+
 def test_a_new_run_is_marked_and_an_unmarked_run_of_ours_still_resumes(tmp_path: Path) -> None:
     data = corpus_file(tmp_path)
     out = tmp_path / "run"
@@ -69,4 +81,4 @@ def test_a_new_run_is_marked_and_an_unmarked_run_of_ours_still_resumes(tmp_path:
     (out / MARKER).unlink()  # as a run directory written before the marker existed
     again = train(out, data, "--resume", "--steps", "4")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert (out / MARKER).is_file() and (out / "checkpoints" / "step_4").is_dir()
+    assert (out / MARKER).is_file() and (out / "checkpoints" / checkpoint_name(4)).is_dir()

@@ -182,7 +182,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     check_host_memory(cfg)
     check_run_dir(cfg.log.out)
     from ndtrain.data.prepare import check_data
-    from ndtrain.run.directory import check_owned, claim, has_checkpoint, nothing_to_resume
+    from ndtrain.run.directory import check_owned, claimed, has_checkpoint, nothing_to_resume
     from ndtrain.run.lock import refuse_if_locked
 
     run_dir = Path(cfg.log.out)
@@ -190,9 +190,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.checkpoint.resume and not cfg.ps.servers and not has_checkpoint(run_dir):
         raise nothing_to_resume(run_dir / "checkpoints")
     refuse_if_locked(run_dir)  # before the token file is written into the run directory
-    if not args.check:
-        claim(run_dir)  # the marker first: a run directory is ours before any other byte is written
-    check_data(cfg, write=not args.check)  # builds the token file once, before any worker starts
+    with claimed(run_dir, write=not args.check):  # the marker first; a refusal below takes back what was added
+        check_data(cfg, write=not args.check)  # builds the token file once, before any worker starts
     if args.check:
         print(dump_toml(cfg), end="")
         return 0

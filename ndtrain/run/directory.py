@@ -8,15 +8,18 @@ the marker existed is recognised by a finished checkpoint with an ndtrain manife
 program's files, even with the same names as ours (`config.toml`, `metrics.jsonl`, `data/`) — is
 refused in one line before anything is written, with `--resume` and `--overwrite` as well.
 
-`check_owned` reads only; `claim` checks, then creates the folder and writes the marker. Nothing
-here communicates.
+`check_owned` reads only; `claim` checks, then creates the folder and writes the marker; `claimed`
+also takes back what a refused start added. Nothing here communicates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
+from typing import Iterator
 
 from ndtrain.checkpoint.manifest import MANIFEST, step_dirs
 from ndtrain.errors import UserError
@@ -58,6 +61,29 @@ def claim(run_dir: Path) -> None:
     partial = run_dir / f"{MARKER}.partial"
     partial.write_text(json.dumps({"ndtrain": package_version(), "claimed": utc_now()}) + "\n")
     partial.replace(marker)
+
+
+@contextlib.contextmanager
+def claimed(run_dir: Path, write: bool = True) -> Iterator[None]:
+    """`claim(run_dir)` (when `write`), then the caller's first writes; a UserError among them removes
+    every entry the claim and those writes added (the folder too when it was new), so a refused run
+    leaves nothing behind. Only entries that were not there before are removed: all of them ours."""
+    if not write:
+        yield
+        return
+    new = not run_dir.exists()
+    before = set() if new else set(os.listdir(run_dir))
+    claim(run_dir)
+    try:
+        yield
+    except UserError:
+        if new:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            for name in set(os.listdir(run_dir)) - before:
+                path = run_dir / name
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        raise
 
 
 def has_checkpoint(run_dir: Path) -> bool:
