@@ -35,7 +35,9 @@ from ndtrain.data.corpus import TokenWindows, load_corpus
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.llama import build_model
-from ndtrain.ps.parameter_server import ParameterServer, PSSetup, PSWorker
+from ndtrain.ps.messages import PSSetup
+from ndtrain.ps.server import ParameterServer
+from ndtrain.ps.worker import PSWorker
 
 LR = 3e-4
 STALENESS = 2

@@ -1,4 +1,4 @@
-"""`PSEngine`: parameter-server training (parameter_server.py) behind the `Engine` interface.
+"""`PSEngine`: parameter-server training (messages.py, server.py, worker.py) behind the `Engine` interface.
 
 Every rank builds the whole model from the same seed on `ctx.device`. Worker ranks (0..W−1):
 `train_step` runs forward/backward on the rank's micro-batches, pushes the gradient to the
@@ -30,9 +30,12 @@ from ndtrain.engine import Batch, StepResult
 from ndtrain.errors import UserError
 from ndtrain.dist.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
 from ndtrain.dist.mesh import ParallelContext
+from ndtrain.parallel.pipeline import Timeline
 from ndtrain.parallel.counting import count_parameters
-from ndtrain.ps.parameter_server import LossFn, OptimizerFn, ParameterServer, PSSetup, PSWorker
-from ndtrain.parallel.data.param_groups import GroupFn, no_decay_for_vectors
+from ndtrain.ps.messages import LossFn, OptimizerFn, PSSetup
+from ndtrain.ps.server import ParameterServer
+from ndtrain.ps.worker import PSWorker
+from ndtrain.parallel.data.zero1_optimizer import GroupFn, no_decay_for_vectors
 
 NO_CHECKPOINTS = ("checkpoints are not supported in parameter-server training (ps.servers > 0): the optimizer state "
                   "lives on the servers and async workers hold no single version; train without ps.servers to checkpoint")
@@ -76,7 +79,7 @@ class PSEngine:
         self.is_server = self.setup.roles.is_server(ctx.rank)
         self.loss_fn, self.slow_worker = loss_fn, cfg.ps.slow_worker
         self.scheduler = None  # the servers apply the LR schedule themselves (async: by updates applied)
-        self.timeline = None   # no pipeline timeline to record
+        self.timeline: Timeline | None = None  # no pipeline timeline to record
         self.sharded_model = None
         self.server: ParameterServer | None = None
         self.worker: PSWorker | None = None

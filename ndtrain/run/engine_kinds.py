@@ -22,7 +22,7 @@ from torch import nn
 from ndtrain.config import TrainConfig
 from ndtrain.engine import Engine
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.ps.parameter_server import LossFn, OptimizerFn
+from ndtrain.ps.messages import LossFn, OptimizerFn
 from ndtrain.ps.engine import PSEngine, check_ps_config
 from ndtrain.run.preemption import StopRequest
 
