@@ -20,7 +20,7 @@ from ndtrain.models.llama import build_model
 from ndtrain.ps.messages import PSSetup, shard_parameters
 from ndtrain.ps.server import ParameterServer, async_beta1, async_lr_scale
 from ndtrain.ps.worker import PSWorker
-from ndtrain.parallel.data.zero1_optimizer import no_decay_for_vectors, parameter_groups
+from ndtrain.parallel.data.param_groups import no_decay_for_vectors, parameter_groups
 from ndtrain.ps.engine import PSEngine, check_ps_config
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import train_reference

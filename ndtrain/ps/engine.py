@@ -35,7 +35,7 @@ from ndtrain.parallel.counting import count_parameters
 from ndtrain.ps.messages import LossFn, OptimizerFn, PSSetup
 from ndtrain.ps.server import ParameterServer
 from ndtrain.ps.worker import PSWorker
-from ndtrain.parallel.data.zero1_optimizer import GroupFn, no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import GroupFn, no_decay_for_vectors
 
 NO_CHECKPOINTS = ("checkpoints are not supported in parameter-server training (ps.servers > 0): the optimizer state "
                   "lives on the servers and async workers hold no single version; train without ps.servers to checkpoint")

@@ -60,7 +60,7 @@ from torch import nn
 from ndtrain.engine import NonFiniteError
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.grad_norm import clip_, local_squares
-from ndtrain.parallel.data.zero1_optimizer import GroupFn, no_decay_for_vectors
+from ndtrain.parallel.data.param_groups import GroupFn, no_decay_for_vectors
 from ndtrain.ps.messages import APPLIED, SKIPPED, STOP, OptimizerFn, Outcome, PSSetup, flat_views
 
 
