@@ -29,7 +29,7 @@ from ndtrain.config import TrainConfig, dump_toml
 from ndtrain.console import console_stream, ensure_console, log
 from ndtrain.data.sampler import DistributedSampler, eval_shard
 from ndtrain.engine import Batch, StepResult
-from ndtrain.run.engine_kinds import AnyEngine, engine_kind
+from ndtrain.run.engine_kinds import TrainingEngine, engine_kind
 from ndtrain.errors import UserError
 from ndtrain.dist.memory import peak_bytes, reset_peak
 from ndtrain.dist.mesh import ParallelContext, init
@@ -85,7 +85,7 @@ def seeded(model_fn: ModelFn, seed: int) -> ModelFn:
 
 
 def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | None = None,
-                 loss_fn: LossFn | None = None) -> AnyEngine:
+                 loss_fn: LossFn | None = None) -> TrainingEngine:
     """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine,
     in the engine kind of the config (run/engine_kinds.py: `Engine`, or `PSEngine` when ps.servers > 0).
     The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
@@ -138,7 +138,7 @@ class Trainer:
         server's workers)."""
         return self.kind.data_ranks()
 
-    def make_engine(self) -> AnyEngine:
+    def make_engine(self) -> TrainingEngine:
         return build_engine(self.cfg, self.ctx, self.model_fn if self.model_fn is not None else self.task.model_fn,
                             self.loss_fn)
 
