@@ -281,7 +281,7 @@ class DDPStrategy:
         self.chunks: list[nn.Module] = list(chunks)
         self.module: nn.Module = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.optimizer = optimizer
-        self.stage_hooks = [StageHooks(no_sync=chunk.no_sync) for chunk in chunks]
+        self.stage_hooks = [StageHooks(no_sync=lambda c=chunk: c.no_sync()) for chunk in chunks]
         self._tp = ctx.group("tp").size
         self._overlap = overlap
 

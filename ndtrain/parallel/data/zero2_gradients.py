@@ -274,4 +274,5 @@ def build_zero2(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, opt
     optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=True)
     return ZeroStrategy(source, optimizer, no_sync=contextlib.nullcontext,
                         gradient_bytes=lambda: sum(w.gradient_bytes for w in wrappers), chunks=wrappers,
-                        stage_hooks=[StageHooks(gradients_sharded=True, weight_pass=w.weight_pass) for w in wrappers])
+                        stage_hooks=[StageHooks(gradients_sharded=True, weight_pass=lambda w=w: w.weight_pass())
+                                     for w in wrappers])

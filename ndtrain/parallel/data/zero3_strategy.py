@@ -45,8 +45,8 @@ class FSDPStrategy:
         self.chunks: list[nn.Module] = list(chunks)
         self.sharded_model = fsdp
         self.optimizer = optimizer
-        self.stage_hooks = [StageHooks(gradients_sharded=True, input_pass=c.input_pass, weight_pass=c.weight_pass)
-                            for c in chunks]
+        self.stage_hooks = [StageHooks(gradients_sharded=True, input_pass=lambda c=c: c.input_pass(),
+                                       weight_pass=lambda c=c: c.weight_pass()) for c in chunks]
         self._norm_spans = unit_norm_spans(fsdp.units, fsdp.ctx.group("tp").size)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

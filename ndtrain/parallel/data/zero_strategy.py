@@ -116,7 +116,7 @@ def zero_over_ddp(chunks: list[DistributedDataParallel], ctx: ParallelContext, o
     optimizer = ZeroOptimizer(source, ctx, optimizer_fn, group_fn=group_fn, masters=masters, sharded=sharded)
     return ZeroStrategy(source, optimizer, no_sync=functools.partial(all_no_sync, chunks),
                         gradient_bytes=lambda: held_gradient_bytes(chunks), chunks=chunks,
-                        stage_hooks=[StageHooks(no_sync=chunk.no_sync) for chunk in chunks],
+                        stage_hooks=[StageHooks(no_sync=lambda c=chunk: c.no_sync()) for chunk in chunks],
                         release=any(b.transient for b in source.buckets))
 
 

@@ -16,7 +16,9 @@ The runner (runner.py) never asks what wraps a stage: the data-parallel strategy
   one synchronising backward; it yields None or `before(params)`, called ahead of each call (ZeRO-3
   gathers the unit holding `params`). None: W's calls need nothing around them.
 
-The defaults are a bare stage's: no data parallelism around it. Nothing here communicates.
+The defaults are a bare stage's: no data parallelism around it. A strategy's hooks call its chunk's
+methods at each use (`lambda: chunk.no_sync()`), so whatever the chunk holds then is what runs.
+Nothing here communicates.
 """
 
 from __future__ import annotations
