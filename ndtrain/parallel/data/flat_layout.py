@@ -16,7 +16,7 @@ bucket those 2 × 12.5 MB blocks stayed in glibc's heap after the step, ~20 MB m
 memory per rank in `ndtrain bench zero1` than with 4 MB runs; the update itself is the same). Users: ZeRO-1's `_Shard` (zero1_optimizer.py), the gradient buckets of DDP and ZeRO-2
 (buckets.py) and ZeRO-3's `FlatUnit` (zero3_unit.py).
 
-Each parameter's `Placement` (placement.py: unsharded name and shape, tp slice, pipeline
+Each parameter's `Placement` (parallel/placement.py: unsharded name and shape, tp slice, pipeline
 duplicate) is read once, at construction, and handed out with its segments, so the gradient norm
 and layout-agnostic checkpoints can map a flat shard back to parameter names and slices after the
 flattening has replaced the parameters' storage. Nothing here communicates; a layout costs

@@ -1,6 +1,6 @@
 """The one interface every data-parallel strategy is driven through, and the registry of strategies.
 
-`Engine` composes model parallelism (compose.py), then hands the resulting module to exactly one
+`Engine` composes model parallelism (parallel/compose.py), then hands the resulting module to exactly one
 data-parallel strategy, built by `strategies[(parallel.dp_mode, parallel.zero)]`, and from then on
 only uses the `DataParallelStrategy` below, for a strategy's whole life: the training step, what a
 rank's checkpoint slices are and how its optimizer state is laid out (checkpoint/slices.py asks
@@ -105,7 +105,7 @@ class DataParallelStrategy(Protocol):
 
     def grad_pieces(self) -> list[GradPiece]:
         """This rank's pieces of the gradient the optimizer reads, each weighted by its parameter's
-        placement (grad_norm.py), for the global norm. No communication."""
+        placement (parallel/grad_norm.py), for the global norm. No communication."""
         ...
 
     def state_bytes(self) -> dict[str, int]:

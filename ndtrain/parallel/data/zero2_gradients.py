@@ -35,11 +35,11 @@ What is communicated, and when:
   gradients, divided by N), memory stays 4Ψ/N, at the price of k reduce-scatters for k
   micro-batches: k·(N−1)/N·G bytes per step instead of one. (Accumulating locally first would
   need the full 4Ψ gradient between micro-batches: ZeRO-2's memory saving gone.)
-- The gradient norm (grad_norm.py: `ZeroOptimizer`'s segments, each parameter weighted by its
+- The gradient norm (parallel/grad_norm.py: `ZeroOptimizer`'s segments, each parameter weighted by its
   placement; summed over dp_cp, or over the world under tp/pp). The parameter all-gather after the
   step belongs to `ZeroOptimizer`.
 - Under tp, a tp-replicated parameter's partial gradient is summed over tp by its tensor hook
-  before accumulation (tensor.py), so the shards hold complete gradients; under pp each stage is
+  before accumulation (parallel/model/tensor.py), so the shards hold complete gradients; under pp each stage is
   one wrapper, reduce-scattering every micro-batch's backward (its `StageHooks` have no `no_sync`),
   and an interleaved pipeline's v chunks are v wrappers (chunks.py `DataParallelChunks`:
   one `ZeroOptimizer` over all their buckets), each reduce-scattering in its own backwards.

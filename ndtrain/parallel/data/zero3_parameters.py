@@ -8,7 +8,7 @@ of which each rank keeps 1/N, with its gradient; the optimizer sees only those s
 (`parameter_groups`), so its state is sharded too. The engine drives it through `FSDPStrategy`
 (zero3_strategy.py).
 Under tensor parallel the units are built on the tp-sharded model: a unit's flat buffer holds this
-tp rank's slices (and the tp-replicated parameters, whose partial gradients tensor.py's hooks sum
+tp rank's slices (and the tp-replicated parameters, whose partial gradients parallel/model/tensor.py's hooks sum
 over tp before they reach the flat gradient), sharded further over dp×cp; each segment keeps its
 `Placement`, so the norm counts a slice once per tp rank and a replicated parameter once, and
 `full_state_dict` gathers the slices over tp too.
@@ -292,7 +292,7 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
 
     def local_grad_squares(self) -> torch.Tensor:
         """Σ g² over this rank's gradient shards, padding excluded, each parameter weighted by its
-        placement (grad_norm.py; master-dtype scalar: all-reduce it over dp_cp)."""
+        placement (parallel/grad_norm.py; master-dtype scalar: all-reduce it over dp_cp)."""
         spans = unit_norm_spans(self.units, self.ctx.group("tp").size)
         return local_squares(flat_pieces((u.shard_grad for u in self.units), spans), self.units[0].shard.device)
 

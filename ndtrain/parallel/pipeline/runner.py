@@ -226,15 +226,15 @@ class _Step:
                 self.weight_passes[key] = passes
                 self._hand_over("B", mb, chunk, gx)
             return
-        defers = hooks.no_sync is not None  # gradients accumulate locally, synchronised in the chunk's final backward
+        no_sync = hooks.no_sync  # set: gradients accumulate locally, synchronised in the chunk's final backward
         final = self.final[chunk] == index
-        with hooks.no_sync() if hooks.no_sync is not None and not final else contextlib.nullcontext():
+        with no_sync() if no_sync is not None and not final else contextlib.nullcontext():
             passes = self.weight_passes.pop(key, None)
             split = part == "W" and passes is not None and passes.complete
             if split and hooks.weight_pass is not None:  # W's calls are one synchronising backward
                 with hooks.weight_pass() as before:
                     passes.run(before)
-            elif split and not (defers and final):
+            elif split and not (no_sync is not None and final):
                 passes.run()  # a deferred sync needs the final W as one backward: re-walk instead
             elif part == "W":
                 torch.autograd.backward(out, grad, inputs=params)
