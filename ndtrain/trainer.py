@@ -3,7 +3,7 @@
 Data: the corpus is cut into windows of seq_len+1 bytes; each epoch is a seeded permutation and
 global step s trains on its windows [s·G, (s+1)·G) (G = global batch), dealt round-robin to the dp
 ranks, so the data order is a pure function of (seed, epoch, step) and resuming needs only the
-step. Each rank splits its G/dp windows into micro-batches (gradient accumulation).
+step (counted from `data_start`, which is 0 unless a resume changed the data: run/data_identity.py). Each rank splits its G/dp windows into micro-batches (gradient accumulation).
 Evaluation: a fixed, evenly spaced subset of validation windows, split into uneven contiguous
 shards (no padding), loss and token counts summed with one all-reduce.
 The data sets, the model and any evaluation beyond the loss come from the config's `Task`
@@ -27,6 +27,8 @@ from torch import nn
 from ndtrain.checkpoint.store import checkpoint_name, load_checkpoint, select_checkpoint
 from ndtrain.config import TrainConfig, dump_toml
 from ndtrain.console import console_stream, ensure_console, log
+from ndtrain.data.identity import read_fingerprint
+from ndtrain.data.prepare import cache_folder
 from ndtrain.data.sampler import DistributedSampler, eval_shard
 from ndtrain.engine import Batch, StepResult
 from ndtrain.run.engine_kinds import TrainingEngine, engine_kind
@@ -36,6 +38,7 @@ from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.run.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.checkpoint.run_model import build_run_model
 from ndtrain.models.build import model_label
+from ndtrain.run.data_identity import data_start_after_resume
 from ndtrain.run.directory import nothing_to_resume
 from ndtrain.run.preemption import Preempted, StopRequest
 from ndtrain.run.progress import Progress
@@ -115,6 +118,8 @@ class Trainer:
         self.run_dir = Path(cfg.log.out)
         self.checkpoints = self.run_dir / "checkpoints"
         self.task = build_task(cfg)
+        self.data_fingerprint = read_fingerprint(cache_folder(cfg.data, self.run_dir))  # None: no token file
+        self.data_start = 0  # the step the data order counts from (data.allow_change moves it)
         self.kind = engine_kind(cfg, self.ctx)
         self.corpus_description = self.task.data_description
         self.train_set, self.val_set = self.task.train_set, self.task.val_set
@@ -150,7 +155,7 @@ class Trainer:
 
     def micro_batches(self, step: int) -> list[Batch]:
         """This rank's micro-batches for global step `step` (0-based)."""
-        epoch, position = divmod(step, self.steps_per_epoch)
+        epoch, position = divmod(step - self.data_start, self.steps_per_epoch)
         indices = self._epoch_indices(epoch)[position * self.rank_batch : (position + 1) * self.rank_batch]
         xs, ys = zip(*(self.train_set[i] for i in indices))
         x, y = torch.stack(xs), torch.stack(ys)
@@ -179,6 +184,10 @@ class Trainer:
         `checkpoint.overwrite` starts over instead: the old checkpoints and metrics are deleted
         first. It applies to the run's first start only, not when torchrun's elastic agent
         restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), which must resume.
+
+        A checkpoint of other data (its recorded fingerprint, run/data_identity.py) is refused unless
+        `data.allow_change`, which restarts the data order at the resumed step; a checkpoint saved before
+        fingerprints were recorded has none and is resumed on any data, unchecked.
         """
         start_over = self.cfg.checkpoint.overwrite and elastic_restarts() == 0
         if start_over and self.ctx.is_main:
@@ -197,11 +206,17 @@ class Trainer:
             raise UserError(f"checkpoint {str(path)!r} was trained with schedule.global_batch = {saved_batch}, this run "
                             f"has {self.cfg.schedule.global_batch}: resume with the same global batch (any layout)")
         self.tokens_total = int(progress.get("tokens", 0))
-        return int(progress["step"])
+        step = int(progress["step"])
+        self.data_start, warning = data_start_after_resume(progress, path, step, self.data_fingerprint,
+                                                           self.cfg.data.allow_change)
+        if warning is not None and self.ctx.is_main:
+            log.warning(f"ndtrain: warning: {warning}")
+        return step
 
     def save(self, step: int) -> None:
         self.engine.save(self.checkpoints, step=step, keep=self.cfg.checkpoint.keep,
-                         progress={"tokens": self.tokens_total, "global_batch": self.cfg.schedule.global_batch})
+                         progress={"tokens": self.tokens_total, "global_batch": self.cfg.schedule.global_batch,
+                                   "data": self.data_fingerprint, "data_start": self.data_start})
 
     def run(self) -> dict[str, Any]:
         """Train to `schedule.steps`; on SIGTERM/SIGINT stop after the current step with a checkpoint (Preempted)."""

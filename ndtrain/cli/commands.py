@@ -179,6 +179,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
 
     if is_hf_model(cfg.model.preset):
         check_hf_model(hf_path(cfg.model.preset), cfg.model.seq_len, cfg.parallel)
+    from ndtrain.run.layout_check import check_layout_on_meta
+
+    check_layout_on_meta(cfg, cfg.launch.nproc)  # heads vs tp, sequence vs cp, layers vs pp: before any folder
     check_host_memory(cfg)
     check_run_dir(cfg.log.out)
     from ndtrain.data.prepare import check_data
@@ -189,6 +192,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     check_owned(run_dir)  # another program's folder is never written into (--resume, --overwrite too)
     if cfg.checkpoint.resume and not cfg.ps.servers and not has_checkpoint(run_dir):
         raise nothing_to_resume(run_dir / "checkpoints")
+    from ndtrain.run.data_identity import check_resume_data
+
+    check_resume_data(cfg, run_dir)  # a checkpoint of other data: refused before the token file is rebuilt
     refuse_if_locked(run_dir)  # before the token file is written into the run directory
     with claimed(run_dir, write=not args.check):  # the marker first; a refusal below takes back what was added
         check_data(cfg, write=not args.check)  # builds the token file once, before any worker starts

@@ -1,8 +1,9 @@
 """A `TrainConfig` from TOML and `--set key=value` overrides, and back to TOML.
 
 Resolution order: defaults → preset (presets.py) → TOML file → command-line flags and `--set key=value`.
-Unknown keys and wrong types raise `UserError` naming the key and the fix; no float key takes nan or
-inf, no integer key more than 64 bits. A config file is opened only when it is a regular file (a FIFO
+Unknown keys and wrong types raise `UserError` naming the key and the fix (and the file, for a value of
+a config file: each is checked before the flags override it); no float key takes nan or inf, no integer
+key more than 64 bits. A config file is opened only when it is a regular file (a FIFO
 would block) and read only as UTF-8 TOML (tomllib; the tomli backport on Python 3.10); the resolved
 config is written with tomli-w.
 
@@ -13,6 +14,7 @@ libraries): `ndtrain.run.config_checks.resolve_config` completes and checks thos
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -50,9 +52,20 @@ def raw_config(path: str | Path | None = None, overrides: dict[str, Any] | None 
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_toml(path)
+        check_file_values(raw, str(path))
     for key, value in (overrides or {}).items():
         _set_dotted(raw, key, value)
     return raw
+
+
+def check_file_values(raw: dict[str, Any], name: str) -> None:
+    """Every key and value of a config file, checked alone (names, types, presets) before any flag or
+    `--set` overrides it: a wrong value in a file is an error even where a flag would replace it.
+    Checks across keys are left to the resolved config, which the overrides complete."""
+    try:
+        config_from_dict(copy.deepcopy(raw))
+    except UserError as e:
+        raise UserError(f"config file {name!r}: {e}") from None
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

@@ -65,7 +65,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """Where the text comes from (`path=None` is the Python standard library's own source), how it
-    is read and tokenized, and where its token file is cached (None: RUN_DIR/data). See ndtrain/data."""
+    is read and tokenized, and where its token file is cached (None: RUN_DIR/data). See ndtrain/data.
+
+    A checkpoint records which data it was trained on (data/identity.py); resuming it on other data is
+    refused unless `allow_change`, which restarts the data order at the new data's first batch."""
 
     path: str | None = None
     val_fraction: float = 0.02
@@ -74,6 +77,7 @@ class DataConfig:
     format: DataFormat = "auto"
     text_field: str = "text"          # the text field/column of JSONL, Parquet and datasets records
     cache: str | None = None          # token-file folder (default RUN_DIR/data)
+    allow_change: bool = False        # resume a checkpoint on other data, restarting the data order
 
     def validate(self) -> None:
         check_choices(self)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ndtrain.data.corpus import TokenWindows
+from ndtrain.data.identity import Fingerprint, fingerprint
 from ndtrain.data.sources import open_source
 from ndtrain.data.token_file import TokenFile, ensure_token_file
 from ndtrain.data.tokenizer import load_tokenizer
@@ -61,15 +62,18 @@ def prepare_data(data: DataConfig, seq_len: int, run_dir: str | Path, verify: bo
     return TokenData(train, val, file, Path(run_dir))
 
 
-def check_data(cfg: TrainConfig, write: bool = True) -> None:
+def check_data(cfg: TrainConfig, write: bool = True) -> Fingerprint:
     """Build or verify the run's token file before workers start: both splits hold a window of
-    `seq_len` + 1 tokens and train at least one global batch of windows. With `write=False`
-    (`ndtrain train --check`) the data are tokenized into a temporary folder, deleted after."""
+    `seq_len` + 1 tokens and train at least one global batch of windows; returns its fingerprint
+    (identity.py). With `write=False` (`ndtrain train --check`) the data are tokenized into a
+    temporary folder, deleted after."""
     with tempfile.TemporaryDirectory(prefix="ndtrain-check-") as scratch:
         data_cfg = cfg.data if write else dataclasses.replace(cfg.data, cache=scratch)
-        windows = len(prepare_data(data_cfg, cfg.model.seq_len, cfg.log.out, verify=True).train)
+        data = prepare_data(data_cfg, cfg.model.seq_len, cfg.log.out, verify=True)
+        windows = len(data.train)
     if windows < cfg.schedule.global_batch:
         raise UserError(
             f"the training data has {windows} windows of {cfg.model.seq_len + 1} tokens, fewer than one global "
             f"batch of {cfg.schedule.global_batch}: use more data or a smaller schedule.global_batch"
         )
+    return fingerprint(data.file.meta)

@@ -5,17 +5,27 @@ from the same weights. A run's `model.init_from` weights are loaded on top by th
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ndtrain.config import ModelConfig
-from ndtrain.models.hf import build_hf_model, hf_model_type, hf_path, is_hf_model
-from ndtrain.models.llama import build_model
+from ndtrain.models.hf import build_hf_model, build_meta_hf_model, hf_model_type, hf_path, is_hf_model
+from ndtrain.models.llama import Llama, build_model
 
 
 def build_seeded_model(cfg: ModelConfig, seed: int) -> nn.Module:
     """The model `cfg.preset` names on the CPU, initialised from `seed` (an `hf:PATH` model's own
     weights when its folder holds some); `cfg.init_from` is not read here."""
     return build_hf_model(hf_path(cfg.preset), seed) if is_hf_model(cfg.preset) else build_model(cfg, seed)
+
+
+def build_meta_model(cfg: ModelConfig) -> nn.Module:
+    """The model `cfg.preset` names on the meta device: the modules and shapes `build_seeded_model` gives,
+    without memory, initialisation or reading any weights (what the launcher checks a layout against)."""
+    if is_hf_model(cfg.preset):
+        return build_meta_hf_model(hf_path(cfg.preset))
+    with torch.device("meta"):
+        return Llama(cfg)
 
 
 def model_label(cfg: ModelConfig) -> str:

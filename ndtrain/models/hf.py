@@ -3,7 +3,9 @@
 PATH is a local directory holding a transformers `config.json` (what `save_pretrained` writes).
 The model is built with `AutoModelForCausalLM` from that config, in fp32, with SDPA attention:
 - weights in PATH (`model.safetensors` or a sharded `model.safetensors.index.json`) are loaded
-  with `from_pretrained(local_files_only=True)`;
+  with `from_pretrained(local_files_only=True)`; pickled weights alone (`pytorch_model.bin`) are
+  refused, never unpickled nor replaced by random ones (hf_weights.py, which also checks the files'
+  headers, sizes and shapes in the launcher);
 - without weights, a seeded init: `torch.manual_seed(seed)` right before construction, in a forked
   RNG, so every rank of every layout builds bit-identical weights.
 Nothing is downloaded. It comes back wrapped in `CausalLM` (tokens → logits → the shifted
@@ -26,10 +28,11 @@ from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.models.causal_lm import CausalLM
 from ndtrain.models.hf_families import FAMILIES
+from ndtrain.models.hf_weights import check_hf_weights, weight_files
 
 PREFIX = "hf:"
 INSTALL = "pip install 'ndtrain[hf]'"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+BUILD_OPTIONS: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}  # how every rank builds it
 
 # ModelConfig field ← config.json keys, first present wins (Llama/Qwen2 names, then GPT-2's).
 _SIZE_KEYS: dict[str, tuple[str, ...]] = {
@@ -114,32 +117,33 @@ def _auto_config(path: Path) -> Any:
         raise UserError(f"--model hf:{path}: transformers cannot read its config.json ({' '.join(str(e).split())[:160]})") from None
 
 
-def has_weights(path: Path) -> bool:
-    return any((path / name).is_file() for name in WEIGHT_FILES)
-
-
 def check_hf_model(path: Path, seq_len: int, parallel: ParallelConfig | None = None) -> str:
     """The launcher's checks before workers start (sizes; the layout's strategies against what the model's
-    family supports, so a refusal comes before any worker starts); returns the model class name."""
+    family supports; the weight files against the config's model, hf_weights.py), so a refusal comes
+    before any worker starts; returns the model class name."""
     check_seq_len(path, seq_len)
     if parallel is not None:
         check_family_supports(hf_model_type(path), parallel)
-    return type(_meta_model(path)).__name__
+    model = _meta_model(path)
+    check_hf_weights(path, model)
+    return type(model).__name__
 
 
 def _meta_model(path: Path) -> torch.nn.Module:
-    """The HF model of PATH built on the meta device (no memory, no init); a one-line error if it cannot be."""
+    """The HF model of PATH built on the meta device (no memory, no init) with the options workers build
+    it with (fp32, SDPA); a one-line error if it cannot be."""
     transformers = require_transformers()
     config = _auto_config(path)
     try:
         with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(config)
+            return transformers.AutoModelForCausalLM.from_config(config, **BUILD_OPTIONS)
     except (ValueError, KeyError) as e:
         raise UserError(f"--model hf:{path}: not a causal LM transformers can build ({' '.join(str(e).split())[:160]})") from None
 
 
 def check_family_supports(model_type: str, parallel: ParallelConfig) -> None:
-    """tp needs the family's shipped plan, pp and cp its layer/embedding/head spec (hf_families.py)."""
+    """tp needs the family's shipped plan, pp and cp its layer/embedding/head spec (hf_families.py); pp is cut
+    by parameters only."""
     family = FAMILIES.get(model_type)
     supported = ", ".join(FAMILIES)
     for axis, degree in (("tp", parallel.tp), ("pp", parallel.pp), ("cp", parallel.cp)):
@@ -148,6 +152,8 @@ def check_family_supports(model_type: str, parallel: ParallelConfig) -> None:
                             f"{supported}); use dp/ZeRO, or ndtrain.Engine with your own tp plan")
     if parallel.tp > 1 and family is not None and family.tp_plan is None:
         raise UserError(family.tp_refusal)
+    if parallel.pp > 1 and parallel.pp_balance == "measured":  # the launcher's layout dry run cuts by parameters
+        raise UserError("pipeline balance 'measured' is not supported for Hugging Face models: use 'params'")
 
 
 def hf_model_type(path: Path) -> str:
@@ -163,11 +169,15 @@ def parameter_count(path: Path) -> int:
 def build_hf_model(path: Path, seed: int) -> torch.nn.Module:
     """The `CausalLM` of PATH: its weights when present, else seeded init (identical on every rank)."""
     transformers = require_transformers()
-    options = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if has_weights(path):
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **options)
+        if weight_files(path):  # refuses a folder whose only weights are pickled
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **BUILD_OPTIONS)
         else:
-            model = transformers.AutoModelForCausalLM.from_config(_auto_config(path), **options)
+            model = transformers.AutoModelForCausalLM.from_config(_auto_config(path), **BUILD_OPTIONS)
     return CausalLM(model)
+
+
+def build_meta_hf_model(path: Path) -> torch.nn.Module:
+    """The `CausalLM` of PATH on the meta device: the structure and shapes workers build, no memory, no weights read."""
+    return CausalLM(_meta_model(path))

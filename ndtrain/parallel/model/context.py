@@ -66,17 +66,22 @@ def contiguous_chunks(rank: int, cp: int) -> Chunks:
     return (2 * rank, 2 * rank + 1)
 
 
+def check_sequence_split(seq_len: int, cp: int) -> None:
+    """UserError unless a sequence of `seq_len` tokens splits into the 2·cp chunks of the balanced split."""
+    if seq_len % (2 * cp):
+        raise UserError(
+            f"sequence length {seq_len} is not divisible by 2·cp = {2 * cp}: "
+            f"use a sequence length that is a multiple of {2 * cp} (or a smaller cp)"
+        )
+
+
 def shard_sequence(
     tokens: torch.Tensor, targets: torch.Tensor, ctx: ParallelContext
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This cp rank's part of `tokens`/`targets` [B, T] and its global positions [T/cp]."""
     group = ctx.group("cp")
     seq_len = tokens.shape[-1]
-    if seq_len % (2 * group.size):
-        raise UserError(
-            f"sequence length {seq_len} is not divisible by 2·cp = {2 * group.size}: "
-            f"use a sequence length that is a multiple of {2 * group.size} (or a smaller cp)"
-        )
+    check_sequence_split(seq_len, group.size)
     n = seq_len // (2 * group.size)
     positions = torch.cat(
         [torch.arange(c * n, (c + 1) * n, device=tokens.device) for c in balanced_chunks(group.rank, group.size)]

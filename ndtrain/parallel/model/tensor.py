@@ -83,12 +83,17 @@ def _gather_seq(x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tens
     return full.movedim(0, SEQ_DIM)
 
 
-def _scatter_seq(x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
-    if x.shape[SEQ_DIM] % group.size:
+def check_sequence_parallel(seq_len: int, tp: int) -> None:
+    """UserError unless sequence parallelism can cut a sequence of `seq_len` tokens into tp shards."""
+    if seq_len % tp:
         raise UserError(
-            f"sequence length {x.shape[SEQ_DIM]} is not divisible by tp={group.size}: "
+            f"sequence length {seq_len} is not divisible by tp={tp}: "
             "sequence parallelism needs a multiple of tp (change seq_len or turn sequence_parallel off)"
         )
+
+
+def _scatter_seq(x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+    check_sequence_parallel(x.shape[SEQ_DIM], group.size)
     full = x.movedim(SEQ_DIM, 0).contiguous()
     shard = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))
     comm.reduce_scatter(shard, full, group)
@@ -162,11 +167,7 @@ class SplitSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
-        if x.shape[SEQ_DIM] % group.size:
-            raise UserError(
-                f"sequence length {x.shape[SEQ_DIM]} is not divisible by tp={group.size}: "
-                "sequence parallelism needs a multiple of tp (change seq_len or turn sequence_parallel off)"
-            )
+        check_sequence_parallel(x.shape[SEQ_DIM], group.size)
         ctx.comm, ctx.group = comm, group
         length = x.shape[SEQ_DIM] // group.size
         return x.narrow(SEQ_DIM, group.rank * length, length).contiguous()
