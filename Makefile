@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-.PHONY: setup train test test-slow chromium
+.PHONY: setup train test test-slow chromium gpu-check
 setup: $(STAMP)
 
 train: $(STAMP)
@@ -31,3 +31,11 @@ test: $(STAMP) chromium
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -m slow
+
+# One GPU, no network: the installed torch (the first of python3 and .venv's python that imports it),
+# run from the tree (no venv made, nothing downloaded); the cuda tests, then the bf16 bench-100m step,
+# MFU, memory and ring attention at 8k (docs/gpu.md). Without a GPU (or torch): one line, exit 0.
+gpu-check:
+	@for py in $(PY) $(BIN)/python; do \
+	  if PYTHONPATH=. $$py -c "import torch" 2>/dev/null; then PYTHONPATH=. exec $$py -m ndtrain.bench.gpu_check; fi; \
+	done; echo "gpu-check: no python here imports torch (tried $(PY), $(BIN)/python): nothing to check"

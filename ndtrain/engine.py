@@ -30,6 +30,12 @@ stage 0 2(N−1)/N·4Ψ; stage 1 + (N−1)/N·4Ψ (all-gather); stage 2 k·(N−
 stage 3 see zero3_parameters.py; plus a 4-byte all-reduce of the norm's squares (over dp_cp for
 stages 1–3, over mp under model parallelism, over the world for both), a 4-byte flag
 (fp16) and one 8-byte all-reduce of the loss and token count for reporting.
+
+Host synchronisation (what a CUDA step waits for on the host): one device→host read per step, of
+the reduced loss, token count, gradient norm and fp16's overflow flag together, after the
+backward and before the optimizer step (the non-finite guard and the loss scaler decide on the
+host whether to step). Clipping, unscaling and the overflow check stay on the device. A pipeline
+adds the receive of one 10-element shape header per stage boundary and step (pipeline/runner.py).
 """
 
 from __future__ import annotations
@@ -181,11 +187,15 @@ class Engine:
             )
         else:
             loss_sum, tokens = self._forward_backward(micro_batches, scale)
-        found_inf = self.scaler.unscale_and_check(self.dp.optimizer_grads()) if self.scaler else False
-        grad_norm = self.clip_gradients()
-        totals = torch.stack([loss_sum / count, torch.tensor(float(tokens), device=self.ctx.device)])
+        overflow = self.scaler.unscale(self.dp.optimizer_grads()) if self.scaler else None  # fp16: device flag
+        norm = self._clip()
+        totals = torch.stack([loss_sum / count, loss_sum.new_full((), float(tokens))])  # filled on the device: no copy
         self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))
-        loss = totals[0].item() / self.ctx.group("dp_cp").size
+        # the step's one device→host read: loss, tokens, norm (and fp16's overflow flag) together
+        figures = [totals.double(), norm.double().reshape(1)] + ([overflow.double()] if overflow is not None else [])
+        read = torch.cat(figures).tolist()
+        loss, token_total, grad_norm = read[0] / self.ctx.group("dp_cp").size, int(read[1]), read[2]
+        found_inf = overflow is not None and read[3] > 0
         self._steps += 1
         skip = found_inf or self._nonfinite(loss, grad_norm)
         if not skip:
@@ -195,7 +205,7 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.step()
         return StepResult(
-            loss=loss, tokens=int(totals[1].item()), grad_norm=grad_norm, lr=lr,
+            loss=loss, tokens=token_total, grad_norm=grad_norm, lr=lr,
             comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before, skipped=skip, loss_scale=scale,
         )
 
@@ -243,16 +253,17 @@ class Engine:
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         """On the device; floating-point inputs in the compute dtype (token ids stay integers)."""
-        t = t.to(self.ctx.device)
+        t = t.to(self.ctx.device, non_blocking=True)  # asynchronous from pinned memory; the source lives on
         return t.to(self.compute_dtype) if t.is_floating_point() else t
 
-    def clip_gradients(self) -> float:
+    def _clip(self) -> torch.Tensor:
         """Global L2 norm of the gradient the optimizer will use, each parameter counted once over the
-        whole world (grad_norm.py); clip it if `grad_clip` > 0 (torch's clip_grad_norm_ formula)."""
+        whole world (grad_norm.py), on the device; clip it if `grad_clip` > 0 (torch's clip_grad_norm_
+        formula, applied on the device: no host synchronisation)."""
         norm = global_grad_norm(self.dp.grad_pieces(), self.ctx, sharded=self.dp.grads_sharded)
         if self.grad_clip > 0:
             clip_(self.dp.optimizer_grads(), norm, self.grad_clip)
-        return norm.item()
+        return norm
 
     # ----------------------------------------------------------------------------- inspection
     def model_state_bytes(self) -> dict[str, int]:

@@ -10,9 +10,11 @@ parity references) stays float64 throughout: `master_dtype` and `reduction_dtype
 below what it is unless bf16 reduction is asked for.
 
 fp16's narrow exponent range needs loss scaling. `LossScaler` multiplies the loss by S before
-backward; afterwards `unscale_and_check` multiplies the gradients the optimizer will read (fp32)
-by 1/S and looks for inf/NaN. The verdict is all-reduced (MAX, one 4-byte collective over the
-whole world: every pipeline stage, tp and cp rank too) so every rank skips the same steps: on
+backward; afterwards `unscale` multiplies the gradients the optimizer will read (fp32)
+by 1/S and looks for inf/NaN on the device (no host synchronisation: the engine reads the flag
+with the step's loss and norm, in its one read per step). The verdict is all-reduced (MAX, one
+4-byte collective over the whole world: every pipeline stage, tp and cp rank too) so every rank
+skips the same steps: on
 overflow the step is skipped and S halves; after `growth_interval` consecutive good steps S
 doubles. Under pp the last stage scales the loss (pipeline/runner.py); the gradients sent back
 carry S to every stage. Cost: one element-wise pass over this rank's
@@ -69,14 +71,16 @@ class LossScaler:
         self.skipped_steps = 0
 
     @torch.no_grad()
-    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        """Divide `grads` by S in place; True when any rank saw inf or NaN (the step must be skipped)."""
+    def unscale(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide `grads` by S in place; returns a device flag [1] (fp32), 1 when any rank saw inf or
+        NaN (the step must be skipped), read by the caller when it reads the step's other figures."""
+        flag = torch.zeros(1, device=self.ctx.device)
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)
-        local = any(not torch.isfinite(g).all() for g in grads)
-        flag = torch.tensor([1.0 if local else 0.0], device=self.ctx.device)
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            flag = (~finite).float().reshape(1).to(self.ctx.device)
         self.ctx.comm.all_reduce(flag, self.ctx.group("world"), op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return flag
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

@@ -12,13 +12,16 @@ so none waits for it, then every rank raises `NonFiniteError` after the run's en
 Straggler: `slow_worker=(rank, F)` makes that worker wait (F−1)× its measured compute time after
 each backward (an experiment knob: the wait is the feature, not synchronisation).
 
+Host synchronisation: one device→host read per round (the mean loss with the servers' answer
+headers, after the pull), none per micro-batch; the loss's finiteness reaches the push header on
+the device. Buffers live on `ctx.device` (NCCL sends device tensors: no host staging to pin).
+
 Cost per step, with Ψ parameter elements (fp32) and S servers: sends 4Ψ + 4S bytes, receives
 4Ψ + 16S. Memory: 4Ψ parameters + 4Ψ gradients + 8Ψ push and pull buffers, no optimizer state.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -69,17 +72,18 @@ class PSWorker:
         started = time.perf_counter()
         self.model.train()
         self.model.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # on the device: no read per micro-batch
         for x, y in micro_batches:
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
             loss = self.model(x, y) if self.loss_fn is None else self.loss_fn(self.model(x), y)
             (loss / len(micro_batches)).backward()
-            loss_sum += loss.item()
-        loss_mean = loss_sum / len(micro_batches)
-        if self.slow > 1.0:  # the straggler knob: stretch this worker's compute FACTOR×
+            loss_sum += loss.detach().double()
+        loss_mean_t = loss_sum / len(micro_batches)
+        if self.slow > 1.0:  # the straggler knob: stretch this worker's compute FACTOR× (reading the loss
+            loss_mean_t.item()  # waits for the compute, so the clock measures it on CUDA too)
             time.sleep((self.slow - 1.0) * (time.perf_counter() - started))
         final = self.report.steps == self.setup.steps - 1
-        pushed = self._push_pull(math.isfinite(loss_mean))
+        pushed, loss_mean = self._push_pull(loss_mean_t)
         if self.outcome.status == STOP:
             self.ctx.comm.barrier(self.world)  # the run's end (module docstring)
             raise NonFiniteError(self.report.steps + 1, loss_mean, self.outcome.grad_norm)
@@ -91,8 +95,9 @@ class PSWorker:
         return loss_mean
 
     @torch.no_grad()
-    def _push_pull(self, finite_loss: bool) -> float:
-        """Push to every server, pull from every server; returns the time the pushes were done."""
+    def _push_pull(self, loss_mean: torch.Tensor) -> tuple[float, float]:
+        """Push to every server, pull from every server; returns the time the pushes were done and the
+        worker's mean loss, read from the device with the servers' answers (one read per round)."""
         for shard, views in zip(self.shards, self.grad_views):
             for p, v in zip(shard, views):
                 if p.grad is None:
@@ -100,22 +105,26 @@ class PSWorker:
                 else:
                     v.copy_(p.grad)
         sqnorm = local_squares([(box[1:].double(), 1.0) for box in self.outbox], self.ctx.device)  # float64
+        header = torch.where(loss_mean.isfinite(), sqnorm, torch.full_like(sqnorm, float("nan")))  # NaN: the guard
         for box in self.outbox:
-            box[0] = sqnorm if finite_loss else float("nan")
+            box[0] = header
         pushed = self._exchange(range(len(self.outbox)))
-        statuses = [int(box[PULL_HEADER - 1].item()) for box in self.inbox]
+        read = torch.cat([loss_mean.reshape(1).double(),
+                          *(box[:PULL_HEADER].double() for box in self.inbox)]).tolist()
+        mean, heads = read[0], [read[1 + j * PULL_HEADER : 1 + (j + 1) * PULL_HEADER] for j in range(len(self.inbox))]
+        statuses = [int(head[PULL_HEADER - 1]) for head in heads]
         if STOP in statuses:  # tell the servers that answered normally, so none waits for this worker
-            self.outcome = Outcome(self.inbox[0][1].item(), self.inbox[0][2].item(), STOP)
+            self.outcome = Outcome(heads[0][1], heads[0][2], STOP)
             for box in self.outbox:
                 box[0] = float("nan")
             self._exchange([j for j, s in enumerate(statuses) if s != STOP])
-            return pushed
+            return pushed, mean
         for shard, views in zip(self.shards, self.param_views):
             for p, v in zip(shard, views):
                 p.copy_(v)
-        self.outcome = Outcome(self.inbox[0][1].item(), self.inbox[0][2].item(), statuses[0])
-        self.report.versions.append(int(self.inbox[0][0].item()))
-        return pushed
+        self.outcome = Outcome(heads[0][1], heads[0][2], statuses[0])
+        self.report.versions.append(int(heads[0][0]))
+        return pushed, mean
 
     def _exchange(self, servers: Sequence[int]) -> float:
         """Push to and pull from `servers`; returns the time the pushes were done."""

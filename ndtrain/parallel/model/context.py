@@ -22,15 +22,25 @@ B batch, H query heads, K kv heads, h head size, s = T/c local tokens and fp32 a
   each block travel with it, each rank adding its contribution; after the last step the sums
   arrive at their owners. dQ stays local. The probabilities are recomputed per block from the
   saved log-sum-exp (flash-attention style): nothing quadratic in s is kept.
-Each block is computed in tiles of at most `tile` × `tile` scores, merged by the same online
-softmax (causal tiles wholly in the future are skipped), so the transient memory is
-O(B·H·tile²), not O(B·H·s²).
+Each block is computed by one of two kernels (`Ring.kernel`; `block_kernel` picks):
+- "fused": SDPA's fused flash kernel (`torch.ops.aten._scaled_dot_product_flash_attention` on
+  CUDA in bf16/fp16 with head size ≤ 256, its `_for_cpu` variant on CPU), called per block (causal
+  at t = 0, unmasked after) with the block's rows and columns; its fp32 log-sum-exp merges the
+  blocks, and its backward is called per block with the final output and log-sum-exp (ring flash
+  attention). K/V heads are repeated to the query heads for the kernel (GQA) and their gradients
+  summed back. The default on CUDA where the flash kernel takes the dtype and head size.
+- "tiles": our own, in tiles of at most `tile` × `tile` scores computed in fp32, merged by the
+  same online softmax (causal tiles wholly in the future are skipped), so the transient memory
+  is O(B·H·tile²), not O(B·H·s²). The default on CPU, for fp32 and float64 on CUDA, and wherever
+  the flash kernel does not apply.
 Communication per layer and rank: forward (c−1)·2BKsh elements; backward (c−1)·2BKsh (K/V) +
 c·2BKsh (dK/dV, fp32). Saved for backward per layer: q, k, v, out and the log-sum-exp (fp32,
 B·H·s), the same tensors as `scaled_dot_product_attention`, so activation memory per rank is
 1/c of the unsharded model's. Transient: two K/V buffers and two dK/dV buffers in flight, and
-a few tiles of scores (B·H·tile² fp32 each). Blocks are computed in fp32 whatever the input
-dtype (bf16 K/V travel as bf16; dK/dV travel and accumulate in fp32); a float64 model in float64.
+a few tiles of scores (B·H·tile² fp32 each; the fused kernel: its own on-chip tiles, plus the
+repeated K/V of one block under GQA). Tiles are computed in fp32 whatever the input dtype, the
+fused kernel in the input dtype with fp32 softmax statistics (bf16 K/V travel as bf16; dK/dV travel
+and accumulate in fp32; the output accumulates in fp32); a float64 model in float64.
 Recomputing ring attention (selective or full recompute) runs the forward ring again inside
 backward: (c−1) more K/V exchanges per layer.
 
@@ -42,6 +52,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -53,6 +64,8 @@ from ndtrain.parallel.model_spec import parallel_spec
 from ndtrain.parallel.precision import at_least_fp32, master_dtype
 
 Chunks = tuple[int, ...]
+Kernel = Literal["auto", "fused", "tiles"]
+KERNELS: tuple[Kernel, ...] = ("auto", "fused", "tiles")
 DEFAULT_TILE = 512  # rows and columns of the score tiles: transient memory B·H·tile²·4 bytes, a few times
 
 
@@ -190,6 +203,78 @@ def _tile_backward(
     dkv[1][..., tile.cols, :] += (probs.transpose(-1, -2) @ dout_rows).sum(dim=2)
 
 
+def block_kernel(kernel: Kernel, q: torch.Tensor) -> Literal["fused", "tiles"]:
+    """The kernel blocks of `q` [B, H, s, h] are computed with: "auto" is "fused" on CUDA where the flash
+    kernel takes q's dtype (bf16/fp16) and head size (≤ 256, a multiple of 8), else "tiles"."""
+    if kernel != "auto":
+        return kernel
+    flash = q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+    return "fused" if q.is_cuda and flash else "tiles"
+
+
+def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """K/V [B, K, c, h] repeated to the query heads [B, K·groups, c, h] (kv head g serves heads g·G … g·G+G−1)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _sum_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_repeat_heads`: [B, K·groups, c, h] summed back to [B, K, c, h]."""
+    return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(dim=2)
+
+
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """SDPA's flash kernel on one block: output (q's dtype), fp32 log-sum-exp [B, H, r], and what its
+    backward needs besides (CUDA: the sequence bookkeeping and dropout state)."""
+    if q.is_cuda:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float, extra: tuple[torch.Tensor, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one block from the final `out` and `lse` of its rows (the probabilities recomputed)."""
+    if q.is_cuda:
+        cum_q, cum_k, max_q, max_k, seed, offset = extra
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _fused_forward(q: torch.Tensor, kv: torch.Tensor, block: Block, scale: float, out: torch.Tensor,
+                   lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One block of q [B,H,s,h] over kv [2,B,K,s,h] by the flash kernel, merged into the running
+    `out` [B,H,s,h] and `lse` [B,H,s] (fp32); returns what the block's backward needs."""
+    groups = q.shape[1] // kv.shape[2]
+    k, v = (_repeat_heads(t[..., block.cols, :], groups) for t in kv)
+    block_out, block_lse, extra = _flash_forward(q[..., block.rows, :], k, v, block.causal, scale)
+    old = lse[..., block.rows]
+    merged = torch.logaddexp(old, block_lse)
+    out[..., block.rows, :] = (out[..., block.rows, :] * torch.exp(old - merged).unsqueeze(-1)
+                               + block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse[..., block.rows] = merged
+    return extra
+
+
+def _fused_backward(q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    block: Block, scale: float, extra: tuple[torch.Tensor, ...], dq: torch.Tensor,
+                    dkv: torch.Tensor) -> None:
+    """Add one block's gradients (flash backward with the final `out`, `lse`) into dq and dkv (fp32)."""
+    groups = q.shape[1] // kv.shape[2]
+    k, v = (_repeat_heads(t[..., block.cols, :], groups) for t in kv)
+    rows = block.rows
+    dq_b, dk_b, dv_b = _flash_backward(dout[..., rows, :], q[..., rows, :], k, v, out[..., rows, :],
+                                       lse[..., rows].contiguous(), block.causal, scale, extra)
+    dq[..., rows, :] += dq_b
+    dkv[0][..., block.cols, :] += _sum_heads(dk_b, groups)
+    dkv[1][..., block.cols, :] += _sum_heads(dv_b, groups)
+
+
 @dataclass(frozen=True)
 class Ring:
     """The cp group a ring attention runs on and the chunks every member holds."""
@@ -197,13 +282,18 @@ class Ring:
     comm: Communicator
     group: Group
     tile: int = DEFAULT_TILE
+    kernel: Kernel = "auto"  # how each block is computed (module docstring; `block_kernel`)
 
     def chunks(self, group_rank: int) -> Chunks:
         return balanced_chunks(group_rank % self.group.size, self.group.size)
 
+    def block(self, step: int, local_len: int) -> Block | None:
+        """The block computed at `step`, holding the K/V of group rank r − step (None: nothing visible)."""
+        return block_plan(self.chunks(self.group.rank), self.chunks(self.group.rank - step), local_len // 2)
+
     def tiles(self, step: int, local_len: int) -> list[Block]:
-        """The tiles computed at `step`, holding the K/V of group rank r − step."""
-        block = block_plan(self.chunks(self.group.rank), self.chunks(self.group.rank - step), local_len // 2)
+        """The tiles computed at `step` (the "tiles" kernel)."""
+        block = self.block(step, local_len)
         return [] if block is None else list(block.tiles(self.tile))
 
     def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, Pending]:
@@ -220,24 +310,30 @@ class _RingAttention(torch.autograd.Function):
         fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float | None
     ) -> torch.Tensor:
         batch, heads, seq, head_dim = q.shape
-        q5 = q.reshape(batch, k.shape[1], heads // k.shape[1], seq, head_dim)
+        fused = block_kernel(ring.kernel, q) == "fused"
+        q_blocks = q if fused else q.reshape(batch, k.shape[1], heads // k.shape[1], seq, head_dim)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         kv = torch.stack((k, v))
         size = ring.group.size
         acc = master_dtype(q.dtype)  # fp32, or float64 for a float64 model
-        out = torch.zeros(q5.shape, dtype=acc, device=q.device)
-        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        out = torch.zeros(q_blocks.shape, dtype=acc, device=q.device)
+        lse = torch.full(q_blocks.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        extras: list[tuple[torch.Tensor, ...]] = []  # the fused kernel's per-block state for backward
         for step in range(size):  # step 0: the rank's own chunks, a causal block where every row sees itself
             if step < size - 1:
                 next_kv, pending = ring.exchange(kv)  # travels while this block is computed
-            for tile in ring.tiles(step, seq):
-                _tile_forward(q5, kv, tile, scale, out, lse)
+            block = ring.block(step, seq)
+            if fused and block is not None:
+                extras.append(_fused_forward(q, kv, block, scale, out, lse))
+            elif block is not None:
+                for tile in block.tiles(ring.tile):
+                    _tile_forward(q_blocks, kv, tile, scale, out, lse)
             if step < size - 1:
                 pending.wait()
                 kv = next_kv
         result = out.to(q.dtype).view(batch, heads, seq, head_dim)
         fctx.save_for_backward(q, k, v, result, lse)
-        fctx.ring, fctx.scale = ring, scale
+        fctx.ring, fctx.scale, fctx.fused, fctx.extras = ring, scale, fused, extras
         return result
 
     @staticmethod
@@ -247,20 +343,29 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = fctx.saved_tensors
         ring: Ring = fctx.ring
         batch, heads, seq, head_dim = q.shape
-        shape5 = (batch, k.shape[1], heads // k.shape[1], seq, head_dim)
-        q5, dout, out5 = q.reshape(shape5), at_least_fp32(grad_out.reshape(shape5)), at_least_fp32(out.reshape(shape5))
-        scale = fctx.scale
-        delta = (dout * out5).sum(dim=-1)
-        dq = torch.zeros(shape5, dtype=master_dtype(q.dtype), device=q.device)
+        scale, fused = fctx.scale, fctx.fused
+        if fused:
+            q_blocks, dout, out_blocks = q, grad_out.contiguous(), out
+        else:
+            shape5 = (batch, k.shape[1], heads // k.shape[1], seq, head_dim)
+            q_blocks, dout = q.reshape(shape5), at_least_fp32(grad_out.reshape(shape5))
+            out_blocks = at_least_fp32(out.reshape(shape5))
+            delta = (dout * out_blocks).sum(dim=-1)
+        dq = torch.zeros(q_blocks.shape, dtype=master_dtype(q.dtype), device=q.device)
         kv = torch.stack((k, v))
         size = ring.group.size
+        extras = iter(fctx.extras)
         incoming = None  # (dK/dV buffer, pending) from the previous rank
         for step in range(size):
             if step < size - 1:
                 next_kv, kv_pending = ring.exchange(kv)
             dkv = torch.zeros(kv.shape, dtype=master_dtype(kv.dtype), device=kv.device)
-            for tile in ring.tiles(step, seq):
-                _tile_backward(q5, kv, dout, lse, delta, tile, scale, dq, dkv)
+            block = ring.block(step, seq)
+            if fused and block is not None:
+                _fused_backward(q, kv, dout, out_blocks, lse, block, scale, next(extras), dq, dkv)
+            elif block is not None:
+                for tile in block.tiles(ring.tile):
+                    _tile_backward(q_blocks, kv, dout, lse, delta, tile, scale, dq, dkv)
             if incoming is not None:
                 incoming[1].wait()
                 dkv += incoming[0]
@@ -293,14 +398,16 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, ring, scale)
 
 
-def apply_context_parallel(model: nn.Module, ctx: ParallelContext, *, tile: int = DEFAULT_TILE) -> nn.Module:
+def apply_context_parallel(model: nn.Module, ctx: ParallelContext, *, tile: int = DEFAULT_TILE,
+                           kernel: Kernel = "auto") -> nn.Module:
     """Give every attention of `model` ring attention over ctx's cp group: the model's own way when its
     spec has one (a Hugging Face model: transformers' attention registry, models/hf_context.py), else
     every module with an `attend` seam.
 
     A wrapper already on the seam (one exposing `.inner`, e.g. selective recompute) is kept and
-    gets ring attention inside it, so the order of the two does not matter."""
-    ring = Ring(ctx.comm, ctx.group("cp"), tile)
+    gets ring attention inside it, so the order of the two does not matter. `tile`, `kernel`: the
+    ring's (`Ring`)."""
+    ring = Ring(ctx.comm, ctx.group("cp"), tile, kernel)
     spec = parallel_spec(model)
     routed = None if spec is None else spec.context_parallel(ring)
     if routed is not None:

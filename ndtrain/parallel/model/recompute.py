@@ -22,6 +22,12 @@ arguments passed through (HF layers take `attention_mask=`, `position_embeddings
 
 What each mode keeps per block of the built-in Llama, in bytes, is worked out with
 `block_saved_bytes` in models/llama_parallel.py; `SavedActivations` measures it.
+
+RNG: checkpoint's `preserve_rng_state` restores, before the recomputation, the CPU generator and
+the generator of every device a tensor argument lives on, so dropout draws the same mask twice.
+It looks at positional arguments only; keyword arguments (a Hugging Face attention gets
+`hidden_states=` by keyword) are therefore handed to it as one positional dict, so a CUDA input is
+seen and the CUDA generator is restored too (else a recomputed dropout would draw a new mask).
 """
 
 from __future__ import annotations
@@ -49,8 +55,13 @@ class SelectiveRecompute:
         return checkpoint(self.inner, q, k, v, use_reentrant=False)
 
 
+def _with_keywords(forward: Callable[..., Any], kwargs: dict[str, Any], *args: Any) -> Any:
+    return forward(*args, **kwargs)
+
+
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    """`forward(*args, **kwargs)` under checkpoint, the keyword arguments passed positionally (module docstring: RNG)."""
+    return checkpoint(functools.partial(_with_keywords, forward), kwargs, *args, use_reentrant=False)
 
 
 def _recompute_forward(module: nn.Module) -> None:
