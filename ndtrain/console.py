@@ -15,6 +15,10 @@ A worker of `ndtrain train` (a torchrun worker, or the launcher itself with `--n
   every rank writes its message to torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE) with
   whether it was printed, and the launcher prints the lowest rank's message when no rank did
   (`unprinted_user_error`), e.g. an error that only rank 1 detected.
+- A failure that would recur (ndtrain/failures.py: corrupt input, a write the file system refuses)
+  is reported like a user error, naming the rank log, which keeps its traceback (`log_only`); a
+  communication error after a peer's death goes to the rank log only: the launcher prints the
+  restart line. Both exit like their kind: 2 (the run ends), 1 (the group restarts).
 - A bug (any other exception) is logged with its traceback on the console and the rank log;
   the worker exits with status 1, which torchrun's agent restarts.
 
@@ -120,6 +124,11 @@ def report_user_error(message: str) -> None:
     record_user_error(message, printed=main)
 
 
+def recorded_user_error(error_file_data: Any) -> bool:
+    """Whether a worker's torchrun error file (as read by torchrun) holds a user error it recorded."""
+    return isinstance(error_file_data, dict) and isinstance(error_file_data.get(_ERROR_KEY), dict)
+
+
 def unprinted_user_error(error_files: dict[int, str]) -> str | None:
     """The launcher's side of `report_user_error`: the lowest rank's user error message when no rank
     printed one (None when one was printed or no rank reported one)."""
@@ -136,6 +145,10 @@ def unprinted_user_error(error_files: dict[int, str]) -> str | None:
     return found[min(found)]["message"]
 
 
+def _traceback(error: BaseException) -> str:
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+
+
 class WorkerConsole:
     """Entered for the life of a training worker (see the module docstring); restores everything on exit."""
 
@@ -146,6 +159,7 @@ class WorkerConsole:
         self._level = log.level
         self._propagate = log.propagate
         self._outer: list[logging.Handler] = []  # handlers set before (e.g. by ensure_console), set aside
+        self.log_path: Path | None = None  # RUN_DIR/logs/rank_N.log once attached
 
     def __enter__(self) -> WorkerConsole:
         sys.stdout.flush()
@@ -185,6 +199,7 @@ class WorkerConsole:
         """Append this process's output and the "ndtrain" records to RUN_DIR/logs/rank_N.log from now on."""
         path = rank_log_path(run_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = path
         file = open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115 (closed in __exit__)
         handler = logging.StreamHandler(file)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
@@ -204,8 +219,12 @@ class WorkerConsole:
 
     def crash(self, error: BaseException) -> None:
         """A bug: its traceback on the console (rank-prefixed) and in the rank log."""
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
-        log.error(f"ndtrain: error: unexpected {type(error).__name__} on rank {self.rank}:\n{text}")
+        log.error(f"ndtrain: error: unexpected {type(error).__name__} on rank {self.rank}:\n{_traceback(error)}")
+
+    def log_only(self, error: BaseException, what: str) -> None:
+        """A failure whose one line is printed elsewhere (by rank 0 or the launcher): its traceback in
+        the rank log only, after `what` happened."""
+        log.error(f"ndtrain: {what} on rank {self.rank}:\n{_traceback(error)}", extra=FILE_ONLY)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         sys.stdout.flush()

@@ -8,14 +8,26 @@ for three reasons:
   the rendezvous store is served from a socket we bind to 127.0.0.1, and so is the store the
   agent shares with the workers for their process group (a fresh one per restart), so no worker
   listens for the rendezvous either; gloo's own connections use the loopback interface (Linux `lo`).
-- Restarts. A worker that dies is restarted with the whole group up to `launch.max_restarts`
-  times (the trainer resumes from the newest checkpoint by itself); but a worker that exits with
-  status 2 (a user error it has printed) or 128+SIGTERM/SIGINT (a clean preemption stop, see
-  `run/preemption.py`) ends the run at once: retrying would give the same answer.
+- Restarts, and when not. A restart re-runs the same command on the same files, so it is kept for
+  what may not happen again: a rank lost (killed, or its process gone), stalled (the watchdog ends
+  it) or cut off (a communication error). Then the whole group is restarted up to
+  `launch.max_restarts` times, with one line here naming the rank, how it ended and its log, and
+  the trainer resumes from the newest checkpoint by itself; the survivors' communication errors
+  go to their rank logs only. A failure that would recur ends the run after the first attempt
+  (ndtrain/failures.py holds the rule): a user error, corrupt input (a safetensors file refused), a
+  write the file system refuses (no space, no permission: the save's line names the file system,
+  the space needed and the newest verified checkpoint), a refused checkpoint path (a symbolic link
+  in the checkpoint tree), a model that cannot be built. The worker exits with status 2 after
+  printing one line (rank 0) or recording it in its torchrun error file (the launcher prints the
+  lowest rank's when no rank printed), naming the rank log that keeps the traceback; a status 2,
+  such a record in any rank's error file (a peer may be seen failing first), or 128+SIGTERM/SIGINT
+  (a clean preemption stop, see `run/preemption.py`) stops the agent's restarts.
 - Output. Workers inherit the launcher's stdout and stderr (so rank 0 can draw a progress bar on a
   terminal) and each appends everything it writes to RUN_DIR/logs/rank_N.log itself (`console.py`).
   A user error is printed once: by rank 0, or here from the lowest rank's torchrun error file
-  when no rank printed it; other failures name the failed ranks' log files.
+  when no rank printed it; other failures name the failed ranks' log files. torchelastic's own
+  lines about workers ending ("failed (exitcode ...", "Sending process ... closing signal") are
+  left out: the lines above say the same, with the rank logs.
 - Signals. SIGTERM/SIGINT to the launcher are forwarded by the agent to the workers, which finish
   the step and write a checkpoint within `STOP_GRACE_S` before the agent kills them; the launcher
   then exits with 128 + the signal number.
@@ -27,6 +39,7 @@ environment and runs as a worker directly; `die_with_parent` makes it end with i
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -38,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ndtrain.console import rank_log_path, unprinted_user_error
+from ndtrain.console import rank_log_path, recorded_user_error, unprinted_user_error
 from ndtrain.errors import UserError
 from ndtrain.run.preemption import STOP_SIGNALS, exit_status
 
@@ -90,7 +103,35 @@ def _loopback_store() -> Any:
         return TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=listener.detach())
 
 
-def _agent(argv: list[str], nproc: int, max_restarts: int, run_id: str, logs: Any) -> Any:
+def _final(failures: dict[int, Any]) -> bool:
+    """Whether a failed attempt ends the run: a worker's exit status says so, or a worker recorded a
+    user error (or a failure that would recur) before it ended, whatever its exit status."""
+    return any(f.exitcode in FINAL_EXIT_STATUSES or recorded_user_error(f.error_file_data) for f in failures.values())
+
+
+def _how_it_ended(failure: Any) -> str:
+    return f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with status {failure.exitcode}"
+
+
+def restart_line(failures: dict[int, Any], restart: int, max_restarts: int, run_dir: Path | None) -> str:
+    """The one line of a restart: which ranks ended and how, which restart this is, and their logs.
+    A rank killed by a signal explains the others' ends (their peer was lost), and the agent stops
+    the rest itself with SIGTERM, so those are named only when nothing else is."""
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    causes = killed or {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    ranks = "; ".join(f"rank {r} {_how_it_ended(f)}" for r, f in sorted(causes.items()))
+    where = "" if run_dir is None else "; see " + ", ".join(str(rank_log_path(run_dir, r)) for r in sorted(causes))
+    return f"ndtrain: {ranks}: restarting the workers (restart {restart} of {max_restarts}), resuming from the newest checkpoint{where}"
+
+
+class _WorkerEndLines(logging.Filter):
+    """Leaves out torchelastic's lines about workers ending: the launcher prints its own, naming the logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
+
+
+def _agent(argv: list[str], nproc: int, max_restarts: int, run_id: str, logs: Any, run_dir: Path | None) -> Any:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -112,12 +153,16 @@ def _agent(argv: list[str], nproc: int, max_restarts: int, run_id: str, logs: An
             return _loopback_store()
 
     class Agent(LocalElasticAgent):
-        """Restarts a failed group, except after a user error or a clean preemption stop."""
+        """Restarts a failed group (saying so in one line), except after a failure that would recur or a
+        clean preemption stop."""
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
-            if result.is_failed() and any(f.exitcode in FINAL_EXIT_STATUSES for f in result.failures.values()):
+            if result.is_failed() and _final(result.failures):
                 self._remaining_restarts = 0
+            elif result.is_failed() and self._remaining_restarts > 0:
+                restart = max_restarts - self._remaining_restarts + 1
+                print(restart_line(result.failures, restart, max_restarts, run_dir), file=sys.stderr, flush=True)
             return result
 
     store = _loopback_store()
@@ -167,11 +212,16 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int = 0, run_dir: Pa
     with tempfile.TemporaryDirectory(prefix="ndtrain-launch-") as log_dir:
         os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(log_dir, "error.json"))
         logs = _error_files_spec(log_dir)
-        agent = _agent(argv, nproc, max_restarts, run_id, logs)
+        agent = _agent(argv, nproc, max_restarts, run_id, logs, run_dir)
+        worker_ends = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+        quiet = _WorkerEndLines()
+        worker_ends.addFilter(quiet)
         try:
             result = agent.run()
         except SignalException as e:  # the agent has forwarded it and waited for the workers
             return exit_status(e.sigval)
+        finally:
+            worker_ends.removeFilter(quiet)
         agent.get_worker_group().spec.rdzv_handler.shutdown()
         if not result.is_failed():
             return 0
@@ -182,6 +232,8 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int = 0, run_dir: Pa
     final = sorted({code for code in codes.values() if code in FINAL_EXIT_STATUSES})
     if final:
         return final[0]
+    if _final(result.failures):  # a recorded user error, its rank seen ending by the agent's signal
+        return 2
     details = ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items()))
     where = "the worker output above"
     if run_dir is not None:

@@ -11,7 +11,8 @@ Cost: rank 0 reads every byte of the checkpoint once to write the manifest (Ψ·
 AdamW, at SHA-256 speed: 564 MB/s measured on one shared CPU core) and once more per checkpoint
 it verifies: the one chosen at resume (plus any damaged newer ones) and, at each save, the older
 ones rotation inspects until `keep` verified ones are found (keep − 1 in a healthy directory).
-Other ranks wait at the save's final barrier.
+Other ranks wait at the save's final barrier. Every listing of checkpoints (`step_dirs`: resume,
+rotation, generate, export, the launcher's --resume check) refuses a tree holding a symbolic link.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import os
 from dataclasses import dataclass, field
 from importlib import metadata as package_metadata
 from pathlib import Path
+from typing import Iterator
 
 import torch
+
+from ndtrain.errors import UserError
 
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step_"
@@ -86,8 +90,34 @@ def step_of(path: Path) -> int:
     return int(path.name[len(STEP_PREFIX):])
 
 
+def refuse_links(directory: Path) -> None:
+    """A UserError naming the first symbolic link in the checkpoint tree `directory` (itself included).
+
+    Every checkpoint of a run lives inside its run directory: a link would be followed when loading
+    (another run's state, or a file that is no checkpoint) and deleted through by rotation, so none
+    is used. Cost: one `lstat` per entry (a checkpoint holds a few files per rank)."""
+    if directory.is_symlink():
+        link = directory
+    else:
+        link = next((p for p in _entries(directory) if p.is_symlink()), None) if directory.is_dir() else None
+    if link is not None:
+        raise UserError(f"{str(link)!r} is a symbolic link (to {os.readlink(link)!r}): checkpoints must lie inside the "
+                        "run directory, and ndtrain neither follows nor deletes links there; replace the link with "
+                        "the directory it names (or remove it)")
+
+
+def _entries(directory: Path) -> Iterator[Path]:
+    """Every entry under `directory`, links reported but never entered."""
+    for entry in os.scandir(directory):
+        yield Path(entry.path)
+        if entry.is_dir(follow_symlinks=False):
+            yield from _entries(Path(entry.path))
+
+
 def step_dirs(directory: Path) -> list[Path]:
-    """Finished (renamed) checkpoint directories, newest first; `.partial` ones are not among them."""
+    """Finished (renamed) checkpoint directories, newest first; `.partial` ones are not among them.
+    A tree holding a symbolic link is refused (`refuse_links`)."""
+    refuse_links(directory)
     if not directory.is_dir():
         return []
     found = [p for p in directory.iterdir()

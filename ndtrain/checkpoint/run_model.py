@@ -19,12 +19,22 @@ from ndtrain.checkpoint.init_from import load_init_weights
 from ndtrain.checkpoint.store import load_model_weights, newest_verified
 from ndtrain.config import ModelConfig, TrainConfig, load_config
 from ndtrain.errors import UserError
-from ndtrain.models.build import build_seeded_model
+from ndtrain.failures import reason
+from ndtrain.models.build import build_seeded_model, model_label
 
 
 def build_run_model(cfg: ModelConfig, seed: int) -> nn.Module:
-    """The run's model on the CPU, initialised from `seed` or loaded from `cfg.init_from`."""
-    model = build_seeded_model(cfg, seed)
+    """The run's model on the CPU, initialised from `seed` or loaded from `cfg.init_from`.
+
+    Building is a function of the config, its files and the seed alone, so a failure to build is a
+    UserError (its traceback kept as the cause): retrying would fail the same way (ndtrain/failures.py)."""
+    try:
+        model = build_seeded_model(cfg, seed)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"cannot build the model {model_label(cfg)} ({reason(e)}): fix the model folder or "
+                        "choose another model") from e
     if cfg.init_from is not None:
         load_init_weights(model, Path(cfg.init_from))
     return model

@@ -279,12 +279,17 @@ def _check_run_files(run_dir: Path) -> None:
 
 
 def train_worker(cfg: TrainConfig) -> int:
-    """Train in this process; exit status 0, 2 (user error), 1 (a bug) or 128+N (stopped by signal N,
-    checkpoint written). Output: console and RUN_DIR/logs/rank_N.log (see console.py)."""
+    """Train in this process; exit status 0, 2 (a user error or a failure that would recur), 1 (a bug or
+    a lost peer: restartable) or 128+N (stopped by signal N, checkpoint written); the rule is
+    ndtrain/failures.py's. Output: console and RUN_DIR/logs/rank_N.log (see console.py)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from ndtrain.console import WorkerConsole, log, report_user_error
     from ndtrain.engine import NonFiniteError
+    from ndtrain.failures import lost_peer, recurring_cause
     from ndtrain.launch import die_with_parent, in_worker, set_worker_threads
     from ndtrain.dist.mesh import init
+    from ndtrain.dist.phases import process_started
     from ndtrain.run.preemption import Preempted, exit_status
     from ndtrain.run.lock import run_lock
     from ndtrain.trainer import Trainer
@@ -294,7 +299,7 @@ def train_worker(cfg: TrainConfig) -> int:
     set_worker_threads(cfg.launch.threads)
     with WorkerConsole() as console:
         try:
-            ctx = init(cfg.parallel)
+            ctx = init(cfg.parallel, started=process_started())  # start-up's deadline counts from the process start
         except UserError as e:
             report_user_error(str(e))
             return 2
@@ -306,14 +311,22 @@ def train_worker(cfg: TrainConfig) -> int:
             e.newest_checkpoint = _newest_checkpoint(Path(cfg.log.out) / "checkpoints")
             report_user_error(str(e))
             return 2
-        except UserError as e:
-            report_user_error(str(e))
-            return 2
         except Preempted as e:
             if ctx.is_main:
                 log.warning(f"ndtrain: {e.message()}")
             return exit_status(e.signum)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
+            cause = recurring_cause(e)
+            if cause is not None and isinstance(e, UserError) and e.__cause__ is None:
+                report_user_error(cause)  # the message is all there is to say
+                return 2
+            if cause is not None:
+                console.log_only(e, "a failure a restart would meet again")
+                report_user_error(cause if console.log_path is None else f"{cause} (traceback in {console.log_path})")
+                return 2
+            if lost_peer(e):
+                console.log_only(e, "a peer was lost")
+                return 1
             console.crash(e)
             return 1
         finally:
