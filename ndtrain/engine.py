@@ -348,7 +348,8 @@ class Engine:
         state = {**(progress or {}), "step": step, "world_size": self.ctx.world_size,
                  "engine": self.extra_state(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
-        return save_checkpoint(Path(path), step, self, state, keep=keep)
+        with self.ctx.phases.save(step, self.parameter_count):
+            return save_checkpoint(Path(path), step, self, state, keep=keep)
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore the newest verified checkpoint of the folder `path` (or the checkpoint `path`),

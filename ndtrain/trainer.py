@@ -117,7 +117,8 @@ class Trainer:
         self.tokens_total = 0  # tokens trained on since step 0 (kept in checkpoints)
         self.run_dir = Path(cfg.log.out)
         self.checkpoints = self.run_dir / "checkpoints"
-        self.task = build_task(cfg)
+        with self.ctx.phases.startup("preparing the data"):
+            self.task = build_task(cfg)
         self.data_fingerprint = read_fingerprint(cache_folder(cfg.data, self.run_dir))  # None: no token file
         self.data_start = 0  # the step the data order counts from (data.allow_change moves it)
         self.kind = engine_kind(cfg, self.ctx)
@@ -135,7 +136,8 @@ class Trainer:
                 f"one global batch of {cfg.schedule.global_batch}: use more data or a smaller schedule.global_batch"
             )
         self.timeline = TimelineRecorder(cfg, self.ctx, self.run_dir)
-        self.engine = self.make_engine()
+        with self.ctx.phases.startup("building the model"):
+            self.engine = self.make_engine()
         self.trackers = Trackers(cfg.log.report_to if self.ctx.is_main else [], self.run_dir)
 
     def data_ranks(self) -> tuple[int, int]:
@@ -200,7 +202,8 @@ class Trainer:
             if self.cfg.checkpoint.resume:
                 raise nothing_to_resume(self.checkpoints)
             return 0
-        progress = load_checkpoint(path, self.engine)  # any layout: the data position is in global batches
+        with self.ctx.phases.load(path.name, self.engine.parameter_count):
+            progress = load_checkpoint(path, self.engine)  # any layout: the data position is in global batches
         saved_batch = progress.get("global_batch", self.cfg.schedule.global_batch)
         if saved_batch != self.cfg.schedule.global_batch:
             raise UserError(f"checkpoint {str(path)!r} was trained with schedule.global_batch = {saved_batch}, this run "
@@ -230,7 +233,8 @@ class Trainer:
         ensure_console(main)
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        ctx.comm.barrier(ctx.group("world"))
+        with ctx.phases.startup("the first barrier"):
+            ctx.comm.barrier(ctx.group("world"))
         start = self.resume()
         if start >= cfg.schedule.steps and restarts:  # the agent restarted us after the last checkpoint
             if main:
@@ -271,8 +275,9 @@ class Trainer:
             evaluate_now = (cfg.log.eval_every and self.kind.lockstep and done % cfg.log.eval_every == 0) \
                 or done == cfg.schedule.steps
             if evaluate_now:
-                last_val, _ = self.engine.evaluate(self.eval_batches())
-                task_metrics = self.task.evaluate(self.engine) if self.task.evaluate else {}
+                with ctx.phases.evaluation(done, len(self.eval_indices), elapsed / self.rank_batch):
+                    last_val, _ = self.engine.evaluate(self.eval_batches())
+                    task_metrics = self.task.evaluate(self.engine) if self.task.evaluate else {}
                 record.update(step=done, val_loss=last_val, **task_metrics)
             stop_signal = stop_request.agreed(ctx.comm, ctx.group("world"), ctx.device) if self.kind.checkpoints else 0
             save_now = (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == stop or stop_signal

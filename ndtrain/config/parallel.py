@@ -14,6 +14,7 @@ from ndtrain.config.options import (
 from ndtrain.errors import UserError
 
 MAX_TIMEOUT_S = 1e9  # timedelta stops near 8.6e13 s
+PHASE_DEADLINES = ("startup_s", "eval_s", "save_s", "save_mb_s")
 
 
 @dataclass
@@ -41,6 +42,11 @@ class ParallelConfig:
     allow_unused_params: bool = False
     timeout_s: float = 600.0          # init/rendezvous timeout (and the communication library's own)
     watchdog_s: float = 60.0          # a wait on one collective longer than this ends the run, naming who is missing
+    # phase deadlines (dist/phases.py): past one, the run ends (or restarts) naming the phase and who is missing
+    startup_s: float = 600.0          # each start-up step: joining the group (from the process start), data, model
+    eval_s: float = 300.0             # one evaluation: this + 4 × its windows × the last step's seconds per window
+    save_s: float = 120.0             # one checkpoint save or load: this + its size at save_mb_s
+    save_mb_s: float = 10.0           # the disk speed a save or load assumes (MB/s), lower if one was measured slower
     # mixed precision: compute dtype; fp32 master weights and optimizer state in every mode
     precision: Precision = "fp32"
     loss_scaling: bool = True         # dynamic loss scaling (required for fp16)
@@ -65,6 +71,10 @@ class ParallelConfig:
         positive(self, "tp", "pp", "cp", "bucket_mb", "first_bucket_mb", "timeout_s", "pp_virtual", "replicas")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise UserError(f"parallel.timeout_s={self.timeout_s:g} exceeds {MAX_TIMEOUT_S:g} s (≈ 30 years): give fewer seconds")
+        for name in PHASE_DEADLINES:
+            if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:
+                raise UserError(f"parallel.{name} must be in (0, {MAX_TIMEOUT_S:g}], got {getattr(self, name)}: "
+                                f"give a positive number of {'MB/s' if name == 'save_mb_s' else 'seconds'}")
         if not 0 < self.watchdog_s <= 120:
             raise UserError(
                 f"parallel.watchdog_s must be in (0, 120] seconds, got {self.watchdog_s}: "

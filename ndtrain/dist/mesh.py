@@ -6,15 +6,19 @@ Groups are built once, on every rank in the same order: one per axis, `dp_cp` (g
 synchronisation), `mp` = pp × tp (the ranks that together hold one model replica, for the global
 gradient norm) and `world`. Groups of one rank need no c10d communicator and get none.
 A multi-process context's communicator has a `Watchdog` (dist/watchdog.py) on the default store, so
-a stall ends every live rank with a message naming the ranks that did not arrive.
+a stall ends every live rank with a message naming the ranks that did not arrive. The watchdog is
+started on the rendezvous store before the process group is built with that store, so joining the
+group (rendezvous and group creation) is watched as the first step of start-up (`ctx.phases`,
+dist/phases.py); the same `Phases` watch evaluation, saves and loads for the trainer and engine.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,7 @@ import torch.distributed as dist
 from ndtrain.dist.comm import Communicator, Group
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
+from ndtrain.dist.phases import Phases
 from ndtrain.dist.watchdog import Watchdog
 
 AXES = ("dp", "cp", "pp", "tp")
@@ -46,6 +51,7 @@ class ParallelContext:
     coords: dict[str, int]
     groups: dict[str, Group]
     comm: Communicator
+    phases: Phases = field(default_factory=Phases)  # deadlines of start-up, evaluation, saves (dist/phases.py)
 
     def group(self, name: str) -> Group:
         return self.groups[name]
@@ -63,7 +69,7 @@ class ParallelContext:
     def destroy(self) -> None:
         if self.comm.watchdog is not None:
             self.comm.watchdog.stop()
-            self.comm.watchdog = None
+            self.comm.watchdog = self.phases.watchdog = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -114,8 +120,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def init(config: ParallelConfig | None = None, init_method: str | None = None) -> ParallelContext:
-    """Join the world described by torchrun's environment (or a single process) and build all groups."""
+def init(config: ParallelConfig | None = None, init_method: str | None = None, *,
+         started: float | None = None) -> ParallelContext:
+    """Join the world described by torchrun's environment (or a single process) and build all groups.
+
+    `started`: the `time.monotonic()` reading the start-up deadline counts from (a worker passes its
+    process's start, `phases.process_started()`); default: now."""
     config = config or ParallelConfig()
     config.validate()
     rank = int(os.environ.get("RANK", "0"))
@@ -128,10 +138,33 @@ def init(config: ParallelConfig | None = None, init_method: str | None = None) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=config.timeout_s)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
-        )
+    comm = Communicator(rank, timeout)
+    phases = Phases(config)
+    store = _rendezvous(init_method or "env://", rank, world_size, timeout) if world_size > 1 else None
+    if store is not None:
+        comm.watchdog = phases.watchdog = Watchdog(
+            rank, store, config.watchdog_s, comm.issued, world_size=world_size).start()
+    with phases.startup("joining the process group", started):
+        if store is not None and not dist.is_initialized():
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        groups = _build_groups(rank, world_size, sizes, timeout)
+    return ParallelContext(
+        rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+        backend=backend, sizes=sizes, coords=rank_coords(rank, sizes), groups=groups, comm=comm, phases=phases,
+    )
+
+
+def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """The store the process group is built on, as `init_process_group` would make it (the
+    rendezvous behind `init_method`, prefixed "default_pg"); the existing group's when there is one."""
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore("default_pg", store)
+
+
+def _build_groups(rank: int, world_size: int, sizes: dict[str, int], timeout: timedelta) -> dict[str, Group]:
     groups: dict[str, Group] = {}
     for name, axes in GROUP_AXES.items():
         for members in group_members(axes, sizes):
@@ -141,11 +174,4 @@ def init(config: ParallelConfig | None = None, init_method: str | None = None) -
                 pg = dist.new_group(list(members), timeout=timeout)
             if rank in members:
                 groups[name] = Group(name, members, members.index(rank), pg)
-    comm = Communicator(rank, timeout)
-    if world_size > 1:
-        store = dist.distributed_c10d._get_default_store()
-        comm.watchdog = Watchdog(rank, store, config.watchdog_s, comm.issued).start()
-    return ParallelContext(
-        rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-        backend=backend, sizes=sizes, coords=rank_coords(rank, sizes), groups=groups, comm=comm,
-    )
+    return groups

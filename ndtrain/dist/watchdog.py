@@ -27,10 +27,40 @@ tick, one store `check` per tick. A TCP store client whose link is cut blocks fa
 timeout, so the store is used through clients of its own and the diagnosis and the exit run
 with time limits (2 · grace_s, grace_s + 1 s): an unreachable store delays the message by
 seconds and shortens it to "the rendezvous store does not answer", never suppresses it.
+
+Phases. Work outside collectives has deadlines of its own: a `Phase` (start-up, evaluation, a
+checkpoint save or load: its name, what it is doing, its deadline and the rule that gave it; the
+rules are dist/phases.py's) is armed around that work and disarmed after it, on the same machinery:
+
+    past the phase's deadline   the rank raises the alarm as for a wait; a rank that is in a phase
+                                (or a wait) for more than a tick when the alarm is raised joins in
+    a wait inside a phase       keeps `timeout_s`, unless the phase has `long_waits` (saves and loads:
+                                peers wait for the slowest writer and for rank 0's hashing), then it
+                                may last until the phase's deadline
+    the diagnosis               names this rank's wait and phase; of the peers (the wait's, else the
+                                whole world), who did not arrive (with the phase each published last:
+                                a rank publishes a phase when it enters and when it leaves it) and who
+                                is alive but elsewhere; every rank in the same phase means the phase is
+                                slower than its deadline
+    an exception leaving a      while a diagnosis is under way it is its consequence (a peer exited):
+    phase                       held as in a failed wait
+
+A rank that stopped before it reached the store (during rendezvous: it published nothing) is looked
+up among the processes its agent started on this host (same parent, same TORCHELASTIC_RUN_ID, its
+RANK), so it is named by its state and, if stopped, SIGKILLed too. The watchdog exists as soon as the
+rank has the rendezvous store, before the process group: dist/mesh.py builds the group with that
+store after starting the watchdog, so rendezvous and group creation are watched by the start-up
+phase. Before that (connecting to the store; a rank 0 that serves the store itself waits in its
+constructor for the others) only the store's own timeout, `parallel.timeout_s`, bounds the wait:
+under ndtrain's launcher and torchrun's agent the workers are clients of the agent's store, which
+is up before they start, so that step does not wait for peers.
+Cost of a phase: two store `set`s (entering and leaving) from the main thread, bounded like the
+diagnosis' store calls; nothing per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,7 +70,9 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
+
+from ndtrain.dist.procfs import host_identity, local_worker, proc_stat
 
 _PREFIX = "ndtrain/watchdog"
 
@@ -61,12 +93,24 @@ class Wait:
         return f"{kind} #{self.seq} {self.op} on axis {self.axis!r} (ranks {list(self.ranks)})"
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of work every rank goes through with a deadline of its own (see the module docstring).
+
+    `started` is a `time.monotonic()` reading; `rule` says how `deadline_s` was reached."""
+
+    name: str
+    detail: str
+    deadline_s: float
+    rule: str
+    started: float
+    long_waits: bool = False
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.detail}"
+
+    def deadline(self) -> str:
+        return f"deadline {self.deadline_s:.0f} s: {self.rule}"
 
 
 def _bounded(fn: Callable[[], None], seconds: float) -> None:
@@ -84,42 +128,27 @@ def _bounded(fn: Callable[[], None], seconds: float) -> None:
     thread.join(seconds)
 
 
-def host_identity() -> str | None:
-    """Same value ⇔ PIDs name the same processes (boot, PID and network namespace); None off Linux."""
-    try:
-        boot = (_read("/proc/sys/kernel/random/boot_id") or "").strip()
-        pid_ns, net_ns = (os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("pid", "net"))
-    except OSError:
-        return None
-    return f"{boot}:{pid_ns}:{net_ns}" if boot else None
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks) of a process, from /proc/PID/stat."""
-    text = _read(f"/proc/{pid}/stat")
-    if text is None:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
 class Watchdog:
-    """Turns a wait longer than `timeout_s` on this rank into a diagnosis on every live rank."""
+    """Turns a wait longer than `timeout_s`, or a phase past its deadline, on this rank into a
+    diagnosis on every live rank of a world of `world_size`."""
 
     def __init__(
-        self, rank: int, store: Any, timeout_s: float, issued: Mapping[str, int], *,
+        self, rank: int, store: Any, timeout_s: float, issued: Mapping[str, int], *, world_size: int = 1,
         tick_s: float = 0.5, grace_s: float = 3.0,
     ) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
+        self.world = tuple(range(world_size))
         self._issued = issued  # the communicator's per-axis sequence numbers (read, never written)
-        self._store, self._beat_store = store.clone(), store.clone()  # the beat's may block for good
-        for client in (self._store, self._beat_store):
+        # the beat's may block for good; the phase's is the main thread's
+        self._store, self._beat_store, self._phase_store = store.clone(), store.clone(), store.clone()
+        for client in (self._store, self._beat_store, self._phase_store):
             client.set_timeout(timedelta(seconds=grace_s))
         self._tick_s = tick_s
         self._grace_s = grace_s
         self._beat_s = min(5.0, timeout_s / 4)
         self._armed: tuple[Wait, float] | None = None
+        self._phase: Phase | None = None
         self._stalled = threading.Event()
         self._alarm = threading.Event()
         self._stop = threading.Event()
@@ -127,7 +156,7 @@ class Watchdog:
             threading.Thread(target=self._monitor, name="ndtrain-watchdog", daemon=True),
             threading.Thread(target=self._beat, name="ndtrain-watchdog-beat", daemon=True),
         ]
-        stat = _proc_stat(os.getpid())
+        stat = proc_stat(os.getpid())
         self._identity = {"pid": os.getpid(), "host": host_identity(), "start": stat[1] if stat else None}
 
     def start(self) -> "Watchdog":
@@ -147,38 +176,67 @@ class Watchdog:
     def disarm(self) -> None:
         self._armed = None
 
+    @contextlib.contextmanager
+    def phase(self, phase: Phase) -> Iterator[Phase]:
+        """Watch `phase` for the duration (phases do not nest: the enclosing one is restored after)."""
+        outer = self._phase
+        self._publish_phase(phase)
+        self._phase = phase
+        try:
+            yield phase
+        except BaseException:
+            self.hold_if_stalled()
+            raise
+        finally:
+            self._phase = outer
+            self._publish_phase(outer)
+
+    def _publish_phase(self, phase: Phase | None) -> None:
+        record = {"phase": phase.describe() if phase else None}
+        _bounded(lambda: self._phase_store.set(f"{_PREFIX}/phase/{self.rank}", json.dumps(record)), self._grace_s)
+
     def hold_if_stalled(self) -> None:
         """Called by a wait that failed: while a diagnosis is under way, the failure is its
         consequence (a peer exited first), so block until the watchdog ends the process."""
         if self._stalled.is_set():
             threading.Event().wait()
 
+    def _busy_s(self, now: float) -> float:
+        """How long this rank has been in its current wait or phase (0 when in neither)."""
+        armed, phase = self._armed, self._phase
+        return max(now - armed[1] if armed else 0.0, now - phase.started if phase else 0.0)
+
+    def _overdue(self, now: float) -> bool:
+        armed, phase = self._armed, self._phase
+        if phase is not None and now - phase.started >= phase.deadline_s:
+            return True
+        return armed is not None and now - armed[1] >= self.timeout_s and not (phase and phase.long_waits)
+
     def _monitor(self) -> None:
         while not self._stop.wait(self._tick_s):
-            armed = self._armed
-            if armed is not None:
-                waited = time.monotonic() - armed[1]
-                if waited >= self.timeout_s or (waited >= self._tick_s and self._alarm.is_set()):
-                    self._stall(armed[0], waited)
+            armed, phase, now = self._armed, self._phase, time.monotonic()
+            if (armed or phase) and (self._overdue(now) or (self._busy_s(now) >= self._tick_s and self._alarm.is_set())):
+                self._stall(armed[0] if armed else None, now - armed[1] if armed else 0.0, phase, now)
 
     def _beat(self) -> None:
         next_beat = time.monotonic() + self._beat_s
         while not self._stop.wait(self._tick_s):
-            armed, now = self._armed, time.monotonic()
-            if armed is not None and now - armed[1] >= self._tick_s and self._alarm_raised():
+            now = time.monotonic()
+            if self._busy_s(now) >= self._tick_s and self._alarm_raised():
                 self._alarm.set()
             if now >= next_beat:
                 self._publish(self._beat_store, "beat", {})
                 next_beat = now + self._beat_s
 
-    def _stall(self, wait: Wait, waited: float) -> None:
+    def _stall(self, wait: Wait | None, waited: float, phase: Phase | None, now: float) -> None:
         """Print the diagnosis as the command line's one error line; end the process once the
         other ranks that joined the diagnosis have printed theirs (at most `grace_s` later), so
         that the agent, which stops every worker when the first one exits, cuts no message off."""
         self._stalled.set()
         result: list[tuple[str, list[dict[str, Any]]]] = []
-        _bounded(lambda: result.append(self.diagnose(wait, waited)), 2 * self._grace_s)
-        message, stopped = result[0] if result else (self._unanswered(wait, waited), [])
+        spent = now - phase.started if phase else 0.0
+        _bounded(lambda: result.append(self.diagnose(wait, waited, phase, spent)), 2 * self._grace_s)
+        message, stopped = result[0] if result else (self._unanswered(wait, waited, phase, spent), [])
         sys.stdout.flush()
         logging.getLogger("ndtrain").error(f"ndtrain: error: {message}")
         _bounded(self._await_reports, self._grace_s + 1)
@@ -214,19 +272,22 @@ class Watchdog:
         except RuntimeError:
             return None
 
-    def diagnose(self, wait: Wait, waited: float) -> tuple[str, list[dict[str, Any]]]:
-        """Publish this wait, give the peers `grace_s` to publish theirs, and describe who is missing.
-
-        Returns the message and the heartbeats of the missing peers (whose stopped processes on
-        this host are to be killed)."""
-        published = self._publish(self._store, "wait", {"op": wait.op, "axis": wait.axis, "seq": wait.seq})
+    def diagnose(self, wait: Wait | None, waited: float, phase: Phase | None = None,
+                 spent: float = 0.0) -> tuple[str, list[dict[str, Any]]]:
+        """Publish this wait (and phase), give the peers `grace_s` to publish theirs, and describe who
+        is missing. Returns the message and the records (heartbeats, or processes found on this
+        host) of the missing peers, whose stopped processes on this host are to be killed."""
+        mine: dict[str, Any] = {"phase": phase.describe() if phase else None}
+        if wait is not None:
+            mine.update(op=wait.op, axis=wait.axis, seq=wait.seq)
+        published = self._publish(self._store, "wait", mine)
         try:
             self._store.add(f"{_PREFIX}/alarm", 1)
         except RuntimeError:
             published = False
         if not published:
-            return self._unanswered(wait, waited), []
-        peers = [r for r in wait.peers if r != self.rank]
+            return self._unanswered(wait, waited, phase, spent), []
+        peers = [r for r in (wait.peers if wait is not None else self.world) if r != self.rank]
         deadline = time.monotonic() + self._grace_s
         waits: dict[int, dict[str, Any]] = {}
         while True:
@@ -235,61 +296,82 @@ class Watchdog:
                 break
             time.sleep(0.1)
         missing = [r for r in peers if r not in waits]
-        behind = [r for r in peers if r in waits and not self._arrived(wait, waits[r])]
-        parts = [self._head(wait, waited)]
+        behind = [r for r in peers if r in waits and not self._arrived(wait, phase, waits[r])]
+        parts = [self._head(wait, waited, phase, spent)]
+        found: dict[int, dict[str, Any] | None] = {}
         if missing:
-            beats = {r: self._fetch("beat", r) for r in missing}
-            detail = "; ".join(self._describe_missing(r, beats[r], wait.axis) for r in missing)
+            found = {r: self._fetch("beat", r) or local_worker(r) for r in missing}
+            detail = "; ".join(self._describe_missing(r, found[r], wait.axis if wait else None) for r in missing)
             parts.append(f"ranks {missing} did not arrive ({detail})")
         if behind:
-            detail = "; ".join(
-                f"rank {r} waits in #{waits[r]['seq']} {waits[r]['op']} on axis {waits[r]['axis']!r}" for r in behind
-            )
+            detail = "; ".join(f"rank {r} {self._whereabouts(waits[r])}" for r in behind)
             parts.append(f"ranks {behind} are alive but behind ({detail})")
-        other_op = [r for r in peers if r in waits and r not in behind and (waits[r]["axis"], waits[r]["seq"]) ==
-                    (wait.axis, wait.seq) and waits[r]["op"] != wait.op]
-        if other_op:
+        other_op = [] if wait is None else [
+            r for r in peers if r in waits and r not in behind and (waits[r].get("axis"), waits[r].get("seq")) ==
+            (wait.axis, wait.seq) and waits[r].get("op") != wait.op]
+        if other_op and wait is not None:
             detail = "; ".join(f"rank {r} waits in #{wait.seq} {waits[r]['op']}" for r in other_op)
             parts.append(f"ranks {other_op} issued another collective as #{wait.seq} on this axis ({detail}): the ranks "
                          "issued different collectives, a program error (e.g. a rank running fewer forwards), not a stall")
-        elif not missing and not behind:
+        elif not missing and not behind and wait is not None:
             parts.append("every peer arrived: the communication library itself is stuck")
-        return "; ".join(parts), [beats[r] for r in missing if beats[r] is not None]
+        elif not missing and not behind and phase is not None:
+            parts.append(f"every rank is in this phase: it takes longer than its deadline ({phase.rule}): raise it")
+        return "; ".join(parts), [b for r in missing if (b := found[r]) is not None]
 
-    def _head(self, wait: Wait, waited: float) -> str:
-        return f"rank {self.rank} waited {waited:.0f} s in {wait.describe()}"
+    def _head(self, wait: Wait | None, waited: float, phase: Phase | None, spent: float) -> str:
+        head = f"rank {self.rank}"
+        if wait is not None:
+            head += f" waited {waited:.0f} s in {wait.describe()}"
+        if phase is not None:
+            head += f" during {phase.describe()}" if wait else f" spent {spent:.0f} s in {phase.describe()}"
+            head += f" ({phase.deadline()})"
+        return head
 
-    def _unanswered(self, wait: Wait, waited: float) -> str:
-        peers = [r for r in wait.peers if r != self.rank]
-        return (f"{self._head(wait, waited)}; the rendezvous store does not answer, so the peers {peers} "
+    def _unanswered(self, wait: Wait | None, waited: float, phase: Phase | None, spent: float) -> str:
+        peers = [r for r in (wait.peers if wait is not None else self.world) if r != self.rank]
+        return (f"{self._head(wait, waited, phase, spent)}; the rendezvous store does not answer, so the peers {peers} "
                 "cannot be asked (is this host cut off from the store's host?)")
 
     @staticmethod
-    def _arrived(wait: Wait, peer: dict[str, Any]) -> bool:
-        if not wait.collective:
+    def _arrived(wait: Wait | None, phase: Phase | None, peer: dict[str, Any]) -> bool:
+        if wait is None:  # a phase: a peer arrived when it is in the same phase
+            return phase is not None and peer.get("phase") == phase.describe()
+        if not wait.collective or "axis" not in peer:
             return False  # a point-to-point peer that is waiting anywhere is not in our exchange
         return peer["issued"].get(wait.axis, 0) >= wait.seq
 
-    def _describe_missing(self, rank: int, beat: dict[str, Any] | None, axis: str) -> str:
+    @staticmethod
+    def _whereabouts(peer: dict[str, Any]) -> str:
+        where = f"waits in #{peer['seq']} {peer['op']} on axis {peer['axis']!r}" if "axis" in peer else \
+            "is outside any collective"
+        return where + (f" during {peer['phase']}" if peer.get("phase") else "")
+
+    def _describe_missing(self, rank: int, beat: dict[str, Any] | None, axis: str | None) -> str:
         if beat is None:
             return f"rank {rank}: never seen"
-        age = time.time() - beat["time"]
         state = ""
         if beat["host"] is not None and beat["host"] == self._identity["host"]:
-            stat = _proc_stat(beat["pid"])
+            stat = proc_stat(beat["pid"])
             if stat is None or stat[1] != beat["start"] or stat[0] in "ZX":
                 state = ", its process has exited"
             elif stat[0] == "T":
                 state = ", its process is stopped (SIGSTOP), so killed"
             else:
                 state = f", its process is running (state {stat[0]}) outside any collective"
-        return f"rank {rank}: last seen {age:.0f} s ago at #{beat['issued'].get(axis, 0)} on axis {axis!r}{state}"
+        if "time" not in beat:  # found on this host, never reached the store
+            return f"rank {rank}: never seen (pid {beat['pid']} never reached the rendezvous store){state}"
+        seen = f"last seen {time.time() - beat['time']:.0f} s ago"
+        if axis is not None:
+            seen += f" at #{beat['issued'].get(axis, 0)} on axis {axis!r}"
+        phase = (self._fetch("phase", rank) or {}).get("phase")
+        return f"rank {rank}: {seen}{state}" + (f", last in {phase}" if phase else "")
 
     def _kill_if_stopped(self, beat: dict[str, Any]) -> None:
         """SIGKILL a peer on this host that is stopped: it would hold the agent for its shutdown grace."""
         if beat["host"] is None or beat["host"] != self._identity["host"]:
             return
-        stat = _proc_stat(beat["pid"])
+        stat = proc_stat(beat["pid"])
         if stat is not None and stat[0] == "T" and stat[1] == beat["start"]:
             try:
                 os.kill(beat["pid"], signal.SIGKILL)
