@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from ndtrain.config import ParallelConfig
 from ndtrain.dist import mesh
 from ndtrain.engine import Engine
-from ndtrain.parallel.model.context import (
-    _fused_backward, _fused_forward, _tile_backward, _tile_forward, balanced_chunks, block_plan,
-)
+from ndtrain.parallel.model.attention_blocks import fused_backward, fused_forward, tile_backward, tile_forward
+from ndtrain.parallel.model.context import balanced_chunks, block_plan
 from ndtrain.parallel.pipeline import run_pipeline
 from ndtrain.parallel.pipeline.partition import split_model
 from tests.helpers.models import adamw, batch, make_llama, shard
@@ -192,10 +191,10 @@ def _ring_by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, fu
             block = block_plan(balanced_chunks(r, cp), balanced_chunks(j, cp), n)
             if block is None:
                 continue
-            extra = _fused_forward(ql, kv, block, scale, o, lse) if fused else None
+            extra = fused_forward(ql, kv, block, scale, o, lse) if fused else None
             if not fused:
                 for tile in block.tiles(64):
-                    _tile_forward(qb, kv, tile, scale, o, lse)
+                    tile_forward(qb, kv, tile, scale, o, lse)
             plans.append((j, kv, block, extra))
         result = o.to(q.dtype).reshape(ql.shape)
         out[..., idx[r], :] = result.float()
@@ -207,10 +206,10 @@ def _ring_by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, fu
         for j, kv, block, extra in plans:
             dkv = torch.zeros(kv.shape, device=q.device)
             if fused:
-                _fused_backward(ql, kv, dl, result, lse, block, scale, extra, dql, dkv)
+                fused_backward(ql, kv, dl, result, lse, block, scale, extra, dql, dkv)
             else:
                 for tile in block.tiles(64):
-                    _tile_backward(qb, kv, dlb, lse, delta, tile, scale, dql, dkv)
+                    tile_backward(qb, kv, dlb, lse, delta, tile, scale, dql, dkv)
             dk[..., idx[j], :] += dkv[0]
             dv[..., idx[j], :] += dkv[1]
         dq[..., idx[r], :] = dql.reshape(ql.shape)

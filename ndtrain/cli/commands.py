@@ -189,13 +189,13 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     from ndtrain.run.lock import refuse_if_locked
 
     run_dir = Path(cfg.log.out)
+    refuse_if_locked(run_dir)  # a live run's folder: named by its holder (reads only)
     check_owned(run_dir)  # another program's folder is never written into (--resume, --overwrite too)
     if cfg.checkpoint.resume and not cfg.ps.servers and not has_checkpoint(run_dir):
         raise nothing_to_resume(run_dir / "checkpoints")
     from ndtrain.run.data_identity import check_resume_data
 
     check_resume_data(cfg, run_dir)  # a checkpoint of other data: refused before the token file is rebuilt
-    refuse_if_locked(run_dir)  # before the token file is written into the run directory
     with claimed(run_dir, write=not args.check):  # the marker first; a refusal below takes back what was added
         check_data(cfg, write=not args.check)  # builds the token file once, before any worker starts
     if args.check:

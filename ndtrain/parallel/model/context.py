@@ -22,7 +22,7 @@ B batch, H query heads, K kv heads, h head size, s = T/c local tokens and fp32 a
   each block travel with it, each rank adding its contribution; after the last step the sums
   arrive at their owners. dQ stays local. The probabilities are recomputed per block from the
   saved log-sum-exp (flash-attention style): nothing quadratic in s is kept.
-Each block is computed by one of two kernels (`Ring.kernel`; `block_kernel` picks):
+Each block is computed by one of two kernels (attention_blocks.py; `Ring.kernel`, `block_kernel` picks):
 - "fused": SDPA's fused flash kernel (`torch.ops.aten._scaled_dot_product_flash_attention` on
   CUDA in bf16/fp16 with head size ≤ 256, its `_for_cpu` variant on CPU), called per block (causal
   at t = 0, unmasked after) with the block's rows and columns; its fp32 log-sum-exp merges the
@@ -44,15 +44,13 @@ and accumulate in fp32; the output accumulates in fp32); a float64 model in floa
 Recomputing ring attention (selective or full recompute) runs the forward ring again inside
 backward: (c−1) more K/V exchanges per layer.
 
-GQA needs no copies: a query head g·(H/K)+j reads kv head g through broadcasting.
+In the tiles GQA needs no copies: a query head g·(H/K)+j reads kv head g through broadcasting.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
@@ -60,11 +58,11 @@ from torch import nn
 from ndtrain.dist.comm import Communicator, Group, Pending
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
+from ndtrain.parallel.model.attention_blocks import Kernel, Block, block_kernel, tile_forward, tile_backward, fused_forward, fused_backward
 from ndtrain.parallel.model_spec import parallel_spec
 from ndtrain.parallel.precision import at_least_fp32, master_dtype
 
 Chunks = tuple[int, ...]
-Kernel = Literal["auto", "fused", "tiles"]
 KERNELS: tuple[Kernel, ...] = ("auto", "fused", "tiles")
 DEFAULT_TILE = 512  # rows and columns of the score tiles: transient memory B·H·tile²·4 bytes, a few times
 
@@ -102,30 +100,6 @@ def shard_sequence(
     return tokens[..., positions], targets[..., positions], positions
 
 
-@dataclass(frozen=True)
-class Block:
-    """The scores one step computes: local query rows × held key columns, causal or full."""
-
-    rows: slice
-    cols: slice
-    causal: bool
-
-    def scores(self) -> int:
-        return (self.rows.stop - self.rows.start) * (self.cols.stop - self.cols.start)
-
-    def tiles(self, size: int) -> Iterator[Block]:
-        """Sub-blocks of at most size × size scores; in a causal block (rows and columns in the same
-        index space) those wholly in the future are skipped and only those the diagonal crosses
-        stay causal."""
-        for r0 in range(self.rows.start, self.rows.stop, size):
-            r1 = min(r0 + size, self.rows.stop)
-            for c0 in range(self.cols.start, self.cols.stop, size):
-                c1 = min(c0 + size, self.cols.stop)
-                if self.causal and c0 > r1 - 1:
-                    break
-                yield Block(slice(r0, r1), slice(c0, c1), causal=self.causal and c1 - 1 > r0)
-
-
 def block_plan(q_chunks: Chunks, kv_chunks: Chunks, chunk_len: int) -> Block | None:
     """The block of queries in `q_chunks` against keys in `kv_chunks` (ascending chunk indices).
 
@@ -158,121 +132,6 @@ def attention_work(seq_len: int, cp: int, balanced: bool = True, tile: int = DEF
         blocks = (block_plan(layout(rank, cp), layout((rank - t) % cp, cp), n) for t in range(cp))
         work.append(sum(t.scores() for b in blocks if b is not None for t in b.tiles(tile)))
     return work
-
-
-def _tile_scores(q: torch.Tensor, k: torch.Tensor, tile: Block, scale: float) -> torch.Tensor:
-    """Scaled scores [B,K,G,r,c] of q rows [B,K,G,r,h] against k columns [B,K,1,c,h], the future masked."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if tile.causal:
-        rows = torch.arange(tile.rows.start, tile.rows.stop, device=q.device)
-        cols = torch.arange(tile.cols.start, tile.cols.stop, device=q.device)
-        scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
-    return scores
-
-
-def _tile_forward(
-    q: torch.Tensor, kv: torch.Tensor, tile: Block, scale: float, out: torch.Tensor, lse: torch.Tensor
-) -> None:
-    """Attention of q [B,K,G,s,h] rows over kv [2,B,K,s,h] columns, merged into the running fp32
-    `out` [B,K,G,s,h] and log-sum-exp `lse` [B,K,G,s] of those rows (online softmax)."""
-    k, v = (at_least_fp32(t[..., tile.cols, :]).unsqueeze(2) for t in kv)
-    scores = _tile_scores(at_least_fp32(q[..., tile.rows, :]), k, tile, scale)
-    tile_lse = scores.logsumexp(dim=-1)
-    tile_out = torch.exp(scores - tile_lse.unsqueeze(-1)) @ v
-    old = lse[..., tile.rows]
-    merged = torch.logaddexp(old, tile_lse)
-    out[..., tile.rows, :] = (
-        out[..., tile.rows, :] * torch.exp(old - merged).unsqueeze(-1)
-        + tile_out * torch.exp(tile_lse - merged).unsqueeze(-1)
-    )
-    lse[..., tile.rows] = merged
-
-
-def _tile_backward(
-    q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    tile: Block, scale: float, dq: torch.Tensor, dkv: torch.Tensor,
-) -> None:
-    """Add one tile's gradients (probabilities recomputed from the final `lse`) into dq and dkv."""
-    q_rows = at_least_fp32(q[..., tile.rows, :])
-    k, v = (at_least_fp32(t[..., tile.cols, :]).unsqueeze(2) for t in kv)
-    probs = torch.exp(_tile_scores(q_rows, k, tile, scale) - lse[..., tile.rows].unsqueeze(-1))
-    dout_rows = dout[..., tile.rows, :]
-    dscores = probs * (dout_rows @ v.transpose(-1, -2) - delta[..., tile.rows].unsqueeze(-1))
-    dq[..., tile.rows, :] += (dscores @ k) * scale
-    dkv[0][..., tile.cols, :] += (dscores.transpose(-1, -2) @ q_rows).sum(dim=2) * scale
-    dkv[1][..., tile.cols, :] += (probs.transpose(-1, -2) @ dout_rows).sum(dim=2)
-
-
-def block_kernel(kernel: Kernel, q: torch.Tensor) -> Literal["fused", "tiles"]:
-    """The kernel blocks of `q` [B, H, s, h] are computed with: "auto" is "fused" on CUDA where the flash
-    kernel takes q's dtype (bf16/fp16) and head size (≤ 256, a multiple of 8), else "tiles"."""
-    if kernel != "auto":
-        return kernel
-    flash = q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-    return "fused" if q.is_cuda and flash else "tiles"
-
-
-def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """K/V [B, K, c, h] repeated to the query heads [B, K·groups, c, h] (kv head g serves heads g·G … g·G+G−1)."""
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _sum_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of `_repeat_heads`: [B, K·groups, c, h] summed back to [B, K, c, h]."""
-    return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(dim=2)
-
-
-def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """SDPA's flash kernel on one block: output (q's dtype), fp32 log-sum-exp [B, H, r], and what its
-    backward needs besides (CUDA: the sequence bookkeeping and dropout state)."""
-    if q.is_cuda:
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
-        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, ()
-
-
-def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, causal: bool, scale: float, extra: tuple[torch.Tensor, ...]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of one block from the final `out` and `lse` of its rows (the probabilities recomputed)."""
-    if q.is_cuda:
-        cum_q, cum_k, max_q, max_k, seed, offset = extra
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-
-
-def _fused_forward(q: torch.Tensor, kv: torch.Tensor, block: Block, scale: float, out: torch.Tensor,
-                   lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One block of q [B,H,s,h] over kv [2,B,K,s,h] by the flash kernel, merged into the running
-    `out` [B,H,s,h] and `lse` [B,H,s] (fp32); returns what the block's backward needs."""
-    groups = q.shape[1] // kv.shape[2]
-    k, v = (_repeat_heads(t[..., block.cols, :], groups) for t in kv)
-    block_out, block_lse, extra = _flash_forward(q[..., block.rows, :], k, v, block.causal, scale)
-    old = lse[..., block.rows]
-    merged = torch.logaddexp(old, block_lse)
-    out[..., block.rows, :] = (out[..., block.rows, :] * torch.exp(old - merged).unsqueeze(-1)
-                               + block_out * torch.exp(block_lse - merged).unsqueeze(-1))
-    lse[..., block.rows] = merged
-    return extra
-
-
-def _fused_backward(q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                    block: Block, scale: float, extra: tuple[torch.Tensor, ...], dq: torch.Tensor,
-                    dkv: torch.Tensor) -> None:
-    """Add one block's gradients (flash backward with the final `out`, `lse`) into dq and dkv (fp32)."""
-    groups = q.shape[1] // kv.shape[2]
-    k, v = (_repeat_heads(t[..., block.cols, :], groups) for t in kv)
-    rows = block.rows
-    dq_b, dk_b, dv_b = _flash_backward(dout[..., rows, :], q[..., rows, :], k, v, out[..., rows, :],
-                                       lse[..., rows].contiguous(), block.causal, scale, extra)
-    dq[..., rows, :] += dq_b
-    dkv[0][..., block.cols, :] += _sum_heads(dk_b, groups)
-    dkv[1][..., block.cols, :] += _sum_heads(dv_b, groups)
 
 
 @dataclass(frozen=True)
@@ -324,10 +183,10 @@ class _RingAttention(torch.autograd.Function):
                 next_kv, pending = ring.exchange(kv)  # travels while this block is computed
             block = ring.block(step, seq)
             if fused and block is not None:
-                extras.append(_fused_forward(q, kv, block, scale, out, lse))
+                extras.append(fused_forward(q, kv, block, scale, out, lse))
             elif block is not None:
                 for tile in block.tiles(ring.tile):
-                    _tile_forward(q_blocks, kv, tile, scale, out, lse)
+                    tile_forward(q_blocks, kv, tile, scale, out, lse)
             if step < size - 1:
                 pending.wait()
                 kv = next_kv
@@ -362,10 +221,10 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=master_dtype(kv.dtype), device=kv.device)
             block = ring.block(step, seq)
             if fused and block is not None:
-                _fused_backward(q, kv, dout, out_blocks, lse, block, scale, next(extras), dq, dkv)
+                fused_backward(q, kv, dout, out_blocks, lse, block, scale, next(extras), dq, dkv)
             elif block is not None:
                 for tile in block.tiles(ring.tile):
-                    _tile_backward(q_blocks, kv, dout, lse, delta, tile, scale, dq, dkv)
+                    tile_backward(q_blocks, kv, dout, lse, delta, tile, scale, dq, dkv)
             if incoming is not None:
                 incoming[1].wait()
                 dkv += incoming[0]
