@@ -1,7 +1,7 @@
 """Checkpoints with `torch.distributed.checkpoint` (DCP): layout-agnostic, atomic, verified.
 
 Layout of RUN_DIR/checkpoints:
-    step_00000050/          one DCP checkpoint of model and optimizer state (`checkpoint_format`)
+    step_00000050/          one DCP checkpoint of model and optimizer state (`format.py`)
         .metadata, *.distcp every tensor under the unsharded model's names with global shapes
         progress.json       trainer progress, LR schedule, optimizer hyperparameters (JSON, rank 0)
         rng/rank00000.pt    each rank's RNG states (written by that rank only)
@@ -9,14 +9,14 @@ Layout of RUN_DIR/checkpoints:
     latest                  name of the newest complete checkpoint
 
 A checkpoint is written into `step_XXXXXXXX.partial`; after every rank has finished, rank 0
-writes the manifest (`checkpoint_manifest`), renames the directory and replaces `latest`
+writes the manifest (`manifest.py`), renames the directory and replaces `latest`
 (os.replace), so a crash mid-save never damages the previous checkpoint. A save the file system
 refuses (no space, no permission) ends the run on every rank with one line naming the file
 system, the space the save needs and the newest verified checkpoint left, the `.partial` save
-removed (`_settle`; the rule is ndtrain/failures.py's). Resuming uses the
+removed (`save_agreement.settle`; the rule is ndtrain/failures.py's). Resuming uses the
 newest checkpoint that verifies against its manifest, naming each damaged one; rotation keeps the
 newest `keep` verified checkpoints. Each rank writes only the slices of parameters and optimizer
-state it owns and reads only the slices it holds (`checkpoint_slices`), so a checkpoint written
+state it owns and reads only the slices it holds (`slices.py`), so a checkpoint written
 under one layout (dp × cp × pp × tp, ZeRO 0–3, precision) loads under any other; nothing is
 gathered. Cost on disk: Ψ·(4 + 8) bytes for fp32 AdamW (fp32 masters under bf16/fp16).
 Nothing is unpickled with arbitrary classes (`safe_pickle`). Checkpoints of the earlier
@@ -32,9 +32,8 @@ import os
 import shutil
 import logging
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -42,13 +41,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ndtrain.checkpoint.format import (
-    FORMAT, Piece, SliceLoadPlanner, SliceSavePlanner, load_pieces, problems, save_pieces,
-)
+from ndtrain.checkpoint.format import FORMAT, SliceLoadPlanner, SliceSavePlanner, load_pieces, problems, save_pieces
 from ndtrain.checkpoint.manifest import PARTIAL, Choice, choose, obsolete, step_of, write_manifest
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.failures import NO_SPACE, PeerFailed, free_bytes, mount_point, reason, size_text, write_refusal
+from ndtrain.checkpoint.save_agreement import PendingSave, agree, attempt, settle
 from ndtrain.checkpoint.safe_pickle import SafePlanner, SafeReader, load_tensors
 
 LATEST = "latest"
@@ -132,17 +129,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(directory: Path, step: int, engine: Any, extra: dict[str, Any], keep: int) -> Path:
     """Write checkpoint `step` of `engine` (an `Engine`; collective: every rank calls it) and keep the
-    newest `keep` verified. Each rank writes the slices it owns (`checkpoint_format`); rank 0 adds
+    newest `keep` verified. Each rank writes the slices it owns (`format.py`); rank 0 adds
     `extra` (JSON) with the format number and the optimizer's scalar hyperparameters.
 
     Three phases (prepare the `.partial` directory, write the state, finish: manifest, rename, `latest`,
-    rotation), each ended by `_settle`, the all-reduce every rank meets: when a rank failed, the
+    rotation), each ended by `settle`, the all-reduce every rank meets: when a rank failed, the
     `.partial` save is removed and a failure that would recur (a full disk, a refused write, a
     UserError) becomes the same UserError on every rank (see `_refused_save`); any other failure is
     re-raised by the rank that met it, the others raising `PeerFailed`.
     """
     ctx = engine.ctx
-    save = _Save(directory, checkpoint_name(step), save_pieces(engine))
+    save = PendingSave(directory, checkpoint_name(step), save_pieces(engine))
     partial, final = save.partial, directory / save.name
 
     def prepare() -> None:
@@ -175,113 +172,8 @@ def save_checkpoint(directory: Path, step: int, engine: Any, extra: dict[str, An
                 shutil.rmtree(path, ignore_errors=True)
 
     for phase in (prepare, write, finish):
-        _settle(_attempt(phase), save, ctx)
+        settle(attempt(phase), save, ctx)
     return final
-
-
-@dataclass(frozen=True)
-class _Save:
-    """One checkpoint being written: where, under which name, and the pieces this rank writes."""
-
-    directory: Path
-    name: str
-    pieces: list[Piece]
-
-    @property
-    def partial(self) -> Path:
-        return self.directory / (self.name + PARTIAL)
-
-    def bytes(self) -> int:
-        return sum(piece.tensor.numel() * piece.tensor.element_size() for piece in self.pieces)
-
-
-_USER, _NO_SPACE, _REFUSED = 1, 2, 3  # what a rank's failed phase recurs as (0: it may not recur)
-
-
-def _attempt(phase: Callable[[], None]) -> BaseException | None:
-    """Run one phase of a save; what it raised (DCP raises `CheckpointException`, a BaseException)."""
-    try:
-        phase()
-    except (Exception, CheckpointException) as e:
-        return e
-    return None
-
-
-def _kind(failure: BaseException) -> int:
-    if isinstance(failure, UserError):
-        return _USER
-    refused = write_refusal(failure)
-    if refused is None:
-        return 0
-    return _NO_SPACE if refused.errno in NO_SPACE else _REFUSED
-
-
-def _settle(failure: BaseException | None, save: _Save, ctx: ParallelContext) -> None:
-    """The end of a phase on every rank: one all-reduce of (failed, bytes written, kind) per rank, the
-    save's barrier. When a rank failed: its reasons are exchanged, rank 0 removes the `.partial` save
-    and decides whether the failure recurs (a UserError; a write the file system refused; or too little
-    space left for the save once the partial one is gone, whatever the error said), then every rank
-    raises that same UserError, or its own failure, or `PeerFailed`."""
-    rows = torch.zeros(ctx.world_size, 3, dtype=torch.int64, device=ctx.device)
-    if failure is not None:
-        rows[ctx.rank] = torch.tensor([1, save.bytes(), _kind(failure)], dtype=torch.int64)
-    else:
-        rows[ctx.rank, 1] = save.bytes()
-    ctx.comm.all_reduce(rows, ctx.group("world"))
-    failed = [rank for rank in range(ctx.world_size) if int(rows[rank, 0]) > 0]
-    if not failed:
-        return
-    reasons = _texts(_failure_text(failure) if failure is not None else None, ctx)
-    message = None
-    if ctx.is_main:
-        shutil.rmtree(save.partial, ignore_errors=True)
-        kinds = {int(rows[rank, 2]): rank for rank in reversed(failed)}  # each kind's lowest failed rank
-        if _USER in kinds:
-            rank = kinds[_USER]
-            message = reasons[rank] if rank == 0 else f"rank {rank}: {reasons[rank]}"
-        else:
-            message = _refused_save(save, int(rows[:, 1].sum()), kinds, reasons)
-    _agree(message, ctx)
-    if failure is not None:
-        raise failure
-    raise PeerFailed(f"checkpoint {save.name}: rank(s) {failed} failed to write it (their logs say why)")
-
-
-def _failure_text(failure: BaseException) -> str:
-    if isinstance(failure, UserError):
-        return str(failure)
-    refused = write_refusal(failure)
-    if refused is not None:
-        return f"{refused.strerror}: {str(refused.filename)!r}" if refused.filename else str(refused.strerror)
-    return reason(failure)
-
-
-def _refused_save(save: _Save, tensor_bytes: int, kinds: dict[int, int], reasons: dict[int, str]) -> str | None:
-    """Rank 0, the partial save removed: the one line for a save the file system refused, or None when
-    nothing says it would be refused again (then the group restarts). The space a save needs is the
-    newest verified checkpoint's size (the same state, saved before), else the bytes of the tensors
-    the ranks write."""
-    newest = choose(save.directory).path
-    needed = _tree_bytes(newest) if newest is not None else tensor_bytes
-    free = free_bytes(save.directory)
-    if _NO_SPACE not in kinds and _REFUSED not in kinds and free >= needed:
-        return None
-    remains = (f"the newest verified checkpoint {newest.name} remains" if newest is not None
-               else "no verified checkpoint remains (a re-run starts over)")
-    mount = mount_point(save.directory)
-    holding = "" if mount == Path(os.path.abspath(save.directory)) else f" (holding {str(save.directory)!r})"
-    where = f"the file system mounted at {str(mount)!r}{holding}"
-    if _REFUSED in kinds and _NO_SPACE not in kinds:
-        return (f"cannot write checkpoint {save.name} on {where} ({reasons[kinds[_REFUSED]]}); the partial save "
-                f"was removed, {remains}: make {str(save.directory)!r} writable, then re-run with --resume")
-    cause = f" ({reasons[kinds[_NO_SPACE]]})" if _NO_SPACE in kinds else ""
-    return (f"checkpoint {save.name} does not fit on {where}: the save needs about {size_text(needed)} and "
-            f"{size_text(free)} are free{cause}; the partial save was removed, {remains}: free space there, "
-            "then re-run with --resume")
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
 
 
 def _scalar(value: Any) -> bool:
@@ -313,7 +205,7 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
         error = str(e)
     except (Exception, CheckpointException) as e:  # refused pickles come in many forms
         error = f"cannot load checkpoint {str(path)!r} ({_reason(e)}): restore it from a copy, or use a fresh --out directory"
-    _agree(error, ctx)
+    agree(error, ctx)
     try:
         with _single_process_quiet():
             dcp.load({}, storage_reader=SafeReader(path), planner=SliceLoadPlanner(load_pieces(engine, metadata)))
@@ -328,7 +220,7 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
         error = str(e)
     except (Exception, CheckpointException) as e:
         error = f"cannot load checkpoint {str(path)!r} ({_reason(e)}): restore it from a copy, or resume from another"
-    _agree(error, ctx)
+    agree(error, ctx)
     return extra
 
 
@@ -350,30 +242,6 @@ def _restore_groups(optimizer: torch.optim.Optimizer, scheduler: Any, saved: lis
         group.update({k: v for k, v in zip(_SCHEDULED, next(iter(found))) if v is not None})
     if scheduler is not None and hasattr(scheduler, "base_lrs"):
         scheduler.base_lrs = [g.get("initial_lr", base) for g, base in zip(optimizer.param_groups, scheduler.base_lrs)]
-
-
-_MESSAGE_BYTES = 1024
-
-
-def _texts(text: str | None, ctx: ParallelContext) -> dict[int, str]:
-    """Every rank's `text` (up to 1 KiB; None: none), by rank, on every rank (one all-reduce of world × 1 KiB)."""
-    messages = torch.zeros(ctx.world_size, _MESSAGE_BYTES, dtype=torch.uint8, device=ctx.device)
-    if text is not None:
-        encoded = text.encode()[:_MESSAGE_BYTES] or b"?"
-        messages[ctx.rank, : len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    ctx.comm.all_reduce(messages, ctx.group("world"))  # one writer per row: the sum is that row
-    return {rank: bytes(messages[rank].cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-            for rank in range(ctx.world_size) if bool(messages[rank].any())}
-
-
-def _agree(error: str | None, ctx: ParallelContext) -> None:
-    """Raise a UserError on every rank when any rank has `error` (the lowest such rank's, on the others)."""
-    texts = _texts(error, ctx)
-    if error is not None:
-        raise UserError(error)
-    if texts:
-        first = min(texts)
-        raise UserError(f"rank {first}: {texts[first]}")
 
 
 def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
