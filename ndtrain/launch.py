@@ -27,7 +27,9 @@ for three reasons:
   A user error is printed once: by rank 0, or here from the lowest rank's torchrun error file
   when no rank printed it; other failures name the failed ranks' log files. torchelastic's own
   lines about workers ending ("failed (exitcode ...", "Sending process ... closing signal") are
-  left out: the lines above say the same, with the rank logs.
+  left out: the lines above say the same, with the rank logs. The torchrun error files live in
+  RUN_DIR/logs/.launch-PID while the launcher runs (`_error_folder`): a killed launcher leaves
+  nothing outside its run, and the next launch removes what it left.
 - Signals. SIGTERM/SIGINT to the launcher are forwarded by the agent to the workers, which finish
   the step and write a checkpoint within `STOP_GRACE_S` before the agent kills them; the launcher
   then exits with 128 + the signal number.
@@ -38,16 +40,18 @@ environment and runs as a worker directly; `die_with_parent` makes it end with i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -194,6 +198,43 @@ def _error_files_spec(log_dir: str) -> Any:
     return ErrorFiles(log_dir=log_dir)
 
 
+LAUNCH_FOLDER = ".launch-"  # RUN_DIR/logs/.launch-PID: the workers' torchrun error files, while PID runs
+
+
+@contextlib.contextmanager
+def _error_folder(run_dir: Path | None) -> Iterator[str]:
+    """The folder of the workers' torchrun error files, removed at the end. A run's lies in its own run
+    directory (RUN_DIR/logs/.launch-PID), so a launcher killed before removing it leaves nothing
+    outside the run; the next launch removes the folders of launchers no longer alive. Without a run
+    directory (`ndtrain bench`), a temporary folder."""
+    if run_dir is None:
+        with tempfile.TemporaryDirectory(prefix="ndtrain-launch-") as folder:
+            yield folder
+        return
+    logs = run_dir / "logs"
+    for stale in logs.glob(LAUNCH_FOLDER + "*"):
+        pid = stale.name[len(LAUNCH_FOLDER):]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    folder = logs / f"{LAUNCH_FOLDER}{os.getpid()}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    try:
+        yield str(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def launch_local(argv: list[str], nproc: int, max_restarts: int = 0, run_dir: Path | None = None) -> int:
     """Run `python -m ndtrain *argv` on `nproc` local workers; return the exit status to report.
 
@@ -209,7 +250,7 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int = 0, run_dir: Pa
     if os.path.exists("/sys/class/net/lo"):  # gloo's pair sockets on loopback, not the hostname's address
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     run_id = f"ndtrain-{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory(prefix="ndtrain-launch-") as log_dir:
+    with _error_folder(run_dir) as log_dir:
         os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(log_dir, "error.json"))
         logs = _error_files_spec(log_dir)
         agent = _agent(argv, nproc, max_restarts, run_id, logs, run_dir)

@@ -197,7 +197,8 @@ class Trainer:
                 (self.run_dir / name).unlink(missing_ok=True)
         if not self.kind.checkpoints:
             return 0
-        path = select_checkpoint(self.checkpoints, self.ctx, start_over)
+        with self.ctx.phases.load("the newest verified checkpoint", self.engine.parameter_count):
+            path = select_checkpoint(self.checkpoints, self.ctx, start_over)  # rank 0 hashes while the others wait
         if path is None:
             if self.cfg.checkpoint.resume:
                 raise nothing_to_resume(self.checkpoints)
