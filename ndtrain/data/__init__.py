@@ -1,4 +1,6 @@
-"""Data: tokenizers, document sources, token files with a deterministic train/val split, windows and samplers."""
+"""Data: tokenizers, document sources, token files with a deterministic train/val split and their
+fingerprint (identity.py), windows and samplers, the digits images. Imports `config`, `errors` and
+`eval`'s labelled sets (digits): no strategy, model or run."""
 
 from ndtrain.data.corpus import Corpus, TokenWindows, load_corpus
 from ndtrain.data.prepare import TokenData, check_data, prepare_data
