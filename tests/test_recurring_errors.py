@@ -114,7 +114,8 @@ def huge_header(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("corrupt", [truncated, huge_header], ids=["truncated", "header-2^62"])
+@pytest.mark.parametrize("corrupt", [truncated, pytest.param(huge_header, marks=pytest.mark.slow)],  # the same path: one in CI
+                         ids=["truncated", "header-2^62"])
 def test_corrupt_init_from_weights_end_the_run_in_one_attempt(tmp_path: Path, corrupt) -> None:
     weights = corrupt(tmp_path / "model.safetensors")
     proc, log, ended = train_once(tmp_path / "run", "--data", corpus_file(tmp_path), "--steps", "2",
