@@ -17,7 +17,7 @@ changes, so no other test sees it. Two spawns of 2 gloo processes:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from torch import nn
 from ndtrain.config import ParallelConfig
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.engine import Engine
-from ndtrain.parallel.data.held_slices import HeldSlice, whole
+from ndtrain.parallel.data.held_slices import WholeParameters
 from ndtrain.parallel.data.param_groups import GroupFn, OptimizerFn, parameter_groups
 from ndtrain.parallel.data.strategy import STRATEGIES
 from ndtrain.parallel.grad_norm import GradPiece, optimizer_param_grads, whole_pieces
@@ -46,7 +46,7 @@ MAX_NORM = 0.3  # below the tiny model's gradient norms: clipping is exercised
 TOLERANCE = 1e-5
 
 
-class AllReduceStrategy:
+class AllReduceStrategy(WholeParameters):
     """A replicated `DataParallelStrategy` (see the module docstring). Building it broadcasts every
     parameter from dp_cp rank 0; each synchronising backward all-reduces every gradient, one call per
     parameter (2(N−1)/N of the gradient bytes per rank)."""
@@ -101,15 +101,6 @@ class AllReduceStrategy:
 
     def state_bytes(self) -> dict[str, int]:
         return {"parameters": 0, "gradients": 0, "optimizer": 0}
-
-    def held_slices(self) -> list[HeldSlice]:
-        return whole(self.module.parameters())
-
-    def compute_copies(self) -> list[nn.Parameter]:
-        return []
-
-    def optimizer_state(self) -> MutableMapping[torch.Tensor, dict[str, Any]]:
-        return self.optimizer.state
 
 
 TOY = {**STRATEGIES, ("ddp", 0): AllReduceStrategy}  # the one registration line

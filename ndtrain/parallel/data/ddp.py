@@ -42,7 +42,7 @@ gradients in float64 (`reduction_dtype`), so a float64 model is never narrowed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
 import torch
@@ -56,7 +56,7 @@ from ndtrain.dist.mesh import ParallelContext
 from ndtrain.dist.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.parallel.data.buckets import MB, AllReduceBucket, BucketKind, GradientBuckets, broadcast_state
 from ndtrain.parallel.data.flat_adamw import FlatAdamW
-from ndtrain.parallel.data.held_slices import HeldSlice, whole
+from ndtrain.parallel.data.held_slices import WholeParameters
 from ndtrain.parallel.data.host_buckets import host_all_reduce_bucket
 from ndtrain.parallel.grad_norm import GradPiece, optimizer_param_grads, whole_pieces
 from ndtrain.parallel.pipeline.hooks import StageHooks
@@ -264,7 +264,7 @@ def held_gradient_bytes(chunks: Sequence[DistributedDataParallel]) -> int:
     return sum(b.held_bytes() for chunk in chunks for b in chunk.buckets)
 
 
-class DDPStrategy:
+class DDPStrategy(WholeParameters):
     """ZeRO-0 in fp32 (a `DataParallelStrategy`, strategy.py): DDP wrappers (one, or one per interleaved
     pipeline chunk) and the caller's optimizer over the whole model. Gradients are replicated, so the
     norm's pieces are whole `.grad`s, summed over mp only; a checkpoint reads every parameter whole
@@ -305,12 +305,3 @@ class DDPStrategy:
     def state_bytes(self) -> dict[str, int]:
         return {"parameters": sum(tensor_bytes(p) for p in self.module.parameters()),
                 "gradients": held_gradient_bytes(self.chunks), "optimizer": optimizer_state_bytes(self.optimizer)}
-
-    def held_slices(self) -> list[HeldSlice]:
-        return whole(self.module.parameters())
-
-    def compute_copies(self) -> list[nn.Parameter]:
-        return []
-
-    def optimizer_state(self) -> MutableMapping[torch.Tensor, dict[str, Any]]:
-        return self.optimizer.state

@@ -17,8 +17,9 @@ Nothing here communicates; a rank's slices cost O(number of parameters + segment
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +42,24 @@ class HeldSlice:
 def whole(params: Iterable[nn.Parameter]) -> list[HeldSlice]:
     """Each parameter whole, held in itself (a replicated strategy, or what a sharding one leaves out)."""
     return [HeldSlice(p, 0, p.numel(), p, 0) for p in params]
+
+
+class WholeParameters:
+    """The checkpoint answers of a strategy whose every rank holds each parameter of `module` whole and
+    updates it with a plain `optimizer` over the module parameters (DDP in fp32, a replicated variant):
+    every parameter held whole, no compute copies to refill, the optimizer's own state."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def held_slices(self) -> list[HeldSlice]:
+        return whole(self.module.parameters())
+
+    def compute_copies(self) -> list[nn.Parameter]:
+        return []
+
+    def optimizer_state(self) -> MutableMapping[torch.Tensor, dict[str, Any]]:
+        return self.optimizer.state
 
 
 def flat_slices(layout: FlatLayout, owners: Iterable[tuple[int, int, torch.Tensor]]) -> list[HeldSlice]:
