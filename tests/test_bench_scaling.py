@@ -66,7 +66,8 @@ def test_too_many_workers_is_refused_before_launching(tmp_path: Path, capsys: py
     assert not out.exists()
 
 
-@pytest.mark.parametrize("preset", ["tiny", pytest.param("bench-25m", marks=pytest.mark.slow)])
+# both `slow`: the bench CLI's launch is in CI through tests/test_bench.py and tests/test_bench_workers.py
+@pytest.mark.parametrize("preset", [pytest.param("tiny", marks=pytest.mark.slow), pytest.param("bench-25m", marks=pytest.mark.slow)])
 def test_one_step_of_ddp_through_the_cli(tmp_path: Path, preset: str) -> None:
     """The whole path: parent checks, launch, workers on --device cpu, the JSON with its device, and the
     parameter count in the printed table and the facts."""

@@ -102,7 +102,12 @@ def phase_trial(tmp_path: Path, references: References, phase: str, restarts: in
         assert status == 1 and "worker failure" in errors[1], errors
 
 
-@pytest.mark.parametrize("phase", PHASE_ARGS)
+# CI: start-up (before the process group exists) and a save; evaluation is the same watch on another
+# phase, `slow` (make test-slow), as are the --max-restarts 0 variants below
+CI_PHASES = [pytest.param(p, marks=pytest.mark.slow) if p == "evaluation" else p for p in PHASE_ARGS]
+
+
+@pytest.mark.parametrize("phase", CI_PHASES)
 def test_stalled_rank_is_named_and_the_group_restarted(tmp_path: Path, references: References, phase: str) -> None:
     phase_trial(tmp_path, references, phase, restarts=1)
 
