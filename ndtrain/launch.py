@@ -120,9 +120,14 @@ def _how_it_ended(failure: Any) -> str:
 def restart_line(failures: dict[int, Any], restart: int, max_restarts: int, run_dir: Path | None) -> str:
     """The one line of a restart: which ranks ended and how, which restart this is, and their logs.
     A rank killed by a signal explains the others' ends (their peer was lost), and the agent stops
-    the rest itself with SIGTERM, so those are named only when nothing else is."""
+    the rest itself with SIGTERM — escalated to SIGKILL for a survivor that does not end within its
+    grace (one stuck on the lost peer) — so only the ranks that ended first (the failures' timestamps,
+    whole seconds; the agent's stop of the rest comes later) are named, and those stopped by SIGTERM
+    only when nothing else is."""
     killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
     causes = killed or {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    first = min(f.timestamp for f in causes.values())
+    causes = {r: f for r, f in causes.items() if f.timestamp == first}
     ranks = "; ".join(f"rank {r} {_how_it_ended(f)}" for r, f in sorted(causes.items()))
     where = "" if run_dir is None else "; see " + ", ".join(str(rank_log_path(run_dir, r)) for r in sorted(causes))
     return f"ndtrain: {ranks}: restarting the workers (restart {restart} of {max_restarts}), resuming from the newest checkpoint{where}"
