@@ -20,7 +20,7 @@ from ndtrain.checkpoint.run_model import load_run
 from ndtrain.dist.mesh import init
 from ndtrain.models.hf import build_hf_model, check_family_supports, check_hf_model
 from ndtrain.trainer import Trainer
-from tests.helpers.hf import hf_dir, hf_run_config
+from tests.helpers.hf import hf_dir, hf_run_config, transformers
 from tests.helpers.parity import assert_params_close
 from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.runs import corpus_file, ndtrain
@@ -143,10 +143,19 @@ def test_cli_check_and_refusals(tmp_path: Path) -> None:
     proc = ndtrain("train", "--check", "--model", f"hf:{gpt2}", "--nproc", "2", "--tp", "2", "--out", str(tmp_path / "r2"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "tensor parallel is not supported for gpt2" in proc.stderr
-    for axis in ("tp", "pp", "cp"):
-        with pytest.raises(UserError, match=rf"--{axis} 2: model type 'mistral' has no ndtrain family spec"):
-            check_family_supports("mistral", ParallelConfig(**{axis: 2}))
-    check_family_supports("llama", ParallelConfig(tp=2, pp=2, cp=2))
+    # Falcon's config declares no plans: each model-parallel axis is refused naming itself; Mistral
+    # declares both (base_model_tp_plan, base_model_pp_plan): every axis is accepted.
+    falcon = transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+    mistral = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    with torch.device("meta"):
+        falcon_model = transformers.AutoModelForCausalLM.from_config(falcon)
+        mistral_model = transformers.AutoModelForCausalLM.from_config(mistral)
+    for axis, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context")):
+        with pytest.raises(UserError, match=rf"^--{axis} 2: {what} parallel is not supported for model type 'falcon': "
+                                            r"its config declares no pipeline plan .*use dp/ZeRO"):
+            check_family_supports(falcon_model, ParallelConfig(**{axis: 2}))
+    check_family_supports(mistral_model, ParallelConfig(tp=2, pp=2, cp=2))
 
 
 def test_missing_transformers_is_one_line_naming_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,12 +79,9 @@ def _bare_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
 
 def _refusals(ctx: ParallelContext, base: ParallelConfig) -> dict[str, str]:
     """The one-line errors of models a pipeline cannot cut."""
-    mistral = transformers.MistralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    attempts = {
-        "unknown_family": (lambda: CausalLM(transformers.AutoModelForCausalLM.from_config(mistral)), base),
+    falcon = transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    attempts = {  # Falcon's config declares no pipeline plan
+        "unknown_family": (lambda: CausalLM(transformers.AutoModelForCausalLM.from_config(falcon)), base),
         "bare_without_loss_fn": (lambda: make_model("llama", 2).hf, base),
         "measured": (lambda: make_model("llama", 2), dataclasses.replace(base, pp_balance="measured")),
     }
@@ -149,7 +146,7 @@ def test_context_parallel_refuses_sliding_window_in_one_line(spawns: Spawns) -> 
 
 
 @pytest.mark.parametrize(("case", "words"), [
-    ("unknown_family", "not supported for Hugging Face model_type 'mistral'"),
+    ("unknown_family", "not supported for Hugging Face model_type 'falcon': its config declares no pipeline plan"),
     ("bare_without_loss_fn", "needs loss_fn"),
     ("measured", "'measured' is not supported for Hugging Face models"),
 ])

@@ -186,10 +186,9 @@ def test_tensor_parallel_refusals_are_one_line() -> None:
         (bare, None, "needs the adapter"),
         (make_model("llama"), {"hf.model.layers.*.mlp.up_proj": "colwise"}, "must make 'hf.lm_head' vocab-parallel"),
     ]
-    mistral = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2)
-    cases.append((CausalLM(transformers.MistralForCausalLM(mistral)), None,
-                  "no built-in tp plan for Hugging Face model_type 'mistral': pass a plan, Engine"))
+    falcon = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
+    cases.append((CausalLM(transformers.FalconForCausalLM(falcon)), None,  # its config declares no plans
+                  "no built-in tp plan for Hugging Face model_type 'falcon': pass a plan, Engine"))
     for model, plan, message in cases:
         with pytest.raises(UserError, match=message) as error:
             parallelize(model, fake_tp_ctx(2), plan)

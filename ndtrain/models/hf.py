@@ -27,7 +27,7 @@ import torch
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.models.causal_lm import CausalLM
-from ndtrain.models.hf_families import FAMILIES
+from ndtrain.models.hf_families import family_of
 from ndtrain.models.hf_weights import check_hf_weights, weight_files
 
 PREFIX = "hf:"
@@ -122,36 +122,46 @@ def check_hf_model(path: Path, seq_len: int, parallel: ParallelConfig | None = N
     family supports; the weight files against the config's model, hf_weights.py), so a refusal comes
     before any worker starts; returns the model class name."""
     check_seq_len(path, seq_len)
-    if parallel is not None:
-        check_family_supports(hf_model_type(path), parallel)
     model = _meta_model(path)
+    if parallel is not None:
+        check_family_supports(model, parallel)
     check_hf_weights(path, model)
     return type(model).__name__
 
 
 def _meta_model(path: Path) -> torch.nn.Module:
     """The HF model of PATH built on the meta device (no memory, no init) with the options workers build
-    it with (fp32, SDPA); a one-line error if it cannot be."""
+    it with (fp32, SDPA); a one-line error if it cannot be. transformers' warnings about the config are
+    left to the workers, which build the same model: the launcher's checks end in one line."""
     transformers = require_transformers()
-    config = _auto_config(path)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
     try:
+        config = _auto_config(path)
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config, **BUILD_OPTIONS)
     except (ValueError, KeyError) as e:
         raise UserError(f"--model hf:{path}: not a causal LM transformers can build ({' '.join(str(e).split())[:160]})") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
-def check_family_supports(model_type: str, parallel: ParallelConfig) -> None:
-    """tp needs the family's shipped plan, pp and cp its layer/embedding/head spec (hf_families.py); pp is cut
-    by parameters only."""
-    family = FAMILIES.get(model_type)
-    supported = ", ".join(FAMILIES)
-    for axis, degree in (("tp", parallel.tp), ("pp", parallel.pp), ("cp", parallel.cp)):
-        if degree > 1 and family is None:
-            raise UserError(f"--{axis} {degree}: model type {model_type!r} has no ndtrain family spec (supported: "
-                            f"{supported}); use dp/ZeRO, or ndtrain.Engine with your own tp plan")
-    if parallel.tp > 1 and family is not None and family.tp_plan is None:
-        raise UserError(family.tp_refusal)
+def check_family_supports(model: torch.nn.Module, parallel: ParallelConfig) -> None:
+    """tp needs a tensor-parallel plan (declared by the family's config, or hand-written), pp and cp the
+    family's structure (its declared pipeline plan, or a hand-written record): refused in one line naming
+    the axis and what the family lacks. pp is cut by parameters only."""
+    family = family_of(model)
+    model_type = model.config.model_type
+    if family is None:
+        lacks = ("its config declares no pipeline plan (base_model_pp_plan), so ndtrain does not know its "
+                 "embedding, layers and head")
+        for axis, what, degree in (("tp", "tensor parallel", parallel.tp), ("pp", "pipeline parallel", parallel.pp),
+                                   ("cp", "context parallel", parallel.cp)):
+            if degree > 1:
+                raise UserError(f"--{axis} {degree}: {what} is not supported for model type {model_type!r}: {lacks}; "
+                                "use dp/ZeRO (every family trains under them)")
+    elif parallel.tp > 1 and family.tp_plan is None:
+        raise UserError(f"--tp {parallel.tp}: {family.tp_refusal}")
     if parallel.pp > 1 and parallel.pp_balance == "measured":  # the launcher's layout dry run cuts by parameters
         raise UserError("pipeline balance 'measured' is not supported for Hugging Face models: use 'params'")
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ndtrain.errors import UserError
-from ndtrain.models.hf_families import FAMILIES, family_of, hf_config, hf_model
+from ndtrain.models.hf_families import family_of, hf_config, hf_model
 from ndtrain.parallel.model.context import Ring, ring_attention
 
 ATTENTION_NAME = "ndtrain_ring"
@@ -51,8 +51,8 @@ def apply_hf_context_parallel(model: nn.Module, ring: Ring) -> nn.Module:
     config = hf_config(model)
     family = family_of(model)
     if family is None:
-        raise UserError(f"context parallel is not supported for Hugging Face model_type {config.model_type!r}: "
-                        f"supported families are {', '.join(FAMILIES)}")
+        raise UserError(f"context parallel is not supported for Hugging Face model_type {config.model_type!r}: its "
+                        "config declares no pipeline plan (base_model_pp_plan) naming its layers; use dp/ZeRO")
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         raise UserError(f"context parallel is not supported with sliding-window attention ({config.model_type} "
                         "layer_types): set use_sliding_window=false in the model config, or use cp=1")

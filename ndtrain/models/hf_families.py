@@ -1,4 +1,4 @@
-"""Where the parts of a Hugging Face causal LM are, per family (keyed by `config.model_type`).
+"""Where the parts of a Hugging Face causal LM are: read from its declared plans (hf_declared.py), by hand for GPT-2.
 
 The parallel strategies need to know a model's structure, not guess it from names: ZeRO-3 wraps
 each decoder layer as a unit, recompute checkpoints each layer (or its attention), tensor
@@ -24,58 +24,16 @@ applies to any model); tensor parallel then needs a plan given by the user (`Eng
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from ndtrain.models.hf_declared import declared_family
+from ndtrain.models.hf_family import Family
 from ndtrain.parallel.model_spec import largest_block_list
 
-_LLAMA_LIKE_PLAN: dict[str, str] = {
-    "model.embed_tokens": "vocab",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "model.layers.*.input_layernorm": "replicate",
-    "model.layers.*.post_attention_layernorm": "replicate",
-    "model.norm": "replicate",
-    "lm_head": "vocab",
-}
 
-
-@dataclass(frozen=True)
-class Family:
-    """Module names (relative to the `*ForCausalLM`) of one family's parts, and its tp support."""
-
-    model_type: str
-    embeddings: tuple[str, ...]     # token embedding first, then any others (GPT-2's positions)
-    layers: str                     # the decoder-layer nn.ModuleList
-    final_norm: str
-    head: str
-    attention: str                  # the attention module inside one layer
-    kv_projections: tuple[str, ...] = ()  # children of `attention` projecting keys and values
-    tied: dict[str, str] = field(default_factory=dict)  # head weight → embedding weight when tie_word_embeddings
-    layer_input: str = "hidden_states"  # keyword name of a layer's / attention's input when not positional
-    tp_plan: dict[str, str] | None = None  # module pattern → style (tp_plan.py); None: tp refused
-    tp_refusal: str = ""            # why tp is refused, when it is
-    # how the model prepares a layer's inputs (pipeline stages repeat it per stage):
-    rotary: str | None = None       # the rotary module giving position_embeddings=(cos, sin) (Llama/Qwen2)
-    positions: str | None = None    # the learned position embedding added to the tokens' (GPT-2's wpe)
-    embed_dropout: str | None = None  # the dropout applied to the embeddings (GPT-2's drop)
-
-
-FAMILIES: dict[str, Family] = {
-    name: Family(
-        model_type=name, embeddings=("model.embed_tokens",), layers="model.layers", final_norm="model.norm",
-        head="lm_head", attention="self_attn", kv_projections=("k_proj", "v_proj"),
-        tied={"lm_head.weight": "model.embed_tokens.weight"}, tp_plan=_LLAMA_LIKE_PLAN, rotary="model.rotary_emb",
-    )
-    for name in ("llama", "qwen2")
-} | {
+FAMILIES: dict[str, Family] = {  # hand-written only where transformers declares no plans
     "gpt2": Family(
         model_type="gpt2", embeddings=("transformer.wte", "transformer.wpe"), layers="transformer.h",
         final_norm="transformer.ln_f", head="lm_head", attention="attn",
@@ -109,7 +67,7 @@ def family_of(model: nn.Module) -> Family | None:
     if config is None:
         return None
     prefix = _prefix(model)
-    known = FAMILIES.get(config.model_type)
+    known = FAMILIES.get(config.model_type) or declared_family(hf_model(model))  # type: ignore[arg-type]
     if known is None:
         return None
     return Family(

@@ -25,7 +25,7 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.hf_families import FAMILIES, decoder_layers, family_of, hf_config
+from ndtrain.models.hf_families import decoder_layers, family_of, hf_config
 from ndtrain.models.hf_context import apply_hf_context_parallel
 from ndtrain.models.hf_stages import HFStage, end_costs
 from ndtrain.parallel.model.context import Ring
@@ -93,8 +93,9 @@ class HFParallel(ModelParallel):
     def pipeline_blocks(self, loss_fn: LossFn | None, balance: str) -> list[nn.Module]:
         if self.family is None:
             raise UserError(
-                f"pipeline parallel is not supported for {self.name}: supported families are "
-                f"{', '.join(FAMILIES)} (or pass the blocks as an nn.Sequential with loss_fn)")
+                f"pipeline parallel is not supported for {self.name}: its config declares no pipeline plan "
+                "(base_model_pp_plan) naming its embedding, layers and head (or pass the blocks as an "
+                "nn.Sequential with loss_fn)")
         if getattr(self.model, "hf", None) is None and loss_fn is None:
             raise UserError("splitting a bare Hugging Face model needs loss_fn=(output, targets) -> loss, "
                             "or wrap it in ndtrain.models.causal_lm.CausalLM")
