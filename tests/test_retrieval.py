@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import subprocess
 import sys
 from fractions import Fraction
@@ -17,7 +18,7 @@ import torch
 from ndtrain.config import ParallelConfig, load_config
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
-from ndtrain.eval.retrieval import LabeledSet, evaluate_retrieval, retrieval_metrics
+from ndtrain.eval.retrieval import LabeledSet, evaluate_retrieval, retrieval_metrics, similarity_scores, unit_codes
 from ndtrain.dist.mesh import init
 from ndtrain.models.digits import build_digits_model
 from ndtrain.run.tasks import build_task
@@ -51,14 +52,29 @@ def test_no_query_with_a_match_gives_nan() -> None:
     assert m["map"] != m["map"] and m["cmc1"] != m["cmc1"] and m["queries_without_match"] == 2
 
 
-def brute_force(query, query_labels, gallery, gallery_labels, ranks):  # type: ignore[no-untyped-def]
-    """Python loops over exact fractions; similarity via the same float64 cosine for ordering."""
-    from ndtrain.eval.retrieval import cosine_similarity
+def test_a_non_finite_embedding_gives_nan() -> None:
+    gallery = torch.ones(3, 2)
+    gallery[1, 0] = float("nan")
+    m = retrieval_metrics(torch.ones(2, 2), torch.tensor([0, 0]), gallery, torch.tensor([0, 0, 0]))
+    assert m["map"] != m["map"] and m["cmc5"] != m["cmc5"] and m["queries_without_match"] == 2
 
-    sim = cosine_similarity(query, gallery).tolist()
+
+def brute_force(query, query_labels, gallery, gallery_labels, ranks):  # type: ignore[no-untyped-def]
+    """The module docstring's rule in plain Python: floats, integers and fractions, one pair at a time."""
+
+    def code(vector: list[float]) -> list[int]:
+        squares = 0.0
+        for v in vector:
+            squares += v * v
+        norm = math.sqrt(squares)
+        return [0 if norm == 0 else round(v / norm * 2**26) for v in vector]
+
+    q_codes = [code(row) for row in query.double().tolist()]
+    g_codes = [code(row) for row in gallery.double().tolist()]
     aps, firsts = [], []
-    for i, row in enumerate(sim):
-        order = sorted(range(len(row)), key=lambda j: (-row[j], j))
+    for i, qc in enumerate(q_codes):
+        score = [sum(a * b for a, b in zip(qc, gc)) for gc in g_codes]
+        order = sorted(range(len(g_codes)), key=lambda j: (-score[j], j))
         hits = [int(gallery_labels[j]) == int(query_labels[i]) for j in order]
         if not any(hits):
             continue
@@ -66,10 +82,10 @@ def brute_force(query, query_labels, gallery, gallery_labels, ranks):  # type: i
         for position, hit in enumerate(hits, start=1):
             if hit:
                 found += 1
-                precisions.append(Fraction(found, position))
-        aps.append(sum(precisions) / len(precisions))
+                precisions.append(Fraction(found / position))  # each precision a float64 quotient, summed exactly
+        aps.append(float(sum(precisions)) / len(precisions))
         firsts.append(hits.index(True) + 1)
-    out = {"map": float(sum(aps) / len(aps))}
+    out = {"map": float(sum(map(Fraction, aps))) / len(aps)}
     out.update({f"cmc{k}": sum(f <= k for f in firsts) / len(firsts) for k in ranks})
     return out
 
@@ -82,8 +98,47 @@ def test_metrics_equal_brute_force_on_tied_embeddings(seed: int) -> None:
     query_labels, gallery_labels = torch.randint(0, 4, (17,), generator=g), torch.randint(0, 4, (29,), generator=g)
     got = retrieval_metrics(query, query_labels, gallery, gallery_labels, ranks=(1, 3, 5))
     want = brute_force(query, query_labels, gallery, gallery_labels, (1, 3, 5))
-    for key, value in want.items():
-        assert got[key] == pytest.approx(value, abs=1e-12), key
+    assert {k: got[k] for k in want} == want
+
+
+def tied_sets(seed: int = 3, n_query: int = 23, dim: int = 24) -> tuple[LabeledSet, LabeledSet]:
+    """Heavy ties: a gallery of 13 vectors on a coarse grid, each also present as exact duplicates far
+    apart and as column permutations (mathematically equal cosines against an all-equal query);
+    queries on the same grid, two of them all-equal, one zero; labels from 4 classes."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(-2, 3, (13, dim), generator=g).float() * 0.3
+    permuted = [base[:, torch.randperm(dim, generator=g)] for _ in range(2)]
+    gallery = torch.cat([base, permuted[0], base.flip(0), permuted[1], base])
+    query = torch.cat([torch.randint(-2, 3, (n_query - 3, dim), generator=g).float() * 0.7, torch.full((2, dim), 0.1),
+                       torch.zeros(1, dim)])
+    labels = lambda n: torch.randint(0, 4, (n,), generator=g)
+    return LabeledSet(query, labels(len(query))), LabeledSet(gallery, torch.cat([labels(13)] * 5))
+
+
+def test_ties_are_exact_whatever_the_position_and_the_batching() -> None:
+    """Exact duplicates and permuted copies score exactly equal against each query, the tie rule puts
+    the lower gallery index first, and scoring 1, 2, ..., N queries at a time gives the brute force's
+    value exactly."""
+    query, gallery = tied_sets()
+    q_codes, g_codes = unit_codes(query.inputs), unit_codes(gallery.inputs)
+    scores = similarity_scores(q_codes, g_codes)
+    base = scores[:, :13]
+    assert torch.equal(scores[:, 52:65], base) and torch.equal(scores[:, 26:39], base.flip(1))
+    all_equal = scores[-3:-1]  # the all-equal queries score a vector and its permutations alike
+    assert torch.equal(all_equal[:, 13:26], all_equal[:, :13]) and torch.equal(all_equal[:, 39:52], all_equal[:, :13])
+    for i in range(len(query.labels)):  # one query at a time, row by row: the same integers
+        assert torch.equal(similarity_scores(q_codes[i : i + 1], g_codes), scores[i : i + 1])
+    # The data are sensitive: the plain float64 cosine, summed in index order, splits some of these ties.
+    unit = lambda v: [x / math.sqrt(sum(y * y for y in v)) for x in v]
+    q = unit(query.inputs[-2].double().tolist())
+    plain = [sum(a * b for a, b in zip(q, unit(gallery.inputs[j].double().tolist()))) for j in (1, 14)]
+    assert plain[0] != plain[1]  # one ULP apart: a ranking on them would depend on the arithmetic's order
+    want = brute_force(query.inputs, query.labels, gallery.inputs, gallery.labels, CMC_RANKS)
+    assert 0 < want["map"] < 1 and want["cmc1"] < 1
+    for batch in range(1, len(query.labels) + 1):
+        got = retrieval_metrics(*query, *gallery, ranks=CMC_RANKS, query_batch=batch)
+        assert {k: got[k] for k in want} == want, batch
+        assert (got["queries"], got["queries_without_match"]) == (23, 0)
 
 
 # --------------------------------------------------------------------------------- uneven gather
@@ -91,6 +146,7 @@ def test_metrics_equal_brute_force_on_tied_embeddings(seed: int) -> None:
 SHARD_ROWS = {1: [3], 2: [0, 4], 3: [2, 0, 3]}
 SET_SIZES = [(13, 22), (2, 31)]  # (2, 31) on 3 ranks: one rank has no query
 CMC_RANKS = (1, 2, 3, 5)
+TIED_QUERY_BATCHES = (1, 2, 7, 23)
 
 
 def elementwise_embed(x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +173,9 @@ def _collectives(ctx) -> dict[str, object]:  # type: ignore[no-untyped-def]
         embed = lambda x: calls.append(len(x)) or elementwise_embed(x)
         metrics = evaluate_retrieval(embed, *retrieval_sets(*sizes), ctx, batch_size=4, ranks=CMC_RANKS)
         out[f"retrieval{sizes}"] = (metrics, len(calls))
+    tied = tied_sets()
+    out["tied"] = [evaluate_retrieval(lambda x: x, *tied, ctx, batch_size=5, ranks=CMC_RANKS, query_batch=b)
+                   for b in TIED_QUERY_BATCHES]
     return out
 
 
@@ -164,6 +223,17 @@ def test_distributed_retrieval_equals_single_process_exactly(world: int, sizes: 
     for metrics, _ in results:
         assert metrics == reference  # exact: same embeddings, same order, same arithmetic
     assert len({calls for _, calls in results}) == 1  # every rank embedded in lockstep (ZeRO-3 needs it)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_distributed_retrieval_on_ties_gives_the_documented_value(world: int) -> None:
+    """The duplicated, permuted gallery at 1, 2 and 3 processes, queries scored 1, 2, 7 and 23 at a
+    time: every rank, every batching equals the brute force exactly."""
+    query, gallery = tied_sets()
+    want = brute_force(query.inputs, query.labels, gallery.inputs, gallery.labels, CMC_RANKS)
+    for result in collective_results(world):
+        for batch, metrics in zip(TIED_QUERY_BATCHES, result["tied"]):
+            assert {k: metrics[k] for k in want} == want, (world, batch)
 
 
 # ------------------------------------------------------------------------------- digits task
