@@ -1,0 +1,61 @@
+"""Tiny configs of the Hugging Face families the family-matrix tests name (no downloads, seeded weights).
+
+Every family: hidden 64, 2 decoder layers, 4 query heads of 16, 2 kv heads where the family has
+grouped kv heads, vocab 256, 64 positions, no dropout, pad/bos/eos id 0 (inside the vocabulary);
+MoE families: 4 experts, 2 per token. Families with sliding-window or soft-capped attention keep
+them as their config defines (the window is wider than the tests' 32 tokens unless a test narrows it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ndtrain.models.causal_lm import CausalLM
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text", "gpt_neox",
+            "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+VOCAB = 256
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+_SPECIFIC: dict[str, dict[str, Any]] = {
+    "gpt2": dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+    "gpt_neox": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                     pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    "gemma": dict(_COMMON, head_dim=16),
+    "gemma2": dict(_COMMON, head_dim=16, sliding_window=64),
+    "gemma3_text": dict(_COMMON, head_dim=16, sliding_window=64),
+    "qwen3": dict(_COMMON, head_dim=16),
+    "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, decoder_sparse_step=1),
+    "qwen3_moe": dict(_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1),
+}
+
+
+def zoo_config(family: str, layers: int = 2, **changes: Any) -> Any:
+    """The family's tiny config with `layers` decoder layers (and any other `changes`)."""
+    kwargs = dict(_SPECIFIC.get(family, _COMMON))
+    kwargs["n_layer" if family == "gpt2" else "num_hidden_layers"] = layers
+    config = transformers.AutoConfig.for_model(family, **{**kwargs, **changes})
+    if getattr(config, "layer_types", None) is not None and len(config.layer_types) != layers:
+        config.layer_types = config.layer_types[:layers]
+    return config
+
+
+def zoo_model(family: str, layers: int = 2, dtype: torch.dtype = torch.float64, **changes: Any) -> CausalLM:
+    """The same weights in every process: seeded, the caller's RNG untouched; behind the `CausalLM` adapter."""
+    config = zoo_config(family, layers, **changes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    if dtype == torch.float64 and hasattr(hf, "set_experts_implementation") and "num_experts_per_tok" in config:
+        hf.set_experts_implementation("eager")  # grouped_mm takes no float64
+    return CausalLM(hf).to(dtype)
