@@ -35,6 +35,8 @@ PsMode = Literal["sync", "async", "ssp"]
 ProgressMode = Literal["auto", "bar", "lines", "off"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet", "disk", "csv", "json", "arrow"]
 TpStyle = Literal["colwise", "rowwise", "vocab", "replicate"]
+LrScaling = Literal["none", "linear", "sqrt"]  # optim.lr relative to optim.reference_batch
+DigitsNet = Literal["cnn", "bn_cnn"]  # the digits task's model: models/digits.py, models/digits_cnn.py
 
 
 def values(option: Any) -> tuple[Any, ...]:

@@ -64,6 +64,9 @@ class ParallelConfig:
     # data-parallel flavour: our DDP over processes, or single-process DataParallel over replicas
     dp_mode: DpMode = "ddp"
     replicas: int = 2                 # devices (CPU replicas when no GPU) for dp_mode=single-process
+    # BatchNorm and buffers over dp×cp (parallel/data/sync_batchnorm.py, parallel/data/buffers.py)
+    sync_batchnorm: bool = False      # every BatchNorm normalises over the global batch (statistics all-gathered)
+    broadcast_buffers: bool = False   # group rank 0's buffers broadcast before each step and evaluation
 
     def validate(self) -> None:
         if self.dp < 0:
@@ -115,6 +118,14 @@ class ParallelConfig:
             bool(levers) and (self.zero > 0 or self.precision != "fp32" or self.dp_mode != "ddp")
         refused["parallel.flat_adamw=true needs dp_mode=ddp (single-process replicas step one optimizer "
                 "per replica as built)"] = self.flat_adamw and self.dp_mode != "ddp"
+        refused["parallel.sync_batchnorm=true needs dp_mode=ddp (single-process replicas are threads of one process, "
+                "each normalising its own slice)"] = self.sync_batchnorm and self.dp_mode != "ddp"
+        refused["parallel.sync_batchnorm=true reduces BatchNorm statistics over dp only: tp, pp and cp split "
+                "transformer models, which have no BatchNorm, and a BatchNorm under tp would see channel or token "
+                "shards; set tp, pp and cp to 1"] = self.sync_batchnorm and self.tp * self.pp * self.cp > 1
+        refused["parallel.sync_batchnorm=true with recompute: a recomputed forward would reduce the statistics and "
+                "update the running ones twice; set parallel.recompute=none"] = \
+            self.sync_batchnorm and self.recompute != "none"
         for message, bad in refused.items():
             if bad:
                 raise UserError(message)

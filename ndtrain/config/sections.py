@@ -8,10 +8,11 @@ log (run directory, evaluation, progress, trackers), launch (local processes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ndtrain.config.checks import check_choices, exists, positive
-from ndtrain.config.options import DataFormat, ProgressMode
+from ndtrain.config.options import DataFormat, DigitsNet, LrScaling, ProgressMode
 from ndtrain.config.presets import DEFAULT_PRESET, is_hf_preset
 from ndtrain.errors import UserError
 
@@ -35,9 +36,13 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     init_from: str | None = None  # weights to start from: an HF save_pretrained folder or a .safetensors file
+    digits_net: DigitsNet = "cnn"  # --model digits: the plain CNN, or bn_cnn (BatchNorm after every layer)
 
     def validate(self) -> None:
         positive(self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")
+        check_choices(self)
+        if self.digits_net != "cnn" and self.preset != "digits":
+            raise UserError(f"model.digits_net={self.digits_net!r} chooses the digits task's model: use it with --model digits")
         positive(self, "norm_eps", "rope_theta", "init_std")
         if self.init_from is not None and not exists(self.init_from):
             raise UserError(f"model.init_from {self.init_from!r} does not exist: give an HF model folder or a .safetensors file")
@@ -100,7 +105,11 @@ class OptimConfig:
     """AdamW with global-norm gradient clipping (`grad_clip=0` disables clipping).
 
     A NaN/inf loss or gradient norm (fp32/bf16) stops the run naming the step; `skip_nonfinite`
-    skips such steps instead (fp16 always skips them through its loss scaler)."""
+    skips such steps instead (fp16 always skips them through its loss scaler).
+
+    `lr_scaling`: `lr` was tuned for a global batch of `reference_batch` samples; the run's peak
+    learning rate is `lr` × G/`reference_batch` (linear) or × √(G/`reference_batch`) (sqrt), G the
+    run's `schedule.global_batch` (`scaled_lr`)."""
 
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -109,14 +118,32 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     skip_nonfinite: bool = False
+    lr_scaling: LrScaling = "none"
+    reference_batch: int | None = None  # the global batch (samples) `lr` was tuned for
 
     def validate(self) -> None:
         positive(self, "lr", "eps")
+        check_choices(self)
+        if self.reference_batch is not None and self.reference_batch <= 0:
+            raise UserError(f"optim.reference_batch must be > 0 (the global batch optim.lr was tuned for), got {self.reference_batch}")
+        if self.lr_scaling != "none" and self.reference_batch is None:
+            raise UserError(f"optim.lr_scaling={self.lr_scaling!r} needs optim.reference_batch: the global batch optim.lr was tuned for")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise UserError("optim.weight_decay and optim.grad_clip must be >= 0")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+
+    def lr_factor(self, global_batch: int) -> float:
+        """What `lr` is multiplied by for a run of `global_batch` samples per step (1 without scaling)."""
+        if self.lr_scaling == "none" or self.reference_batch is None:
+            return 1.0
+        ratio = global_batch / self.reference_batch
+        return ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
+
+    def scaled_lr(self, global_batch: int) -> float:
+        """The peak learning rate of a run of `global_batch` samples per step: `lr` × `lr_factor`."""
+        return self.lr * self.lr_factor(global_batch)
 
 
 @dataclass

@@ -52,6 +52,11 @@ class TrainConfig:
                 f"--model {self.model.preset} trains on its own data with data parallelism only (dp, zero, dp_mode): "
                 "leave data.path unset and tp, pp, cp at 1, ps.servers at 0"
             )
+        if self.ps.servers and (p.sync_batchnorm or p.broadcast_buffers):
+            raise UserError(
+                "parallel.sync_batchnorm and parallel.broadcast_buffers act over the data-parallel group, which the "
+                "parameter server's workers do not form: set them false, or ps.servers=0"
+            )
         if p.overlap_optimizer and (self.optim.grad_clip > 0 or self.optim.skip_nonfinite or p.precision == "fp16"):
             raise UserError(
                 "parallel.overlap_optimizer=true updates parameters during backward, before the global gradient norm "
