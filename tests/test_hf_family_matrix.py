@@ -1,0 +1,119 @@
+"""Fourteen Hugging Face families under six layouts, from the plans transformers declares: parity with one process.
+
+Families (tests/helpers/hf_zoo.py: hidden 64, 2 layers, seeded, float64, no downloads): Llama,
+Mistral, Qwen2, Qwen3, Phi-3, OLMo2, Gemma, Gemma2, Gemma3, GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE,
+Qwen3-MoE. None of them has a hand-written ndtrain spec except GPT-2, which declares no plan.
+Layouts: tp2 with sequence parallelism, pp2 (1f1b, two micro-batches), cp2 (ring attention through
+the attention interface), dp2 × ZeRO-3, tp2 × pp2 and dp2 × pp2 with ZeRO-1 (4 processes each).
+Each cell trains 5 steps of AdamW and must end at the parameters of single-process training on the
+whole global batch with the loss the mean of the same micro-batches (relative error ≤ 1e-5; float64
+as in tests/test_hf_strategies.py, which says why). A cell in `REFUSED` must instead be refused in one
+line by the engine, with the words given (the reasons are listed in the README's family table).
+
+One spawn per layout trains all of its families; in CI a representative part runs (one cell per
+layout, chosen to cover a different family mechanism each), the rest is `slow`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ndtrain.config import ParallelConfig  # noqa: E402
+from ndtrain.dist.mesh import ParallelContext, init  # noqa: E402
+from ndtrain.engine import Engine  # noqa: E402
+from ndtrain.errors import UserError  # noqa: E402
+from tests.helpers.hf import DTYPE, STEPS, TOL, adamw, batch  # noqa: E402
+from tests.helpers.hf_zoo import FAMILIES, zoo_model  # noqa: E402
+from tests.helpers.parity import assert_params_close  # noqa: E402
+from tests.helpers.reference import decay_groups, train_reference  # noqa: E402
+from tests.helpers.runner import Spawns, case_result, init_method, run_each  # noqa: E402
+
+MICRO = 2  # pipeline micro-batches per data-parallel rank
+LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # layout → (parallel config, processes)
+    "tp2_sp": ({"tp": 2, "sequence_parallel": True}, 2),
+    "pp2": ({"pp": 2, "pp_schedule": "1f1b"}, 2),
+    "cp2": ({"cp": 2}, 2),
+    "dp2_zero3": ({"zero": 3}, 2),
+    "tp2_pp2": ({"tp": 2, "pp": 2, "pp_schedule": "1f1b"}, 4),
+    "dp2_pp2_zero1": ({"pp": 2, "zero": 1, "pp_schedule": "1f1b"}, 4),
+}
+REFUSED: dict[tuple[str, str], str] = {  # (family, layout) → words of the one-line refusal
+    ("gemma2", "cp2"): "soft-capping",
+}
+FAST = {("llama", "tp2_sp"), ("gemma3_text", "pp2"), ("mistral", "cp2"), ("qwen3_moe", "dp2_zero3"),
+        ("phi3", "tp2_pp2"), ("gpt_neox", "dp2_pp2_zero1")}
+
+
+def _cells() -> list[Any]:
+    return [pytest.param(family, layout, id=f"{family}-{layout}",
+                         marks=[] if (family, layout) in FAST else [pytest.mark.slow])
+            for layout in LAYOUTS for family in FAMILIES]
+
+
+def _pieces(layout: str) -> int:
+    """Micro-batches per step over the whole world: the reference's loss is the mean of as many equal chunks."""
+    changes, processes = LAYOUTS[layout]
+    dp = processes // (changes.get("tp", 1) * changes.get("pp", 1) * changes.get("cp", 1))
+    return dp * (MICRO if changes.get("pp", 1) > 1 else 1)
+
+
+# ------------------------------------------------------------------------------------ workers
+def _train(ctx: ParallelContext, parallel: ParallelConfig, family: str) -> dict[str, Any]:
+    try:
+        engine = Engine(lambda: zoo_model(family), adamw, ctx, parallel)
+    except UserError as e:
+        return {"refused": str(e)}
+    dp, rank = ctx.size("dp"), ctx.coord("dp")
+    micro = MICRO if parallel.pp > 1 else 1
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
+        losses.append(engine.train_step(list(zip(x.chunk(micro), y.chunk(micro)))).loss)
+    return {"params": engine.full_state_dict(), "losses": losses}
+
+
+def _suite(layout: str, families: list[str]) -> dict[Any, Any]:
+    parallel = ParallelConfig(**LAYOUTS[layout][0])
+    ctx = init(parallel, init_method=init_method())
+    return run_each(lambda family: _train(ctx, parallel, family), families)
+
+
+@pytest.fixture(scope="module")
+def spawns() -> Spawns:
+    return Spawns(_suite, timeout=600)
+
+
+@functools.cache
+def _reference(family: str, pieces: int) -> dict[str, torch.Tensor]:
+    model = zoo_model(family)
+    return train_reference(model, adamw(decay_groups(model)), map(batch, range(STEPS)), pieces=pieces).params
+
+
+# ------------------------------------------------------------------------------------ cells
+@pytest.mark.parametrize(("family", "layout"), _cells())
+def test_family_under_layout_matches_one_process(family: str, layout: str, spawns: Spawns) -> None:
+    slow = (family, layout) not in FAST
+    families = [f for f in FAMILIES if ((f, layout) not in FAST) == slow]
+    run = case_result(spawns.get((layout, slow), LAYOUTS[layout][1], layout, families), family)
+    if (family, layout) in REFUSED:
+        message = run[0].get("refused", "")
+        assert "\n" not in message and REFUSED[family, layout] in message, run[0]
+        return
+    assert "refused" not in run[0], run[0]["refused"]
+    got: dict[str, torch.Tensor] = {}
+    for out in run:  # pipeline ranks each hold their stages' parameters (tp gathered)
+        got.update(out["params"])
+    names = [name for name, _ in zoo_model(family).named_parameters()]  # a tied head's copy dropped
+    assert set(names) <= set(got), sorted(set(names) - set(got))
+    got = {name: got[name] for name in names}
+    assert {t.dtype for t in got.values()} == {DTYPE}
+    assert_params_close(got, _reference(family, _pieces(layout)), TOL,
+                        f"{family} {layout}")
+    assert all(out["losses"] == run[0]["losses"] for out in run)
