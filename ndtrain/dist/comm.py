@@ -16,6 +16,12 @@ Each collective gets a per-axis sequence number. Every wait arms the communicato
 sequence number and peers, so a stall becomes one message naming the ranks that did not arrive
 (see dist/watchdog.py); a wait that fails or exceeds `timeout` raises an error naming the same. A
 group of one rank is a no-op that counts nothing.
+
+On NCCL a wait is the stream wait only (`work.wait()` without a timeout): ProcessGroupNCCL's `wait`
+given a timeout blocks the host until the collective has finished, which would make every bucket
+wait, pipeline receive and ring exchange a host synchronisation. There the process group's own
+timeout (set at `init_process_group` from `parallel.timeout_s`) and NCCL's watchdog bound a wait;
+on gloo (and the shared-memory transport) the wait itself is timed.
 """
 
 from __future__ import annotations
@@ -91,11 +97,13 @@ class CommStats:
 class Pending:
     """An asynchronous operation in flight; `wait()` blocks until it is complete, under the watchdog."""
 
-    def __init__(self, work: Any, wait: Wait | None, timeout: timedelta, watchdog: Watchdog | None = None) -> None:
+    def __init__(self, work: Any, wait: Wait | None, timeout: timedelta, watchdog: Watchdog | None = None,
+                 stream_wait: bool = False) -> None:
         self._work = work
         self._wait = wait
         self._timeout = timeout
         self._watchdog = watchdog
+        self._stream_wait = stream_wait  # NCCL: make the current stream wait, never block the host
 
     @property
     def description(self) -> str:
@@ -111,7 +119,7 @@ class Pending:
         if self._watchdog is not None and self._wait is not None:
             self._watchdog.arm(self._wait)
         try:
-            self._work.wait(self._timeout)
+            self._work.wait() if self._stream_wait else self._work.wait(self._timeout)
         except RuntimeError as e:
             if self._watchdog is not None:
                 self._watchdog.hold_if_stalled()
@@ -132,6 +140,24 @@ class _AllWorks:
         for work in self.works:
             work.wait(timeout) if timeout is not None else work.wait()
         return True
+
+
+class _Watched:
+    """An operation carried out outside c10d (`Communicator.watch`): its wait is always timed."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def wait(self, timeout: timedelta | None = None) -> Any:
+        return self.work.wait(timeout)
+
+
+def _on_nccl(group: Group) -> bool:
+    """Whether `group`'s collectives run on NCCL (their waits are stream waits)."""
+    return group.process_group is not None and dist.get_backend(group.process_group) == "nccl"
 
 
 # torch 2.13 renamed the single-tensor collectives; older releases (>= 2.6) have only the old names.
@@ -156,7 +182,7 @@ class Communicator:
 
     def _pending(self, work: Any, op: str, group: Group, seq: int, peers: tuple[int, ...] | None = None) -> Pending:
         wait = Wait(op, group.name, seq, group.ranks, group.ranks if peers is None else peers, peers is None)
-        return Pending(work, wait, self.timeout, self.watchdog)
+        return Pending(work, wait, self.timeout, self.watchdog, stream_wait=_on_nccl(group) and not isinstance(work, _Watched))
 
     def _done(self) -> Pending:
         return Pending(None, None, self.timeout)
@@ -287,7 +313,7 @@ class Communicator:
         """Count and sequence an operation carried out outside c10d (`work`: `is_completed()` and
         `wait(timeout)`, e.g. dist/host_slots.py's shared-memory collectives); its wait is watched as any other."""
         seq = self._issue(op, group, payload, wire)
-        return self._pending(work, op, group, seq)
+        return self._pending(_Watched(work), op, group, seq)
 
     def barrier(self, group: Group) -> None:
         if group.size == 1:
