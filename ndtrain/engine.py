@@ -27,7 +27,9 @@ last, via `no_sync`; stages 2/3 reduce-scatter every micro-batch into the shard,
 sharded), the loss-scale check, the global gradient norm and clipping, the optimizer and LR
 schedule steps. Per step, Ψ fp32 parameters, N = dp×cp, k micro-batches, each rank sends:
 stage 0 2(N−1)/N·4Ψ; stage 1 + (N−1)/N·4Ψ (all-gather); stage 2 k·(N−1)/N·4Ψ + (N−1)/N·4Ψ;
-stage 3 see zero3_parameters.py; plus a 4-byte all-reduce of the norm's squares (over dp_cp for
+stage 3 see zero3_parameters.py; `parallel.sync_batchnorm` an all-gather and an all-reduce per BatchNorm layer
+and micro-batch (parallel/data/sync_batchnorm.py), `parallel.broadcast_buffers` one broadcast of the
+buffers per step (parallel/data/buffers.py); plus a 4-byte all-reduce of the norm's squares (over dp_cp for
 stages 1–3, over mp under model parallelism, over the world for both), a 4-byte flag
 (fp16) and one 8-byte all-reduce of the loss and token count for reporting.
 
@@ -67,6 +69,8 @@ from ndtrain.parallel.grad_norm import clip_, global_grad_norm
 from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
 from ndtrain.parallel.precision import DTYPES, LossScaler
 from ndtrain.parallel.data.param_groups import GroupFn, no_decay_for_vectors
+from ndtrain.parallel.data.buffers import BufferBroadcast
+from ndtrain.parallel.data.sync_batchnorm import synchronise_batchnorm
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
 
@@ -150,6 +154,7 @@ class Engine:
         self._steps = 0  # train_step calls, numbering steps when there is no LR schedule
         self.compute_dtype = DTYPES[cfg.precision]
         full = model_fn().to(ctx.device)
+        full = synchronise_batchnorm(full, ctx) if cfg.sync_batchnorm else full  # same tensors and names
         name_parameters(full)
         self.parameter_count = count_parameters(full)
         full_shapes = {name: p.shape for name, p in full.named_parameters(remove_duplicate=False)}
@@ -166,6 +171,7 @@ class Engine:
         self.dp = build_data_parallel(self.model, ctx, cfg, optimizer_fn, group_fn, strategies)  # casts to compute_dtype
         self.wrapped: nn.Module = self.dp.module
         self.optimizer: torch.optim.Optimizer = self.dp.optimizer
+        self.buffers = BufferBroadcast(self.model, ctx, cfg.broadcast_buffers, cfg.bucket_mb)
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
         self.scaler = loss_scaler or (LossScaler(ctx) if cfg.precision == "fp16" else None)
         self.dp.step_during_backward(grad_clip == 0 and self.scaler is None and not skip_nonfinite)
@@ -175,6 +181,7 @@ class Engine:
         """One optimizer step over this rank's micro-batches (equal sizes, full-length samples)."""
         comm_before = self.ctx.comm.stats.total_wire_bytes()
         self.model.train()
+        self.buffers.sync()
         self.dp.zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]
         scale = self.scaler.scale if self.scaler else 1.0
@@ -308,8 +315,10 @@ class Engine:
         Ranks may hold different numbers of batches (uneven evaluation shards). Under ZeRO-3 every
         forward all-gathers parameters over dp×cp, so ranks with fewer batches run padding forwards
         (the lacking count, on a one-row batch, counted zero times) to issue the same collectives;
-        that costs one 16-byte all-reduce (batch count, sequence length) per evaluation."""
+        that costs one 16-byte all-reduce (batch count, sequence length) per evaluation. With
+        `parallel.broadcast_buffers`, rank 0's buffers are broadcast first (parallel/data/buffers.py)."""
         self.model.eval()
+        self.buffers.sync()
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         batches = list(batches)
         padding = self._eval_padding(batches)

@@ -46,6 +46,7 @@ from ndtrain.run.info import environment, utc_now
 from ndtrain.run.timeline import TimelineRecorder
 from ndtrain.run.tasks import build_task
 from ndtrain.run.trackers import Trackers, flat_config
+from ndtrain.parallel.data.sync_batchnorm import describe_batchnorm
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -89,14 +90,15 @@ def seeded(model_fn: ModelFn, seed: int) -> ModelFn:
 
 def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | None = None,
                  loss_fn: LossFn | None = None) -> TrainingEngine:
-    """AdamW (weight decay on matrices only: the engine's default parameter groups), warmup + cosine,
+    """AdamW (weight decay on matrices only: the engine's default parameter groups) at the peak learning rate
+    `optim.scaled_lr` (`optim.lr`, scaled to the global batch by `optim.lr_scaling`), warmup + cosine,
     in the engine kind of the config (run/engine_kinds.py: `Engine`, or `PSEngine` when ps.servers > 0).
     The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
     o, s = cfg.optim, cfg.schedule
     return engine_kind(cfg, ctx).build(
         seeded(model_fn, cfg.seed) if model_fn is not None else lambda: build_run_model(cfg.model, cfg.seed),
         lambda groups: torch.optim.AdamW(
-            groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+            groups, lr=o.scaled_lr(s.global_batch), betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         ),
         lambda step: lr_multiplier(step, s.warmup_steps, s.steps, s.min_lr_ratio),
         loss_fn,
@@ -301,7 +303,7 @@ class Trainer:
             "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes_max_rank": int(peak.item()),
             "world_size": ctx.world_size, "parameters": self.engine.parameter_count,
             "model_state_bytes_rank0": self.engine.model_state_bytes(),
-            "skipped_steps": self.engine.skipped_steps,
+            "skipped_steps": self.engine.skipped_steps, "peak_lr": cfg.optim.scaled_lr(cfg.schedule.global_batch),
             "restarts": restarts, "unit": self.task.unit, **task_metrics,
         }
         summary.update(self.kind.summary(self.engine))
@@ -326,6 +328,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         layout = self.kind.layout()
         action = f"resuming at step {start}" if start else "starting"
+        batchnorm = describe_batchnorm(self.engine.model, self.data_ranks()[0], cfg.schedule.micro_batch)
         if restarts:
             action += f" after elastic restart {restarts}"
         return "\n".join([
@@ -336,6 +339,8 @@ class Trainer:
             f"ndtrain: {len(self.train_set)} train / {len(self.val_set)} val {self.task.items}; global batch "
             f"{cfg.schedule.global_batch} = {self.kind.data_split()} × micro {cfg.schedule.micro_batch} × accumulation "
             f"{self.accumulation}",
+            f"ndtrain: {cfg.optim.describe_lr(cfg.schedule.global_batch)}",
+            *([f"ndtrain: {batchnorm}"] if batchnorm else []),
             f"ndtrain: run dir {self.run_dir}",
         ])
 

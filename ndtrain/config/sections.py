@@ -145,6 +145,13 @@ class OptimConfig:
         """The peak learning rate of a run of `global_batch` samples per step: `lr` × `lr_factor`."""
         return self.lr * self.lr_factor(global_batch)
 
+    def describe_lr(self, global_batch: int) -> str:
+        """The run description's line: `lr 0.003 × 2 (linear, global batch 64 / reference 32) = 0.006`."""
+        if self.lr_scaling == "none":
+            return f"lr {self.lr:g} (optim.lr_scaling = none)"
+        return (f"lr {self.lr:g} × {self.lr_factor(global_batch):.4g} ({self.lr_scaling}, global batch {global_batch} / "
+                f"reference {self.reference_batch}) = {self.scaled_lr(global_batch):.4g}")
+
 
 @dataclass
 class ScheduleConfig:
