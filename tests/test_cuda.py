@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from ndtrain.config import ParallelConfig
 from ndtrain.dist import mesh
+from ndtrain.checkpoint.safe_pickle import load_tensors
+from ndtrain.checkpoint.store import load_checkpoint, save_checkpoint
 from ndtrain.engine import Engine
 from ndtrain.parallel.model.attention_blocks import fused_backward, fused_forward, tile_backward, tile_forward
 from ndtrain.parallel.model.context import balanced_chunks, block_plan
@@ -269,6 +271,22 @@ def test_checkpoint_device_to_cpu_and_back_bit_exact(device: str, zero: int, tmp
         assert torch.equal(value, want[name]), f"{name} changed from cpu back to {device}"
     step = shard(batch(2), 0, 1, 2)
     assert math.isclose(back.train_step(step).loss, on_cpu.train_step(step).loss, rel_tol=FP32_LOSS_TOL)
+
+
+def test_checkpoint_restores_this_devices_generator(device: str, tmp_path: Path) -> None:
+    """A checkpoint holds the CPU generator and this rank's device's (not every visible GPU's): after a
+    load, both draw what they drew after the save."""
+    _, _, engine = train(device, make_llama, steps=1)
+    torch.manual_seed(5)
+    path = save_checkpoint(tmp_path, 1, engine, {}, keep=1)
+    want = torch.rand(4), torch.rand(4, device=device)
+    torch.manual_seed(9)
+    load_checkpoint(path, engine)
+    got = torch.rand(4), torch.rand(4, device=device)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    if device == "cuda":
+        saved = load_tensors(path / "rng" / "rank00000.pt")
+        assert isinstance(saved["cuda"], torch.Tensor)  # one device's state, not a list
 
 
 @pytest.fixture(autouse=True)

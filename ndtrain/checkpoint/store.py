@@ -114,17 +114,28 @@ def _none_verified(choice: Choice, directory: Path, fix: str) -> str:
     return f"no checkpoint in {str(directory)!r} verifies ({names}; newest: {choice.damaged[0][1]}): {fix}"
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    """The CPU generator's state and, on CUDA, this rank's device's only (a resume may see fewer GPUs)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what `_rng_state` saved; a CPU resume of a GPU checkpoint keeps the CPU part only, a GPU resume
+    of a CPU checkpoint leaves CUDA's generator as seeded. Checkpoints written before one rank saved its own
+    device's state hold every device's list: this rank's device's entry is restored when present."""
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or device.type != "cuda":
+        return
+    if isinstance(cuda, (list, tuple)):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= len(cuda):
+            return
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def save_checkpoint(directory: Path, step: int, engine: Any, extra: dict[str, Any], keep: int) -> Path:
@@ -157,7 +168,7 @@ def save_checkpoint(directory: Path, step: int, engine: Any, extra: dict[str, An
         rng_dir = partial / "rng"
         rng_dir.mkdir(exist_ok=True)
         with open(rng_dir / f"rank{ctx.rank:05d}.pt", "wb") as file:  # a Python file: a full disk is an OSError
-            torch.save(_rng_state(), file)
+            torch.save(_rng_state(ctx.device), file)
 
     def finish() -> None:
         if ctx.is_main:
@@ -215,7 +226,7 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
         engine.load_extra_state(extra.get("engine", {}))
         rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
         if rng_file.exists():  # a rank beyond the saved world keeps its own RNG
-            _set_rng_state(load_tensors(rng_file))
+            _set_rng_state(load_tensors(rng_file), ctx.device)
     except UserError as e:
         error = str(e)
     except (Exception, CheckpointException) as e:

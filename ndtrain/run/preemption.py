@@ -8,6 +8,12 @@ engine's step, so a step's counted communication is unchanged): every rank learn
 after the same step, writes the checkpoint of that step with the others and raises `Preempted`.
 The command then exits with status 128 + signal number (143 for SIGTERM, 130 for SIGINT), the
 shell's convention for "ended by that signal".
+
+On CUDA the flag is not read right away (that `.item()` would wait for the whole step's kernels, a
+second host synchronisation per step): the all-reduce is issued, its result copied to page-locked
+host memory behind an event, and read after the *next* step, when the event has long completed.
+Every rank reads the same generation of the flag, so all still stop after the same step, one step
+later than on CPU.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum = 0
         self._previous: dict[int, Any] = {}
+        self._in_flight: tuple[torch.Tensor, Any] | None = None  # CUDA: the last step's flag on the host, its event
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if not self.signum:
@@ -68,7 +75,21 @@ class StopRequest:
         self._previous = {}
 
     def agreed(self, comm: Communicator, group: Group, device: torch.device) -> int:
-        """The signal some rank of `group` received (0 if none): the same value on every rank."""
+        """The signal some rank of `group` received (0 if none): the same value on every rank (on CUDA,
+        the answer of the previous call's all-reduce: see the module docstring)."""
         flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
-        comm.all_reduce(flag, group, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        if device.type != "cuda":
+            comm.all_reduce(flag, group, op=dist.ReduceOp.MAX)
+            return int(flag.item())
+        pending = comm.all_reduce(flag, group, op=dist.ReduceOp.MAX, async_op=True)
+        if pending is not None:
+            pending.wait()  # NCCL: the stream waits, the host does not
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        previous, self._in_flight = self._in_flight, (host, event)
+        if previous is None:
+            return 0
+        previous[1].synchronize()
+        return int(previous[0].item())
