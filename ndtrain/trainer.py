@@ -163,6 +163,8 @@ class Trainer:
         indices = self._epoch_indices(epoch)[position * self.rank_batch : (position + 1) * self.rank_batch]
         xs, ys = zip(*(self.train_set[i] for i in indices))
         x, y = torch.stack(xs), torch.stack(ys)
+        if self.ctx.device.type == "cuda":  # page-locked: the engine's non-blocking copies overlap compute
+            x, y = x.pin_memory(), y.pin_memory()
         size = self.cfg.schedule.micro_batch
         return [(x[i : i + size], y[i : i + size]) for i in range(0, len(indices), size)]
 
