@@ -5,7 +5,10 @@ after tokens[:, t]) and expects one scalar loss, exactly as the built-in `Llama`
 Face causal LM given `labels=` shifts them again, silently training to predict the token two
 ahead; this adapter never passes `labels=`. It asks the wrapped model (`self.hf`) for logits
 [B, T, V] (no KV cache) and computes the mean cross-entropy over all B·T tokens once, in fp32
-(float64 for a float64 model), like `Llama.loss_fn`.
+(float64 for a float64 model), like `Llama.loss_fn`. When the model's own forward would add its MoE
+router's load-balancing loss (`output_router_logits`, `router_aux_loss_coef` ≠ 0), the loss adds it too
+(`router_loss`, models/hf_router_loss.py: recorded from the routers, reduced where a layout spreads a
+forward's tokens over ranks), and the model is asked not to compute its own copy.
 
 Seams (attributes a strategy may replace, as on the built-in model):
 - `loss_fn(logits, targets)`: tensor parallel swaps in the vocab-parallel cross-entropy;
@@ -17,11 +20,14 @@ State-dict keys start with `hf.` (the wrapped model's keys under that prefix); e
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.models.hf_parallel import HFParallel
+from ndtrain.models.hf_router_loss import RoutedParallel, RouterLoss
 from ndtrain.parallel.model_spec import ModelParallel
 from ndtrain.parallel.precision import at_least_fp32
 
@@ -32,19 +38,28 @@ class CausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         self.hf = hf_model
+        self.router_loss = RouterLoss.of(hf_model)  # None: the loss is cross-entropy alone
+        # the model's own router loss would be computed and dropped: ask for none (router_loss adds it)
+        self._no_router_output = {"output_router_logits": False} if getattr(hf_model.config, "output_router_logits", False) else {}
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits [B, T, V], or with targets [B, T] the mean cross-entropy over all B·T tokens (fp32 scalar)."""
+        """Logits [B, T, V], or with targets [B, T] the mean cross-entropy over all B·T tokens (fp32 scalar),
+        plus the router loss when the model adds one."""
         if position_ids is not None and position_ids.ndim == 1:
             position_ids = position_ids.unsqueeze(0).expand(tokens.shape[0], -1)
-        logits = self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
-        return self.full_logits(logits) if targets is None else self.loss_fn(logits, targets)
+        router = self.router_loss if targets is not None else None
+        with router.window() if router is not None else contextlib.nullcontext() as window:
+            logits = self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False, **self._no_router_output).logits
+        if targets is None:
+            return self.full_logits(logits)
+        loss = self.loss_fn(logits, targets)
+        return loss if router is None else loss + router.loss(window.stats(logits.device), targets.numel())
 
     def parallel_spec(self) -> ModelParallel:
         """What the parallel strategies need to know to split this model: its family's spec (hf_parallel.py)."""
-        return HFParallel(self)
+        return HFParallel(self) if self.router_loss is None else RoutedParallel(self, self.router_loss)
 
     @staticmethod
     def full_logits(logits: torch.Tensor) -> torch.Tensor:
