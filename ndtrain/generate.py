@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ndtrain.checkpoint.run_model import load_run
+from ndtrain.config.presets import TASK_PRESETS
 from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import UserError
 
@@ -50,6 +51,9 @@ def generate_text(
     if not 0 <= seed < 2**63:
         raise UserError(f"--seed must be in [0, 2**63), got {seed}")
     cfg, model, _ = load_run(run_dir)
+    if cfg.model.preset in TASK_PRESETS:
+        raise UserError(f"{str(run_dir)!r} trained --model {cfg.model.preset}, which does not generate text: "
+                        "give the run directory of a language model")
     tokenizer = load_tokenizer(cfg.data.tokenizer)  # the run's, as its config.toml names it
     prompt_ids = tokenizer.encode(prompt or "\n")
     if len(prompt_ids) == 0:

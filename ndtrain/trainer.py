@@ -223,7 +223,8 @@ class Trainer:
 
     def save(self, step: int) -> None:
         self.engine.save(self.checkpoints, step=step, keep=self.cfg.checkpoint.keep,
-                         progress={"tokens": self.tokens_total, "global_batch": self.cfg.schedule.global_batch,
+                         progress={"tokens": self.tokens_total, "unit": self.task.unit,
+                                   "global_batch": self.cfg.schedule.global_batch,
                                    "data": self.data_fingerprint, "data_start": self.data_start})
 
     def run(self) -> dict[str, Any]:
@@ -256,7 +257,8 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
             log.info(self.describe(start, restarts))
             self.trackers.start(flat_config(cfg), start)
-        progress = Progress(cfg.log.progress, cfg.log.every, cfg.schedule.steps, start, main, console_stream())
+        progress = Progress(cfg.log.progress, cfg.log.every, cfg.schedule.steps, start, main, console_stream(),
+                            unit=self.task.unit)
         started = time.perf_counter()
         tokens_seen, last_val, step_peak, result, task_metrics = 0, float("nan"), 0, None, {}
         stop = cfg.schedule.steps
@@ -283,6 +285,8 @@ class Trainer:
                 with ctx.phases.evaluation(done, len(self.eval_indices), elapsed / self.rank_batch):
                     last_val, _ = self.engine.evaluate(self.eval_batches())
                     task_metrics = self.task.evaluate(self.engine) if self.task.evaluate else {}
+                    if done == cfg.schedule.steps and self.task.test:
+                        task_metrics.update(self.task.test(self.engine))
                 record.update(step=done, val_loss=last_val, **task_metrics)
             stop_signal = stop_request.agreed(ctx.comm, ctx.group("world"), ctx.device) if self.kind.checkpoints else 0
             save_now = (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == stop or stop_signal

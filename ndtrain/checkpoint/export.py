@@ -2,8 +2,9 @@
 
 The newest verified checkpoint is read into the single-process model (`run_model.load_run`):
 every checkpoint holds the full model under its unsharded names (DCP gathers dp, ZeRO-3, tp and
-pp runs alike), so one path serves every layout. The file holds each parameter under its model
-name (tied weights stored under each name) and, in its metadata, the model config as JSON
+pp runs alike), so one path serves every layout; a task's model (digits) is read and written the
+same way (models/build.py builds it). The file holds each parameter under its model name (tied
+weights stored under each name) and, in its metadata, the model config as JSON
 (`model_config`), the step (`step`) and `format: pt`. Written to a temporary file beside OUT
 and renamed, so a failed export leaves no partial file. Cost: one model in memory, Ψ·4 bytes
 written for fp32.

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ndtrain.checkpoint.manifest import PARTIAL
 from ndtrain.checkpoint.run_model import load_run
+from ndtrain.config.presets import TASK_PRESETS
 from ndtrain.errors import UserError
 from ndtrain.models.hf import is_hf_model, require_transformers
 from ndtrain.models.llama_hf import builtin_to_hf
@@ -47,6 +48,9 @@ def export_hf(run_dir: Path, out: Path) -> tuple[Path, list[str]]:
     if not out.parent.is_dir():
         raise UserError(f"cannot write {str(out)!r}: {str(out.parent)!r} is not a directory; create it first")
     cfg, model, checkpoint = load_run(run_dir)
+    if cfg.model.preset in TASK_PRESETS:
+        raise UserError(f"--format hf holds language models; {str(run_dir)!r} trained --model {cfg.model.preset}: "
+                        "export it with --format safetensors")
     require_transformers().utils.logging.disable_progress_bar()  # this process only writes the export
     hf_model = model.hf if is_hf_model(cfg.model.preset) else builtin_to_hf(model, cfg.model)
     tmp = out.with_name(out.name + PARTIAL)

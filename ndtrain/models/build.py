@@ -1,4 +1,6 @@
-"""The model a run's `ModelConfig` names, freshly initialised: the built-in Llama or an `hf:PATH` model.
+"""The model a run's `ModelConfig` names, freshly initialised: the built-in Llama, an `hf:PATH` model or a
+task's own model (`digits`: the net `model.digits_net` names, models/digits_cnn.py; `model.dim` its
+embedding size).
 Built whole in every process (before any parallelism), from the run's seed, so every layout starts
 from the same weights. A run's `model.init_from` weights are loaded on top by the checkpoint layer
 (checkpoint/run_model.py), which imports this module, never the reverse."""
@@ -9,6 +11,7 @@ import torch
 from torch import nn
 
 from ndtrain.config import ModelConfig
+from ndtrain.models.digits_cnn import DIGITS_NETS, build_digits_net
 from ndtrain.models.hf import build_hf_model, build_meta_hf_model, hf_model_type, hf_path, is_hf_model
 from ndtrain.models.llama import Llama, build_model
 
@@ -16,6 +19,8 @@ from ndtrain.models.llama import Llama, build_model
 def build_seeded_model(cfg: ModelConfig, seed: int) -> nn.Module:
     """The model `cfg.preset` names on the CPU, initialised from `seed` (an `hf:PATH` model's own
     weights when its folder holds some); `cfg.init_from` is not read here."""
+    if cfg.preset == "digits":
+        return build_digits_net(cfg.digits_net, cfg.dim, seed)
     return build_hf_model(hf_path(cfg.preset), seed) if is_hf_model(cfg.preset) else build_model(cfg, seed)
 
 
@@ -25,7 +30,7 @@ def build_meta_model(cfg: ModelConfig) -> nn.Module:
     if is_hf_model(cfg.preset):
         return build_meta_hf_model(hf_path(cfg.preset))
     with torch.device("meta"):
-        return Llama(cfg)
+        return DIGITS_NETS[cfg.digits_net](cfg.dim) if cfg.preset == "digits" else Llama(cfg)
 
 
 def model_label(cfg: ModelConfig) -> str:

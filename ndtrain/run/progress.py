@@ -9,7 +9,8 @@ at the last step) one line such as
 goes to the "ndtrain" logger: to the console in "lines" mode, to the rank's log file in every mode
 (see `console.py`). Throughput, seconds per step and the ETA are wall-clock averages over the
 steps since the previous line (evaluation and checkpoints included); memory is this rank's peak
-over those steps.
+over those steps. Throughput is in the task's unit (`Task.unit`: "tok/s" for tokens, "images/s" for
+the digits task's images), as is the bar's rate field.
 """
 
 from __future__ import annotations
@@ -46,10 +47,15 @@ def format_memory(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:,.1f} GiB"
 
 
+def rate_label(unit: str) -> str:
+    """How a rate of `unit` per second is written: tok/s, images/s."""
+    return f"{'tok' if unit == 'tokens' else unit}/s"
+
+
 def format_line(step: int, total: int, *, loss: float, val: float | None = None, lr: float | None = None,
                 grad_norm: float | None = None, tokens_per_s: float | None = None, s_per_step: float | None = None,
-                mem_bytes: int | None = None, eta_s: float | None = None) -> str:
-    """One progress line; fields that are None are left out."""
+                mem_bytes: int | None = None, eta_s: float | None = None, unit: str = "tokens") -> str:
+    """One progress line; fields that are None are left out. `tokens_per_s` counts `unit` (the task's)."""
     parts = [f"step {step}/{total}", f"loss {loss:.3f}"]
     if val is not None:
         parts.append(f"val {val:.3f}")
@@ -58,7 +64,7 @@ def format_line(step: int, total: int, *, loss: float, val: float | None = None,
     if grad_norm is not None:
         parts.append(f"gnorm {grad_norm:.2f}")
     if tokens_per_s is not None:
-        parts.append(f"{tokens_per_s:,.0f} tok/s")
+        parts.append(f"{tokens_per_s:,.0f} {rate_label(unit)}")
     if s_per_step is not None:
         parts.append(f"{s_per_step:.2f} s/step" if s_per_step < 10 else f"{s_per_step:,.1f} s/step")
     if mem_bytes:
@@ -79,12 +85,15 @@ def resolve_mode(mode: ProgressMode, stream: TextIO) -> ProgressMode:
 class Progress:
     """Called once per finished step by the trainer, on every rank; the bar is drawn by rank 0 only.
 
-    `stream` is the console's stderr (the bar's stream, and what "auto" tests for a terminal).
+    `stream` is the console's stderr (the bar's stream, and what "auto" tests for a terminal); `unit`
+    what `update`'s `tokens` count (the task's unit).
     """
 
-    def __init__(self, mode: str, every: int, total: int, start: int, main: bool, stream: TextIO | None = None) -> None:
+    def __init__(self, mode: str, every: int, total: int, start: int, main: bool, stream: TextIO | None = None,
+                 unit: str = "tokens") -> None:
         stream = stream if stream is not None else sys.stderr
         self.mode = resolve_mode(mode, stream)
+        self.unit = unit
         self.every, self.total = every, total
         self.val: float | None = None
         self.bar = None
@@ -105,7 +114,8 @@ class Progress:
             if self.val is not None:
                 postfix["val"] = f"{self.val:.3f}"
             if tokens:
-                postfix["tok_s"] = f"{self._tokens / max(time.perf_counter() - self._since_time, 1e-9):,.0f}"
+                rate = self._tokens / max(time.perf_counter() - self._since_time, 1e-9)
+                postfix[rate_label(self.unit).replace("/", "_")] = f"{rate:,.0f}"
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(step - self.bar.n)
         if step % self.every and step != self.total:
@@ -117,6 +127,7 @@ class Progress:
             step, self.total, loss=loss, val=self.val, lr=lr, grad_norm=grad_norm,
             tokens_per_s=self._tokens / wall if tokens and wall > 0 else None, s_per_step=per_step,
             mem_bytes=self._peak, eta_s=(self.total - step) * per_step if per_step is not None else None,
+            unit=self.unit,
         )
         log.info(line, extra=None if self.mode == "lines" else FILE_ONLY)
         self._since_step, self._since_time, self._tokens, self._peak = step, now, 0, 0

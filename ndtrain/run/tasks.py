@@ -37,7 +37,8 @@ class Task:
     unit: str = "tokens"                    # what StepResult.tokens counts
     loss_unit: str = "nats/byte"
     evaluate: Callable[[Engine], dict[str, float]] | None = None  # extra metrics at each evaluation (collective)
-    metrics: tuple[str, ...] = ()           # the names `evaluate` returns, for the summary table
+    test: Callable[[Engine], dict[str, float]] | None = None  # the final score on held-out data, at the last step only
+    metrics: tuple[str, ...] = ()           # the names `evaluate` and `test` return, for the summary table
 
 
 def language_model_task(cfg: TrainConfig) -> Task:
@@ -57,29 +58,35 @@ def language_model_task(cfg: TrainConfig) -> Task:
 
 
 def digits_task(cfg: TrainConfig) -> Task:
-    """The digits CNN (models/digits.py) on scikit-learn's digits; retrieval mAP/CMC at each evaluation."""
-    from ndtrain.data.digits import load_digits_split
+    """The digits CNN (models/digits.py) on scikit-learn's digits; retrieval mAP/CMC on the validation split at
+    each evaluation, on the test split once at the last step (`test_map`, ...)."""
+    from ndtrain.checkpoint.run_model import build_run_model
+    from ndtrain.data.digits import RetrievalSplit, load_digits_split
     from ndtrain.eval.retrieval import evaluate_retrieval
-    from ndtrain.models.digits import build_digits_model
 
     split = load_digits_split()
 
-    def retrieval(engine: Engine) -> dict[str, float]:
-        engine.model.eval()
-        embed = lambda x: engine.wrapped(x.to(engine.ctx.device, engine.compute_dtype))
-        metrics = evaluate_retrieval(embed, split.query.labeled(), split.gallery.labeled(), engine.ctx, group="dp")
-        return {k: metrics[k] for k in RETRIEVAL_METRICS}
+    def retrieval(held_out: RetrievalSplit, prefix: str) -> Callable[[Engine], dict[str, float]]:
+        def measure(engine: Engine) -> dict[str, float]:
+            engine.model.eval()
+            embed = lambda x: engine.wrapped(x.to(engine.ctx.device, engine.compute_dtype))
+            metrics = evaluate_retrieval(embed, held_out.query.labeled(), held_out.gallery.labeled(), engine.ctx,
+                                         group="dp")
+            return {prefix + k: metrics[k] for k in RETRIEVAL_METRICS}
+        return measure
 
+    sizes = lambda s: f"query {len(s.query)} / gallery {len(s.gallery)}"
     return Task(
         train_set=split.train,
-        val_set=split.test,
-        model_fn=lambda: build_digits_model(cfg.model.dim, cfg.seed),
-        data_description=f"scikit-learn digits (query {len(split.query)} / gallery {len(split.gallery)})",
+        val_set=split.val.joined,
+        model_fn=lambda: build_run_model(cfg.model, cfg.seed),
+        data_description=f"scikit-learn digits (validation {sizes(split.val)}; test {sizes(split.test)}, at the end)",
         items="8×8 images",
         unit="images",
         loss_unit="nats",
-        evaluate=retrieval,
-        metrics=RETRIEVAL_METRICS,
+        evaluate=retrieval(split.val, ""),
+        test=retrieval(split.test, "test_"),
+        metrics=(*RETRIEVAL_METRICS, *(f"test_{k}" for k in RETRIEVAL_METRICS)),
     )
 
 
