@@ -310,7 +310,7 @@ class Trainer:
             "world_size": ctx.world_size, "parameters": self.engine.parameter_count,
             "model_state_bytes_rank0": self.engine.model_state_bytes(),
             "skipped_steps": self.engine.skipped_steps, "peak_lr": cfg.optim.scaled_lr(cfg.schedule.global_batch),
-            "restarts": restarts, "unit": self.task.unit, **task_metrics,
+            "restarts": restarts, "unit": self.task.unit, "loss_unit": self.task.loss_unit, **task_metrics,
         }
         summary.update(self.kind.summary(self.engine))
         if main:
@@ -318,7 +318,8 @@ class Trainer:
                            epoch=stop / self.steps_per_epoch, **environment())
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             self.trackers.finish(summary)
-            plot_loss_curve(metrics.read(), self.run_dir / "loss.png", f"{cfg.model.preset} on {ctx.world_size} ranks")
+            plot_loss_curve(metrics.read(), self.run_dir / "loss.png", f"{cfg.model.preset} on {ctx.world_size} ranks",
+                            self.task.loss_unit, self.task.outputs)
             log.info(self.summary_table(summary))
         return summary
 

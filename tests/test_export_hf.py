@@ -12,9 +12,10 @@ from ndtrain.config import TrainConfig
 from ndtrain.run.config_checks import resolve_config
 from ndtrain.errors import UserError
 from ndtrain.checkpoint.export import export_safetensors
-from ndtrain.checkpoint.export_hf import export_hf, write_tokenizer
+from ndtrain.checkpoint.export_hf import export_hf
 from ndtrain.models.llama_hf import builtin_to_hf
 from ndtrain.checkpoint.run_model import load_run
+from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.checkpoint.init_from import load_init_weights
 from ndtrain.run.inspect import inspect_run
 from ndtrain.dist.mesh import init
@@ -122,8 +123,7 @@ def test_export_writes_the_runs_hf_tokenizer(tmp_path: Path) -> None:
                                                                  unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    assert not write_tokenizer("bytes", tmp_path / "none")
-    assert write_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}", tmp_path / "out")
+    load_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}").save_pretrained(tmp_path / "out")
     loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"), local_files_only=True)
     assert loaded("the lazy fox")["input_ids"] == tokenizer.encode("the lazy fox").ids
 

@@ -5,7 +5,10 @@ every checkpoint holds the full model under its unsharded names (DCP gathers dp,
 pp runs alike), so one path serves every layout; a task's model (digits) is read and written the
 same way (models/build.py builds it). The file holds each parameter under its model name (tied
 weights stored under each name) and, in its metadata, the model config as JSON
-(`model_config`), the step (`step`) and `format: pt`. Written to a temporary file beside OUT
+(`model_config`), the step (`step`), `format: pt` and the run's tokenizer: `tokenizer` its spec
+(`bytes`: ids 0..255 are the UTF-8 bytes; or the `hf:PATH` it read) and, for an HF tokenizer,
+`tokenizer_json` the tokenizer itself (`tokenizers.Tokenizer.from_str` reads it; absent for a
+transformers tokenizer without a `tokenizers` backend). Written to a temporary file beside OUT
 and renamed, so a failed export leaves no partial file. Cost: one model in memory, Ψ·4 bytes
 written for fp32.
 """
@@ -23,6 +26,7 @@ from safetensors.torch import save_file
 
 from ndtrain.checkpoint.manifest import PARTIAL, step_of
 from ndtrain.checkpoint.run_model import load_run
+from ndtrain.data.tokenizer import HFTokenizer, load_tokenizer
 from ndtrain.errors import UserError
 
 
@@ -37,7 +41,7 @@ def export_safetensors(run_dir: Path, out: Path) -> tuple[Path, int]:
     tensors = {name.removeprefix("hf."): value.detach().cpu().contiguous().clone()
                for name, value in model.state_dict().items()}
     metadata = {"format": "pt", "model_config": json.dumps(dataclasses.asdict(cfg.model), sort_keys=True),
-                "step": str(step_of(checkpoint))}
+                "step": str(step_of(checkpoint)), **tokenizer_metadata(cfg.data.tokenizer)}
     tmp = out.with_name(out.name + PARTIAL)
     try:
         save_file(tensors, str(tmp), metadata=metadata)
@@ -48,3 +52,10 @@ def export_safetensors(run_dir: Path, out: Path) -> tuple[Path, int]:
         reason = " ".join(str(e).split())[:160]
         raise UserError(f"cannot write {str(out)!r} ({reason}): give a writable file path") from None
     return checkpoint, len(tensors)
+
+
+def tokenizer_metadata(spec: str) -> dict[str, str]:
+    """The safetensors metadata naming the run's tokenizer `spec`, with an HF tokenizer's own JSON."""
+    tokenizer = load_tokenizer(spec)
+    text = tokenizer.tokenizer_json() if isinstance(tokenizer, HFTokenizer) else None
+    return {"tokenizer": spec, **({"tokenizer_json": text} if text is not None else {})}

@@ -1,8 +1,11 @@
 """`ndtrain export RUN_DIR OUT --format hf`: a run's model as a Hugging Face `save_pretrained` folder.
 
-OUT gets config.json, model.safetensors, generation_config.json (when the model can generate) and,
-when the run tokenized with an HF tokenizer (`data.tokenizer = "hf:PATH"`), its tokenizer files,
-so `AutoModelForCausalLM.from_pretrained(OUT)` (and `AutoTokenizer`) load it with nothing else.
+OUT gets config.json, model.safetensors, generation_config.json (when the model can generate) and the
+tokenizer the run used, so `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer` load it
+with nothing else (data/tokenizer.py, each tokenizer's `save_pretrained`): an HF tokenizer
+(`data.tokenizer = "hf:PATH"`) as transformers saves it; the byte tokenizer as a byte-level BPE that
+maps text to the same ids, ids 0..255 = the UTF-8 bytes (`byte_level_tokenizer`). Training
+`--model hf:OUT` then uses that tokenizer again (`bytes` for the latter).
 
 - An `hf:PATH` run saves its own transformers model (the `CausalLM` wrapper's `hf.` prefix is gone).
 - A built-in Llama run is written as `LlamaForCausalLM`: the same architecture, so the conversion is
@@ -21,23 +24,10 @@ from pathlib import Path
 from ndtrain.checkpoint.manifest import PARTIAL
 from ndtrain.checkpoint.run_model import load_run
 from ndtrain.config.presets import TASK_PRESETS
+from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import UserError
 from ndtrain.models.hf import is_hf_model, require_transformers
 from ndtrain.models.llama_hf import builtin_to_hf
-
-
-def write_tokenizer(spec: str, out: Path) -> bool:
-    """Save the run's tokenizer into `out` when `spec` is `hf:PATH` (tokenizer.json or a tokenizer folder)."""
-    if not spec.startswith("hf:"):
-        return False
-    transformers = require_transformers()
-    path = Path(spec[3:])
-    if path.is_file():
-        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
-    else:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    tokenizer.save_pretrained(str(out))
-    return True
 
 
 def export_hf(run_dir: Path, out: Path) -> tuple[Path, list[str]]:
@@ -53,11 +43,12 @@ def export_hf(run_dir: Path, out: Path) -> tuple[Path, list[str]]:
                         "export it with --format safetensors")
     require_transformers().utils.logging.disable_progress_bar()  # this process only writes the export
     hf_model = model.hf if is_hf_model(cfg.model.preset) else builtin_to_hf(model, cfg.model)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)  # refused here, before OUT.partial, if it is gone
     tmp = out.with_name(out.name + PARTIAL)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf_model.save_pretrained(str(tmp))
-        write_tokenizer(cfg.data.tokenizer, tmp)
+        tokenizer.save_pretrained(tmp)
         tmp.rename(out)
     except OSError as e:
         with contextlib.suppress(OSError):

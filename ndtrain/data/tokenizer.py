@@ -6,13 +6,21 @@
   Nothing is downloaded. Text is encoded without special tokens (no BOS/EOS added); the vocabulary
   size is the largest id + 1, added tokens included. Needs `pip install ndtrain[hf]`.
 
-`identity()` names what the token ids depend on (the spec and a hash of the tokenizer's files), so
-a token file built with one tokenizer is never read with another.
+`identity()` names what the token ids depend on (the spec and a hash of the tokenizer's files; in a
+model folder its weight files are left out), so a token file built with one tokenizer is never read
+with another.
+
+A model folder's own tokenizer (`folder_tokenizer`): the folder has one when it holds a tokenizer
+file AutoTokenizer reads (tokenizer.json, tokenizer_config.json, a vocabulary); when that tokenizer
+is ndtrain's byte tokenizer in HF form (`byte_level_tokenizer`, what `ndtrain export --format hf`
+writes for a byte run: ids 0..255 = the UTF-8 bytes) its spec is `bytes`. `token_unit` names what
+one token is, for the loss's unit (nats per byte or per token).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -22,6 +30,11 @@ import torch
 from ndtrain.errors import UserError
 
 HF_PREFIX = "hf:"
+# files AutoTokenizer reads a tokenizer from; a folder holding one of them has a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+# weight files of a model folder: not part of its tokenizer's identity (and too large to hash at each start)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
 class Tokenizer(Protocol):
@@ -35,6 +48,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str: ...
 
     def identity(self) -> dict[str, str]: ...
+
+    def save_pretrained(self, folder: Path) -> None:
+        """Write the tokenizer into `folder` as transformers' `save_pretrained` does (AutoTokenizer reads it)."""
 
 
 def bytes_to_tensor(data: bytes) -> torch.Tensor:
@@ -72,6 +88,11 @@ class ByteTokenizer:
 
     def identity(self) -> dict[str, str]:
         return {"spec": "bytes"}
+
+    def save_pretrained(self, folder: Path) -> None:
+        """`byte_level_tokenizer` as a transformers fast tokenizer: the same ids for every text."""
+        fast = _transformers_module("saving the byte tokenizer").PreTrainedTokenizerFast
+        fast(tokenizer_object=byte_level_tokenizer()).save_pretrained(os.fspath(folder))
 
 
 class HFTokenizer:
@@ -115,8 +136,23 @@ class HFTokenizer:
             return self._fast.decode(values, skip_special_tokens=False)
         return self._transformers.decode(values, skip_special_tokens=False)
 
+    def save_pretrained(self, folder: Path) -> None:
+        """A transformers tokenizer's own `save_pretrained`; a tokenizer.json wrapped as a fast tokenizer."""
+        tokenizer = self._transformers
+        if tokenizer is None:
+            fast = _transformers_module(f"data.tokenizer={self.spec!r}").PreTrainedTokenizerFast
+            tokenizer = fast(tokenizer_object=self._fast)
+        tokenizer.save_pretrained(os.fspath(folder))
+
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer as `tokenizers`' JSON (what `Tokenizer.from_str` reads); None for a transformers
+        tokenizer without a `tokenizers` backend."""
+        backend = self._fast if self._fast is not None else getattr(self._transformers, "backend_tokenizer", None)
+        return None if backend is None else backend.to_str()
+
     def identity(self) -> dict[str, str]:
-        files = sorted(p for p in self.path.rglob("*") if p.is_file()) if self.path.is_dir() else [self.path]
+        files = sorted(p for p in self.path.rglob("*") if p.is_file() and not _is_weights(p)) \
+            if self.path.is_dir() else [self.path]
         digest = hashlib.sha256()
         for file in files:
             digest.update(file.name.encode() + b"\0" + file.read_bytes())
@@ -137,25 +173,91 @@ def tokenizer_vocab_size(spec: str) -> int:
     return ByteTokenizer.vocab_size if spec == "bytes" else load_tokenizer(spec).vocab_size
 
 
-def _load_tokenizers(path: Path, spec: str) -> Any:
+def token_unit(spec: str) -> str:
+    """What one token of the tokenizer `spec` is: "byte" for the byte tokenizer, else "token"."""
+    return "byte" if spec == "bytes" else "token"
+
+
+def folder_tokenizer(folder: Path) -> str | None:
+    """The `data.tokenizer` spec of a model folder's own tokenizer: None when it holds no tokenizer file,
+    `bytes` when its tokenizer is ndtrain's byte tokenizer (`byte_level_tokenizer`), else `hf:FOLDER`."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return "bytes" if _is_byte_level(folder / "tokenizer.json") else f"{HF_PREFIX}{folder}"
+
+
+def byte_chars() -> list[str]:
+    """The character standing for each byte 0..255 in a byte-level BPE vocabulary (GPT-2's mapping, which
+    `tokenizers`' ByteLevel pre-tokenizer applies): printable Latin-1 bytes stand for themselves, the
+    others for U+0100 onwards in byte order."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def byte_level_tokenizer() -> Any:
+    """ndtrain's byte tokenizer as a `tokenizers.Tokenizer`: a byte-level BPE with no merges whose id of
+    each byte is the byte's value, no prefix space, no normalizer, no special tokens; decoding joins the
+    bytes back (invalid UTF-8 becomes U+FFFD, as `ByteTokenizer.decode`)."""
+    tokenizers = _tokenizers_module("the byte tokenizer in Hugging Face form")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: b for b, c in enumerate(byte_chars())}, merges=[]))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    return tokenizer
+
+
+def _is_byte_level(file: Path) -> bool:
+    """Whether `file` is a tokenizer.json encoding text without special tokens to ndtrain's byte ids: no
+    added tokens nor normalizer, a ByteLevel pre-tokenizer without prefix space or regex split, a BPE of
+    the 256 byte characters at their byte values and no merges (read as JSON, nothing imported)."""
     try:
-        from tokenizers import Tokenizer as FastTokenizer
+        saved = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(saved, dict) or not isinstance(saved.get("pre_tokenizer"), dict) \
+            or not isinstance(saved.get("model"), dict):
+        return False
+    pre, model = saved["pre_tokenizer"], saved["model"]
+    return (not saved.get("added_tokens") and saved.get("normalizer") is None
+            and (pre.get("type"), pre.get("add_prefix_space"), pre.get("use_regex", True))
+            == ("ByteLevel", False, False)
+            and model.get("type") == "BPE" and not model.get("merges")
+            and model.get("vocab") == {c: b for b, c in enumerate(byte_chars())})
+
+
+def _is_weights(file: Path) -> bool:
+    return file.name.endswith(WEIGHT_SUFFIXES)
+
+
+def _tokenizers_module(purpose: str) -> Any:
+    try:
+        import tokenizers
     except ImportError:
-        raise UserError(f"data.tokenizer={spec!r} needs the tokenizers package: pip install ndtrain[hf]") from None
+        raise UserError(f"{purpose} needs the tokenizers package: pip install ndtrain[hf]") from None
+    return tokenizers
+
+
+def _load_tokenizers(path: Path, spec: str) -> Any:
+    tokenizers = _tokenizers_module(f"data.tokenizer={spec!r}")
     try:
-        return FastTokenizer.from_file(os.fspath(path))
+        return tokenizers.Tokenizer.from_file(os.fspath(path))
     except Exception as e:  # tokenizers raises its own Exception type for any bad file
         raise UserError(f"data.tokenizer={spec!r} is not a readable tokenizer.json ({_first_line(e)}): "
                         "give a file saved by tokenizers' Tokenizer.save") from None
 
 
-def _load_transformers(path: Path, spec: str) -> Any:
+def _transformers_module(purpose: str) -> Any:
     try:
-        from transformers import AutoTokenizer
+        import transformers
     except ImportError:
-        raise UserError(f"data.tokenizer={spec!r} needs the transformers package: pip install ndtrain[hf]") from None
+        raise UserError(f"{purpose} needs the transformers package: pip install ndtrain[hf]") from None
+    return transformers
+
+
+def _load_transformers(path: Path, spec: str) -> Any:
+    auto = _transformers_module(f"data.tokenizer={spec!r}").AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+        return auto.from_pretrained(os.fspath(path), local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a bad directory
         raise UserError(f"data.tokenizer={spec!r} is not a readable tokenizer directory ({_first_line(e)}): "
                         "give a directory written by a tokenizer's save_pretrained") from None

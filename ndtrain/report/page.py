@@ -4,8 +4,11 @@ A run directory (it has `metrics.jsonl`, written by the trainer) gives: the summ
 (`summary.json`), plots against step of train and validation loss, throughput, step time, peak
 memory and communication bytes (and learning rate and gradient norm when recorded), the
 pipeline timeline when the run recorded one (`timeline.json`, `log.timeline`), the layout and
-the resolved config (`config.toml`), and the latest value of every metrics field. Records are
-read defensively: a plot is drawn for each field present, whatever else a record holds.
+the resolved config (`config.toml`), and the latest value of every metrics field. The loss is
+plotted in the run's unit: summary.json's `loss_unit`, or while the run goes on (no summary yet)
+the one its config.toml implies (run/tasks.py `loss_unit`: nats/byte for the byte tokenizer,
+nats/token for any other). Records are read defensively: a plot is drawn for each field present,
+whatever else a record holds.
 A folder of `ndtrain bench` JSON results gives the bench page (`report_bench`).
 Missing or corrupt metrics, and any other directory, end in one `UserError` line.
 Default output: DIR/report.html.
@@ -19,18 +22,21 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from ndtrain.config.presets import DEFAULT_PRESET
 from ndtrain.report import html as h
 from ndtrain.errors import UserError
 from ndtrain.report.bench import bench_files, bench_page
 from ndtrain.report.plots import Series, curve, pipeline_timeline
+from ndtrain.run.tasks import loss_unit
 from ndtrain.run.timeline import FILE_NAME as TIMELINE_FILE, read_timeline
 
 METRICS_FILE = "metrics.jsonl"
 _MIB = 2**20
 
-# Plot name → (title, y label, [(metrics field, series label)], scale applied to the values, log y axis).
+# Plot name → (title, y label, [(metrics field, series label)], scale applied to the values, log y axis);
+# the loss's y label is the run's unit (`run_loss_unit`).
 RUN_PLOTS: dict[str, tuple[str, str, list[tuple[str, str]], float, bool]] = {
-    "loss": ("Loss", "nats/byte", [("loss", "train"), ("val_loss", "validation")], 1.0, False),
+    "loss": ("Loss", "loss", [("loss", "train"), ("val_loss", "validation")], 1.0, False),
     "throughput": ("Throughput", "tokens/s", [("tokens_per_s", "tokens/s")], 1.0, False),
     "step_time": ("Step time", "seconds", [("step_time_s", "step time")], 1.0, False),
     "memory": ("Peak memory (rank 0)", "MiB", [("peak_memory_bytes", "peak")], 1 / _MIB, False),
@@ -99,7 +105,7 @@ def run_page(run_dir: Path) -> str:
     sections = [
         h.section("Summary", h.table([[k, h.fmt(k, v)] for k, v in summary.items()]) if isinstance(summary, dict)
                   else h.note(summary)),
-        h.section("Training curves", *_curves(records)),
+        h.section("Training curves", *_curves(records, run_loss_unit(summary, config))),
     ]
     if (run_dir / TIMELINE_FILE).exists():
         sections.append(h.section("Pipeline timeline", _timeline(run_dir / TIMELINE_FILE)))
@@ -112,9 +118,20 @@ def run_page(run_dir: Path) -> str:
     return h.page(f"ndtrain run report: {run_dir.resolve().name}", subtitle, sections)
 
 
-def _curves(records: list[dict[str, Any]]) -> list[str]:
+def run_loss_unit(summary: dict[str, Any] | str, config: dict[str, Any] | None) -> str:
+    """The unit of the run's loss: summary.json's, else the one config.toml implies; 'unknown unit' without either."""
+    if isinstance(summary, dict) and isinstance(summary.get("loss_unit"), str):
+        return summary["loss_unit"]
+    if config is None:
+        return "unknown unit"
+    model, data = (table if isinstance(table := config.get(name), dict) else {} for name in ("model", "data"))
+    return loss_unit(str(model.get("preset", DEFAULT_PRESET)), str(data.get("tokenizer", "bytes")))
+
+
+def _curves(records: list[dict[str, Any]], unit: str) -> list[str]:
     figures, missing = [], []
     for name, (title, ylabel, fields, scale, log_y) in RUN_PLOTS.items():
+        ylabel = unit if name == "loss" else ylabel
         series = []
         for key, label in fields:
             points = [(r["step"], r[key] * scale) for r in records if _number(r.get(key))]
@@ -122,7 +139,8 @@ def _curves(records: list[dict[str, Any]]) -> list[str]:
                 series.append(Series(label, *map(list, zip(*points)), markers=key == "val_loss" or len(points) < 3))
         if series:
             positive = all(v > 0 for s in series for v in s.values)
-            figures.append(h.image(name, curve(series, title, ylabel, log_y and positive), title))
+            caption = f"loss in {unit}" if name == "loss" else ""
+            figures.append(h.image(name, curve(series, title, ylabel, log_y and positive), title, caption))
         elif name in REQUIRED_PLOTS:
             missing.append(f"{title} ({', '.join(k for k, _ in fields)})")
     parts = [h.plots(*figures)]

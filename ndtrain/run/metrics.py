@@ -6,6 +6,8 @@ time, comm bytes/step, peak memory) or evaluation (val loss), each stamped with 
 `epoch` (fractional: steps done / steps per epoch). On resume, records after the resumed step are
 dropped so the file describes exactly one history, and the clock continues from the last kept
 record. Each written record is also handed to the sinks (the experiment trackers, run/trackers.py).
+`loss.png` plots the losses in the task's unit (nats/byte for the byte tokenizer, nats/token for any
+other: run/tasks.py `loss_unit`).
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ class MetricsLog:
             sink(record)
 
 
-def plot_loss_curve(records: list[dict[str, Any]], png: Path, title: str) -> None:
-    """Train and validation loss against step, written as a PNG."""
+def plot_loss_curve(records: list[dict[str, Any]], png: Path, title: str, loss_unit: str, outputs: int = 0) -> None:
+    """Train and validation loss (in `loss_unit`, e.g. nats/token) against step, written as a PNG; with
+    `outputs` > 0, a dotted line at ln(outputs), the loss of a uniform guess among that many values."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,15 +62,21 @@ def plot_loss_curve(records: list[dict[str, Any]], png: Path, title: str) -> Non
         ax.plot(*zip(*train), label="train loss", linewidth=1)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", markersize=3)
-    ax.axhline(math.log(256), color="grey", linestyle=":", linewidth=1, label="ln 256 (uniform bytes)")
+    if outputs > 0:
+        ax.axhline(math.log(outputs), color="grey", linestyle=":", linewidth=1, label=uniform_label(loss_unit, outputs))
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
+    ax.set_ylabel(f"loss ({loss_unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
+
+
+def uniform_label(loss_unit: str, outputs: int) -> str:
+    """The legend of the uniform-guess line, e.g. 'ln 200 (uniform over 200 tokens)' for nats/token."""
+    return f"ln {outputs} (uniform over {outputs} {loss_unit.partition('/')[2] or 'value'}s)"
 
 
 def format_table(rows: list[tuple[str, str]], title: str) -> str:
