@@ -146,7 +146,7 @@ def test_progress_lines_count_images(run: Run) -> None:
 def test_inspect_shows_what_applies_to_a_digits_run(run: Run) -> None:
     text = inspect_run(run.path)
     fields = dict(line.split(None, 1) for line in text.split("\ntensors:")[0].splitlines())
-    assert fields["model"] == "digits" and fields["model.dim"] == "64"
+    assert fields["model"] == "digits (cnn)" and fields["model.dim"] == "64"
     assert fields["images"] == f"{STEPS * BATCH:,}"
     assert "seq_len" not in fields and "tokens" not in fields
     assert "  features.0.weight  32×1×3×3" in text

@@ -34,5 +34,7 @@ def build_meta_model(cfg: ModelConfig) -> nn.Module:
 
 
 def model_label(cfg: ModelConfig) -> str:
-    """How messages name the model: the preset, or `hf:PATH (model_type)`."""
+    """How messages name the model: the preset, `digits (its model.digits_net)` or `hf:PATH (model_type)`."""
+    if cfg.preset == "digits":
+        return f"digits ({cfg.digits_net})"
     return f"{cfg.preset} ({hf_model_type(hf_path(cfg.preset))})" if is_hf_model(cfg.preset) else cfg.preset
