@@ -36,7 +36,8 @@ from ndtrain.parallel.data.sync_batchnorm import SyncBatchNorm, convert_sync_bat
 from tests.helpers.counts import counted_since
 from tests.helpers.parity import assert_params_close, max_relative_error
 from tests.helpers.reference import decay_groups, train_reference
-from tests.helpers.runner import Spawns, case_result, init_method, run_each
+from tests.helpers.runner import Spawns, case_result, init_method, run_distributed, run_each
+from tests.helpers.runs import train
 
 DTYPE = torch.float64
 BATCH = 11         # images per micro-batch group: uneven over 2 and 4 ranks
@@ -178,6 +179,35 @@ def _check_counts(counted: dict[str, dict[str, int]], state: dict[str, torch.Ten
     assert sent["calls"] == (STEPS * len({state[k].dtype for k in buffers}) if broadcast else 0)
     assert sent["wire_bytes"] == (STEPS * sum(state[k].numel() * state[k].element_size() for k in buffers)
                                   if broadcast else 0)
+
+
+# ------------------------------------------------------------------------------------ the digits task
+DIGITS_BATCH = 16
+
+
+def _digits_config(out: str, world: int, sync: bool) -> Any:
+    """`--model digits` with `model.digits_net = "bn_cnn"`: 3 steps of 16 images, all of a rank's share in one micro-batch."""
+    return load_config(None, {
+        "model.preset": "digits", "model.digits_net": "bn_cnn", "model.dim": DIM, "log.out": out,
+        "log.progress": "off", "log.eval_every": 0, "schedule.steps": STEPS, "schedule.warmup_steps": 1,
+        "schedule.global_batch": DIGITS_BATCH, "schedule.micro_batch": DIGITS_BATCH // world,
+        "parallel.dp": world, "parallel.sync_batchnorm": sync})
+
+
+def _digits_run(out: str, world: int, sync: bool) -> dict[str, torch.Tensor]:
+    return train(_digits_config(out, world, sync), dtype=DTYPE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_digits_task_run_equals_one_process(world: int, tmp_path: Any) -> None:
+    """The trainer's digits task, its data and schedule, in float64: parameters and running statistics."""
+    one = train(_digits_config(str(tmp_path / "one"), 1, False), dtype=DTYPE)
+    synced = run_distributed(_digits_run, world, str(tmp_path / "synced"), world, True)
+    local = run_distributed(_digits_run, world, str(tmp_path / "local"), world, False)
+    for rank in range(world):
+        assert_params_close(synced[rank], one, TOL, f"digits bn_cnn at {world} ranks, rank {rank}")
+        assert max_relative_error(local[rank], one) > DRIFT
 
 
 # ------------------------------------------------------------------------------------ one process

@@ -165,16 +165,16 @@ class SyncBatchNorm(_BatchNorm):
     def _update_running(self, mean: torch.Tensor, var: torch.Tensor, total: torch.Tensor) -> None:
         """torch's update from the group's statistics: the same on every rank. A group total of one
         element (every other rank empty) has no unbiased variance; its biased one (0) is used."""
-        factor = self.momentum
+        factor: float | torch.Tensor | None = self.momentum
         if self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
+            if self.momentum is None:  # on the device, where torch reads the counter to the host
+                factor = self.num_batches_tracked.double().reciprocal()
         assert factor is not None  # momentum None always tracks batches
         unbiased = var * total / (total - 1).clamp(min=1)
         for running, value in ((self.running_mean, mean), (self.running_var, unbiased)):
             assert running is not None
-            running.mul_(1 - factor).add_(value.to(running.dtype), alpha=factor)
+            running.mul_(1 - factor).add_(value.to(running.dtype) * factor)
 
 
 def convert_sync_batchnorm(module: nn.Module, comm: Communicator, group: Group) -> nn.Module:
