@@ -19,6 +19,17 @@ transformers = pytest.importorskip("transformers")
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text", "gpt_neox",
             "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+# Beyond the named 14: every other causal-LM family of transformers 5.24 whose config declares both
+# base_model_tp_plan and base_model_pp_plan and that builds and runs from the generic tiny config
+# below (found by enumerating transformers' causal-LM mapping; families needing other sizes are left out).
+SWEEP = ("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "beam", "cohere", "cohere2",
+         "cohere2_moe", "cwm", "deepseek_v4", "doge", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4",
+         "exaone_moe", "flex_olmo", "flint", "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe",
+         "gpt_oss", "granite", "granite_swa", "helium", "hrm_text", "hy_v3", "hy_v4", "hyperclovax",
+         "inkling_text", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "lara_mini", "mellum",
+         "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "olmo",
+         "olmo3", "olmo_hybrid", "phi", "phi4_multimodal", "sarvam_moe", "seed_oss", "smollm3", "solar_open",
+         "starcoder2", "vaultgemma")
 VOCAB = 256
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0)
@@ -41,10 +52,15 @@ _SPECIFIC: dict[str, dict[str, Any]] = {
 
 
 def zoo_config(family: str, layers: int = 2, **changes: Any) -> Any:
-    """The family's tiny config with `layers` decoder layers (and any other `changes`)."""
+    """The family's tiny config with `layers` decoder layers (and any other `changes`); a family with no
+    specific entry gets the common sizes, with 16-wide heads where its config takes a head_dim."""
     kwargs = dict(_SPECIFIC.get(family, _COMMON))
     kwargs["n_layer" if family == "gpt2" else "num_hidden_layers"] = layers
-    config = transformers.AutoConfig.for_model(family, **{**kwargs, **changes})
+    try:
+        config = transformers.AutoConfig.for_model(family, **{**kwargs, "head_dim": 16, **changes}) \
+            if family not in _SPECIFIC else transformers.AutoConfig.for_model(family, **{**kwargs, **changes})
+    except (AttributeError, TypeError, ValueError):
+        config = transformers.AutoConfig.for_model(family, **{**kwargs, **changes})
     if getattr(config, "layer_types", None) is not None and len(config.layer_types) != layers:
         config.layer_types = config.layer_types[:layers]
     return config
@@ -56,6 +72,6 @@ def zoo_model(family: str, layers: int = 2, dtype: torch.dtype = torch.float64, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         hf = transformers.AutoModelForCausalLM.from_config(config)
-    if dtype == torch.float64 and hasattr(hf, "set_experts_implementation") and "num_experts_per_tok" in config:
+    if dtype == torch.float64 and getattr(config, "_experts_implementation", None) not in (None, "eager"):
         hf.set_experts_implementation("eager")  # grouped_mm takes no float64
     return CausalLM(hf).to(dtype)
