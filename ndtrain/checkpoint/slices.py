@@ -11,7 +11,8 @@ parameters when replicated, this rank's share of each flat bucket or unit under 
 never looks at its type or fields, only at the parameters' placements.
 
 `boxes` turns a run into at most 2·ndim − 1 rectangular pieces of the global tensor (global
-offsets, sizes, and a view of any owner-shaped tensor), cutting tp padding away. `Run.writes`
+offsets, sizes, and a view of any owner-shaped tensor), cutting tp padding away; a packed tp dim
+(`Shard.blocks`) cuts each piece once more per block it crosses. `Run.writes`
 says whether this rank offers the run for writing: not the pipeline's duplicate of a tied weight,
 not a tp-replicated parameter on tp ranks other than 0 (their flat layouts may differ); replicas
 over dp/cp (zero 0, unsharded fp32 masters) all offer identical boxes and DCP's deduplication
@@ -56,13 +57,14 @@ class Box:
     sizes: tuple[int, ...]
     flat_start: int                 # in the owner's flattened elements
     local_sizes: tuple[int, ...]    # the box in tp-local coordinates (before cutting padding)
-    keep: tuple[int, int] | None    # (dim, length) to narrow to: the real part of a padded tp dim
+    keep: tuple[int, int, int] | None  # (dim, start, length) to narrow to: the real part of a padded tp dim,
+    #                                    or the part of the box in one block of a packed tp dim (Shard.blocks)
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         """This box of `tensor` (shaped like the run's owner), as a view."""
         flat = tensor.reshape(-1)[self.flat_start : self.flat_start + math.prod(self.local_sizes)]
         out = flat.view(self.local_sizes)
-        return out if self.keep is None else out.narrow(self.keep[0], 0, self.keep[1])
+        return out if self.keep is None else out.narrow(*self.keep)
 
 
 def flat_boxes(start: int, end: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -96,16 +98,30 @@ def boxes(run: Run) -> list[Box]:
     out = []
     for offsets, sizes in flat_boxes(run.start, run.end, run.local_shape):
         flat_start = run.at + sum(o * s for o, s in zip(offsets, strides)) - run.start
-        global_offsets, global_sizes, keep = list(offsets), list(sizes), None
-        if run.tp is not None:
-            d, real = run.tp.dim, run.shape[run.tp.dim]
-            global_offsets[d] += run.tp.start
-            length = min(global_offsets[d] + sizes[d], real) - global_offsets[d]
-            if length <= 0:
-                continue
-            if length < sizes[d]:
-                global_sizes[d], keep = length, (d, length)
-        out.append(Box(tuple(global_offsets), tuple(global_sizes), flat_start, tuple(sizes), keep))
+        if run.tp is None:
+            out.append(Box(tuple(offsets), tuple(sizes), flat_start, tuple(sizes), None))
+        else:
+            out += _tp_boxes(run.tp, run.shape[run.tp.dim], offsets, sizes, flat_start)
+    return out
+
+
+def _tp_boxes(tp: Shard, real: int, offsets: tuple[int, ...], sizes: tuple[int, ...], flat_start: int) -> list[Box]:
+    """A local box of a tp shard placed in the global tensor: cut where it crosses a block of a packed
+    dim (`Shard.blocks`: each block's part lies elsewhere), narrowed to the real part of a padded dim."""
+    d, per_block, block_size = tp.dim, tp.length // tp.blocks, tp.full // tp.blocks
+    out = []
+    lo, end = offsets[d], offsets[d] + sizes[d]
+    while lo < end:
+        block, within = divmod(lo, per_block)
+        hi = min(end, (block + 1) * per_block)
+        at = block * block_size + tp.start + within  # the global index of local index lo
+        length = min(at + hi - lo, real) - at
+        if length > 0:
+            global_offsets, global_sizes = list(offsets), list(sizes)
+            global_offsets[d], global_sizes[d] = at, length
+            keep = None if length == sizes[d] else (d, lo - offsets[d], length)
+            out.append(Box(tuple(global_offsets), tuple(global_sizes), flat_start, tuple(sizes), keep))
+        lo = hi
     return out
 
 

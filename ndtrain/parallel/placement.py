@@ -38,12 +38,15 @@ class PlacementError(RuntimeError):
 @dataclass(frozen=True)
 class Shard:
     """Where a tp-sharded parameter sits in the full one: `length` indices from `start` along `dim`
-    of a full tensor of `full` indices (padding beyond the real size included)."""
+    of a full tensor of `full` indices (padding beyond the real size included). With `blocks` > 1
+    the dim is that many equal blocks of full/blocks indices (a packed gate|up or fused q|k|v
+    projection) and this rank holds [start, start + length/blocks) of each, in block order."""
 
     dim: int
     start: int
     length: int
     full: int
+    blocks: int = 1
 
 
 @dataclass(frozen=True)
