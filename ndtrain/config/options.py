@@ -34,7 +34,8 @@ ZeroStage = Literal[0, 1, 2, 3]
 PsMode = Literal["sync", "async", "ssp"]
 ProgressMode = Literal["auto", "bar", "lines", "off"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet", "disk", "csv", "json", "arrow"]
-TpStyle = Literal["colwise", "rowwise", "vocab", "replicate"]
+TpStyle = Literal["colwise", "rowwise", "vocab", "replicate", "colwise_gather_output", "rowwise_split_input",
+                  "qkv_colwise", "packed_colwise", "moe_tp_experts", "replicate_grad_sum"]
 LrScaling = Literal["none", "linear", "sqrt"]  # optim.lr relative to optim.reference_batch
 DigitsNet = Literal["cnn", "bn_cnn"]  # the digits task's model: models/digits.py, models/digits_cnn.py
 

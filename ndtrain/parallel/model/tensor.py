@@ -2,10 +2,19 @@
 
 What is split, over the n ranks of `ctx.group("tp")` (activations batch-first, [B, T, ...]):
 - `ColumnParallelLinear`: the weight's output features (rows of W [out, in]); rank r computes
-  out/n output features from the whole input. Optional `gather_output` concatenates them.
+  out/n output features from the whole input. With `blocks` > 1 the output is that many packed
+  projections (GPT-2's fused q|k|v): rank r takes its 1/n of each block, never a split across one.
+  Optional `gather_output` concatenates every rank's features back to the whole output
+  (`colwise_gather_output`: the module after it sees the whole tensor, e.g. OLMo2's q_norm over all
+  heads): one all-gather of b·s·out forward ((n−1)/n of it on the wire per rank), a slice backward.
 - `RowParallelLinear`: the weight's input features (columns of W); rank r holds in/n input
   features (the column-parallel output) and produces a partial sum of the whole output, which is
-  all-reduced (or, with sequence parallelism, reduce-scattered onto sequence shards).
+  all-reduced (or, with sequence parallelism, reduce-scattered onto sequence shards). Optional
+  `split_input` (`rowwise_split_input`) takes the whole input (a gathered column output, replicated
+  work in between) and keeps this rank's slice: free forward, one all-gather of the input
+  gradient b·s·in backward, on top of rowwise's cost.
+Both also take a transposed linear (transformers' `Conv1D`: weight [in, out], y = x W + b), split
+along the same features (`linear_parts`).
 - `ReplicatedHeadsLinear`: grouped-query attention when n does not divide the kv heads: the whole
   k/v weight on every rank, each rank projecting only the heads its query heads read.
 
@@ -16,6 +25,7 @@ The conjugate communication operators, as autograd functions (named after Megatr
     ḡ* = `ScatterSequence`       forward reduce-scatter of dim 1,  backward all-gather
          `SplitSequence`       forward this rank's slice of dim 1, backward all-gather
          `GatherLastDim`         forward all-gather of dim −1,     backward slice
+         `SplitLastDim`          forward this rank's slice of dim −1, backward all-gather
 A column-parallel projection is preceded by f (or ḡ with sequence parallelism, which makes the
 residual stream between blocks [B, T/n, d] per rank); a row-parallel one is followed by g (or
 ḡ*). Projections that share one input (q, k, v; w1, w3) share one f / ḡ: `InputOp` is installed as
@@ -126,28 +136,49 @@ class ScatterSequence(torch.autograd.Function):
         return _gather_seq(grad, ctx.comm, ctx.group), None, None
 
 
+def _gather_last(x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+    shard = x.movedim(-1, 0).contiguous()
+    full = shard.new_empty((group.size * shard.shape[0], *shard.shape[1:]))
+    comm.all_gather(full, shard, group)
+    return full.movedim(0, -1)
+
+
 class GatherLastDim(torch.autograd.Function):
     """Concatenate every rank's last-dim slice forward; keep this rank's slice of the gradient backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
         ctx.rank, ctx.width = group.rank, x.shape[-1]
-        shard = x.movedim(-1, 0).contiguous()
-        full = shard.new_empty((group.size * shard.shape[0], *shard.shape[1:]))
-        comm.all_gather(full, shard, group)
-        return full.movedim(0, -1)
+        return _gather_last(x, comm, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None, None
 
 
+class SplitLastDim(torch.autograd.Function):
+    """Keep this rank's slice of the last dim of a tensor every rank holds whole; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        width = x.shape[-1] // group.size
+        return x.narrow(-1, group.rank * width, width).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather_last(grad, ctx.comm, ctx.group), None, None
+
+
 def gather_shard(value: torch.Tensor, shard: Shard, real: int, comm: Communicator, group: Group) -> torch.Tensor:
-    """The whole tensor from every tp rank's slice `value` of it (`shard`: where the slice sits),
-    padding beyond the `real` size along the split dim cut away (collective over `group`)."""
+    """The whole tensor from every tp rank's slice `value` of it (`shard`: where the slice sits, its
+    blocks put back in order), padding beyond the `real` size along the split dim cut away (collective
+    over `group`)."""
     moved = value.movedim(shard.dim, -1).contiguous()
-    full = GatherLastDim.apply(moved, comm, group).movedim(-1, shard.dim)
-    return full.narrow(shard.dim, 0, real).clone()
+    full = GatherLastDim.apply(moved, comm, group)  # [..., rank, (block,) index]
+    if shard.blocks > 1:
+        full = full.unflatten(-1, (group.size, shard.blocks, -1)).transpose(-3, -2).flatten(-3)
+    return full.movedim(-1, shard.dim).narrow(shard.dim, 0, real).clone()
 
 
 def to_parallel(x: torch.Tensor, comm: Communicator, group: Group, sequence_parallel: bool) -> torch.Tensor:
@@ -216,72 +247,103 @@ def sum_gradient_over(param: nn.Parameter, comm: Communicator, group: Group) -> 
 
 
 # --------------------------------------------------------------------------- parallel layers
-def _slice(t: torch.Tensor, dim: int, rank: int, parts: int, padded: int) -> tuple[torch.Tensor, Shard]:
-    """Rank `rank`'s part of `t` split in `parts` along `dim`, zero-padded to `padded` first."""
+def _slice(
+    t: torch.Tensor, dim: int, rank: int, parts: int, padded: int, blocks: int = 1,
+) -> tuple[torch.Tensor, Shard]:
+    """Rank `rank`'s part of `t` split in `parts` along `dim`, zero-padded to `padded` first; with
+    `blocks` > 1 (no padding), its part of each of that many equal blocks of `dim`, concatenated."""
     size = t.shape[dim]
     if padded > size:
         pad = t.new_zeros((*t.shape[:dim], padded - size, *t.shape[dim + 1 :]))
         t = torch.cat([t, pad], dim=dim)
-    length = padded // parts
-    return t.detach().narrow(dim, rank * length, length).clone(), Shard(dim, rank * length, length, padded)
+    length = padded // (parts * blocks)
+    pieces = [t.detach().narrow(dim, b * padded // blocks + rank * length, length) for b in range(blocks)]
+    return torch.cat(pieces, dim=dim).clone(), Shard(dim, rank * length, length * blocks, padded, blocks)
+
+
+def linear_parts(module: nn.Module) -> tuple[bool, int, int] | None:
+    """(transposed, in features, out features) of an `nn.Linear` (weight [out, in]) or of a transposed
+    linear, transformers' `Conv1D` (GPT-2: weight [nx, nf], y = x W + b); None for any other module."""
+    if type(module) is nn.Linear:
+        return False, module.in_features, module.out_features
+    nx, nf, weight = getattr(module, "nx", None), getattr(module, "nf", None), getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (nx, nf):
+        return True, int(nx), int(nf)  # type: ignore[arg-type]
+    return None
+
+
+def _parts(module: nn.Module) -> tuple[bool, int, int]:
+    parts = linear_parts(module)
+    if parts is None:
+        raise UserError(f"tensor parallel splits nn.Linear or Conv1D modules, not a {type(module).__name__}")
+    return parts
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x Wᵣᵀ (+ bᵣ): this rank's out/n output features. `out_padded` ≥ out pads W with zero rows
-    (a vocabulary padded to a multiple of n); `communicate_input=False` when the parent block
-    applies the input operator (`InputOp`) once for several projections."""
+    """y = x Wᵣᵀ (+ bᵣ): this rank's out/n output features (of each of `blocks` packed projections).
+    `out_padded` ≥ out pads W with zero rows (a vocabulary padded to a multiple of n);
+    `communicate_input=False` when the parent block applies the input operator (`InputOp`) once
+    for several projections; `gather_output` returns the whole output on every rank."""
 
     def __init__(
-        self, linear: nn.Linear, comm: Communicator, group: Group, *, sequence_parallel: bool = False,
-        gather_output: bool = False, communicate_input: bool = True, out_padded: int | None = None,
+        self, linear: nn.Module, comm: Communicator, group: Group, *, sequence_parallel: bool = False,
+        gather_output: bool = False, communicate_input: bool = True, out_padded: int | None = None, blocks: int = 1,
     ) -> None:
         super().__init__()
+        if gather_output and blocks > 1:
+            raise UserError("tensor parallel: a packed projection's output cannot be gathered in order")
         self.comm, self.group = comm, group
         self.sequence_parallel, self.gather_output, self.communicate_input = (
             sequence_parallel, gather_output, communicate_input)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.out_padded = out_padded or linear.out_features
-        weight, shard = _slice(linear.weight, 0, group.rank, group.size, self.out_padded)
+        self.transposed, self.in_features, self.out_features = _parts(linear)
+        self.out_padded = out_padded or self.out_features
+        weight, shard = _slice(linear.weight, int(self.transposed), group.rank, group.size, self.out_padded, blocks)
         self.weight = carry_placement(nn.Parameter(weight), linear.weight, tp=shard)
         self.bias = None
         if linear.bias is not None:
-            bias, bias_shard = _slice(linear.bias, 0, group.rank, group.size, self.out_padded)
+            bias, bias_shard = _slice(linear.bias, 0, group.rank, group.size, self.out_padded, blocks)
             self.bias = carry_placement(nn.Parameter(bias), linear.bias, tp=bias_shard)
         self.out_start = shard.start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.communicate_input:
             x = to_parallel(x, self.comm, self.group, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
         if self.gather_output:
             y = GatherLastDim.apply(y, self.comm, self.group)[..., : self.out_features]
         return y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (padded {self.out_padded}) / tp={self.group.size}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}")
 
 
 class RowParallelLinear(nn.Module):
-    """y = g(x_r W_rᵀ) (+ b): x_r is this rank's in/n input features (a column-parallel output); the
-    partial products are all-reduced, or reduce-scattered onto sequence shards. A bias is whole
-    on every rank and added after the reduction."""
+    """y = g(x_r W_rᵀ) (+ b): x_r is this rank's in/n input features (a column-parallel output, or
+    with `split_input` this rank's slice of the whole input); the partial products are all-reduced,
+    or reduce-scattered onto sequence shards. A bias is whole on every rank and added after the reduction."""
 
-    def __init__(self, linear: nn.Linear, comm: Communicator, group: Group, *, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, linear: nn.Module, comm: Communicator, group: Group, *, sequence_parallel: bool = False,
+        split_input: bool = False,
+    ) -> None:
         super().__init__()
-        self.comm, self.group, self.sequence_parallel = comm, group, sequence_parallel
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, shard = _slice(linear.weight, 1, group.rank, group.size, linear.in_features)
+        self.comm, self.group, self.sequence_parallel, self.split_input = comm, group, sequence_parallel, split_input
+        self.transposed, self.in_features, self.out_features = _parts(linear)
+        weight, shard = _slice(linear.weight, int(not self.transposed), group.rank, group.size, self.in_features)
         self.weight = carry_placement(nn.Parameter(weight), linear.weight, tp=shard)
         self.bias = None if linear.bias is None else carry_placement(nn.Parameter(linear.bias.detach().clone()), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = from_parallel(F.linear(x, self.weight), self.comm, self.group, self.sequence_parallel)
+        if self.split_input:
+            x = SplitLastDim.apply(x, self.comm, self.group)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
+        y = from_parallel(y, self.comm, self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} / tp={self.group.size}, out={self.out_features}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, split_input={self.split_input}")
 
 
 class ReplicatedHeadsLinear(nn.Module):

@@ -1,32 +1,40 @@
 """The tensor-parallel plan: which module of a model is split how, validated, then applied in place.
 
 A plan maps module-name patterns (fnmatch, as `parallel.fsdp_wrap`: `layers.*.attention.wq`) to a
-style:
-- `colwise` (an `nn.Linear`): split by output features → `ColumnParallelLinear`. Its input is
-  communicated (f, or the sequence all-gather) once by a forward pre-hook on its parent block,
-  shared with its colwise siblings: the parent must be a submodule passing its first input only
-  to them (Megatron's attention and MLP blocks).
-- `rowwise` (an `nn.Linear`): split by input features → `RowParallelLinear` (all-reduce or
-  reduce-scatter of the output). It must consume a colwise output.
+style (tp_styles.py says what each does, tensor.py / vocab.py / moe.py what each communicates):
+- `colwise` (an `nn.Linear` or `Conv1D`): split by output features → `ColumnParallelLinear`. Its
+  input is communicated (f, or the sequence all-gather) once by a forward pre-hook on its parent
+  block, shared with its column siblings: the parent must be a submodule passing its first input
+  only to them (Megatron's attention and MLP blocks). Likewise `qkv_colwise` (fused q|k|v, split
+  per third), `packed_colwise` (packed gate|up, split per half) and `colwise_gather_output` (the
+  whole output gathered back on every rank).
+- `rowwise`: split by input features → `RowParallelLinear` (all-reduce or reduce-scatter of the
+  output). It must consume a column-split output; `rowwise_split_input` takes a whole one.
 - `vocab`: an `nn.Embedding` → `VocabParallelEmbedding`; an `nn.Linear` (an output head) → a
   `ColumnParallelLinear` over the vocabulary padded to a multiple of tp, communicating its own
   input; the loss must then be `vocab_parallel_cross_entropy`.
+- `moe_tp_experts` (an experts module) with `packed_colwise` / `rowwise` naming its 3-D expert
+  parameters: a pattern that matches no module may match parameters.
+- `replicate_grad_sum`: kept whole, its gradient summed over tp by a hook (per-head norms).
 - `replicate`: kept whole on every rank (norms), as is every module no pattern names.
 With sequence parallelism the residual stream between blocks is a sequence shard [B, T/n, d]
-(the vocab embedding reduce-scatters, rowwise layers reduce-scatter), so every replicated
-parameter sees only its rank's tokens: its gradient is summed over tp by a hook.
+(the vocab embedding reduce-scatters, row layers reduce-scatter), so every replicated parameter
+that sees it sees only its rank's tokens: its gradient is summed over tp by a hook. Replicated
+parameters inside a block whose input is gathered (between a column layer's parent and the row
+layer's reduce-scatter: OLMo2's q_norm over the gathered q) see every token and get none.
 
 `parallelize(model, ctx, plan)` slices the weights of the *full* model (so a tp run starts from
 exactly the unsharded weights). What is specific to a model comes from its spec
 (`parallel.model_spec.parallel_spec`; no model is imported here): its shipped plan (plan=None;
 the built-in Llama's in models/llama_parallel.py, a Hugging Face family's in models/hf_parallel.py),
-its attention `Heads` (query heads split over tp, n must divide them; kv heads split when n divides
-them and otherwise replicated, `ReplicatedHeadsLinear`, when they divide n), where sequence
-parallelism cuts the sequence when the embedding cannot (`SequenceCut`: the first decoder layer's
-input is cut to this rank's shard by `SplitSequence`, all-gather of the gradient backward), and the
-seams it refits after the split (`fit_tensor_parallel`: the vocab-parallel loss, logits gathered
-to the full vocabulary when called without targets). A tied embedding and head keep sharing one
-shard. No collective is issued by `parallelize`.
+its attention `Heads` (used when the plan splits an attention's projections per head: query heads
+split over tp, n must divide them; kv heads split when n divides them and otherwise replicated,
+`ReplicatedHeadsLinear`, when they divide n), where sequence parallelism cuts the sequence when the
+embedding cannot (`SequenceCut`: the first decoder layer's input is cut to this rank's shard by
+`SplitSequence`, all-gather of the gradient backward), and the seams it refits after the split
+(`fit_tensor_parallel`: the vocab-parallel loss, logits gathered to the full vocabulary when called
+without targets, local head counts). A tied embedding and head keep sharing one shard. No
+collective is issued by `parallelize`. Every refusal is one line starting `--tp N:`.
 """
 
 from __future__ import annotations
@@ -38,62 +46,66 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.parallel.model_spec import Heads, parallel_spec
+from ndtrain.parallel.model_spec import Heads, SequenceCut, parallel_spec
 from ndtrain.config.options import TP_STYLES as STYLES
 from ndtrain.parallel.placement import is_tensor_parallel
+from ndtrain.parallel.model.moe import parallelize_experts, split_expert_parameter
 from ndtrain.parallel.model.tensor import (
-    ColumnParallelLinear, InputOp, ReplicatedHeadsLinear, RowParallelLinear, SplitSequence,
-    sum_gradient_over,
+    InputOp, ReplicatedHeadsLinear, RowParallelLinear, SplitSequence, sum_gradient_over,
 )
-from ndtrain.parallel.model.vocab import VocabParallelEmbedding, padded_vocab
+from ndtrain.parallel.model.tp_styles import (
+    COLUMN_BLOCKS, HEAD_STYLES, check_experts_complete, check_module, check_parameter, column_or_row, vocab_parallel,
+)
 
 __all__ = ["STYLES", "default_plan", "is_tensor_parallel", "parallelize", "resolve_plan"]
 
 
 def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp: int) -> dict[str, str]:
-    """Module name → style for every module the plan names, checked against the model and `tp`."""
+    """Module (or expert parameter) name → style for everything the plan names, checked against the
+    model and `tp`. A pattern names modules; one matching no module may name parameters."""
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     styles: dict[str, str] = {}
     for pattern, style in plan.items():
         if style not in STYLES:
-            raise UserError(f"tp plan {pattern!r}: unknown style {style!r}, choose one of {', '.join(STYLES)}")
-        matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+            raise UserError(f"--tp {tp}: tp plan {pattern!r}: unknown style {style!r}, choose one of {', '.join(STYLES)}")
+        matched = ([name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+                   or [name for name in params if fnmatch.fnmatchcase(name, pattern)])
         if not matched:
-            raise UserError(
-                f"tp plan pattern {pattern!r} matches no module of {type(model).__name__}: fix or remove it")
+            raise UserError(f"--tp {tp}: tp plan pattern {pattern!r} matches no module (or parameter) of "
+                            f"{type(model).__name__}: fix or remove it")
         for name in matched:
             if styles.get(name, style) != style:
-                raise UserError(f"tp plan gives module {name!r} two styles, {styles[name]} and {style}: keep one")
+                raise UserError(f"--tp {tp}: tp plan gives {name!r} two styles, {styles[name]} and {style}: keep one")
             styles[name] = style
     for name, style in styles.items():
-        _check_module(name, modules[name], style, tp)
+        if name in modules:
+            check_module(name, modules[name], style, tp)
+            if style == "moe_tp_experts":
+                check_experts_complete(name, modules[name], styles, tp)
+        else:
+            check_parameter(name, params[name], style, styles.get(name.rpartition(".")[0]), tp)
     return styles
-
-
-def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
-    kind = type(module).__name__
-    if style in ("colwise", "rowwise") and type(module) is not nn.Linear:
-        raise UserError(f"tp plan: module {name!r} is a {kind}, but {style} applies to nn.Linear only")
-    if style == "vocab" and type(module) not in (nn.Linear, nn.Embedding):
-        raise UserError(f"tp plan: module {name!r} is a {kind}, but vocab applies to nn.Embedding or nn.Linear only")
-    for split, features, what in (("colwise", "out_features", "output"), ("rowwise", "in_features", "input")):
-        size = getattr(module, features, 0)
-        if style == split and size % tp:
-            raise UserError(
-                f"tp plan: {name!r} has {size} {what} features, not divisible by tp={tp}: change tp or the model")
-    if style == "colwise" and "." not in name:
-        raise UserError(
-            f"tp plan: colwise {name!r} needs a parent block to communicate its input: nest it in a submodule")
 
 
 def _check_heads(heads: Heads, tp: int) -> None:
     q_key, kv_key = heads.keys
     if heads.n_heads % tp:
-        raise UserError(f"{q_key}={heads.n_heads} is not divisible by tp={tp}: attention is split by heads")
+        raise UserError(f"--tp {tp}: {q_key}={heads.n_heads} is not divisible by tp={tp}: attention is split by heads")
     if heads.n_kv_heads % tp and tp % heads.n_kv_heads:
         raise UserError(
-            f"{kv_key}={heads.n_kv_heads} neither divides nor is divisible by tp={tp}: "
+            f"--tp {tp}: {kv_key}={heads.n_kv_heads} neither divides nor is divisible by tp={tp}: "
             "choose tp a multiple or a divisor of the kv heads")
+
+
+def _split_heads(heads: Heads | None, styles: dict[str, str], modules: dict[str, nn.Module]) -> Heads | None:
+    """`heads` when the plan splits some attention's projections per head, else None (nothing to count)."""
+    if heads is None:
+        return None
+    split = any(style in HEAD_STYLES and name in modules and isinstance(modules[name.rpartition(".")[0]],
+                                                                         heads.attention_type)
+                for name, style in styles.items())
+    return heads if split else None
 
 
 def _kv_rows(heads: Heads, tp: int, rank: int) -> tuple[int, int] | None:
@@ -126,42 +138,49 @@ def parallelize(
     if spec is not None:
         spec.check_tensor_parallel()
     styles = resolve_plan(model, default_plan(model) if plan is None else plan, group.size)
-    heads = spec.heads() if spec is not None else None
+    modules = dict(model.named_modules())
+    heads = _split_heads(spec.heads() if spec is not None else None, styles, modules)
     if heads is not None:
         _check_heads(heads, group.size)
-    modules = dict(model.named_modules())
     cut = spec.sequence_cut() if sequence_parallel and spec is not None else None  # None: the embedding cuts
     if sequence_parallel and cut is None and not any(
-        style == "vocab" and isinstance(modules[name], nn.Embedding) for name, style in styles.items()
+        style == "vocab" and isinstance(modules.get(name), nn.Embedding) for name, style in styles.items()
     ):
-        raise UserError("sequence_parallel needs a vocab-parallel embedding to split the sequence: add one to the plan")
+        raise UserError(f"--tp {group.size}: sequence_parallel needs a vocab-parallel embedding to split the "
+                        "sequence: add one to the plan")
     shared: dict[int, nn.Parameter] = {}  # id of a full parameter → its shard, so tied weights stay tied
     hooked_parents: set[str] = set()
     replaced: dict[str, nn.Module] = {}
+    summed: set[int] = set()  # parameters whose gradient a hook of their own completes
     for name, style in styles.items():
-        module = modules[name]
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name]
         if style == "replicate":
             continue
-        if style == "rowwise":
-            new: nn.Module = RowParallelLinear(module, comm, group, sequence_parallel=sequence_parallel)
-        elif style == "colwise":
+        if name not in modules:  # an expert parameter
+            split_expert_parameter(parent, child, style, group)
+            continue
+        module = modules[name]
+        if style == "replicate_grad_sum":
+            for param in module.parameters():
+                sum_gradient_over(param, comm, group)
+                summed.add(id(param))
+            continue
+        if style == "moe_tp_experts":
+            parallelize_experts(module, comm, group, sequence_parallel)
+            continue
+        if style == "vocab":
+            embedding = isinstance(module, nn.Embedding)  # it reduce-scatters unless the spec cuts the sequence
+            new = vocab_parallel(module, comm, group, sequence_parallel and not (embedding and cut is not None))
+        else:
             rows = _kv_rows(heads, group.size, group.rank) if (
-                heads is not None and isinstance(parent, heads.attention_type) and child in heads.kv_names) else None
-            if rows is not None:
-                new = ReplicatedHeadsLinear(module, comm, group, *rows)
-            else:
-                new = ColumnParallelLinear(module, comm, group, sequence_parallel=sequence_parallel,
-                                           communicate_input=False)
-            if parent_name not in hooked_parents:
+                style == "colwise" and heads is not None and isinstance(parent, heads.attention_type)
+                and child in heads.kv_names) else None
+            new = ReplicatedHeadsLinear(module, comm, group, *rows) if rows is not None else column_or_row(
+                module, style, comm, group, sequence_parallel)
+            if style in COLUMN_BLOCKS and parent_name not in hooked_parents:
                 parent.register_forward_pre_hook(InputOp(comm, group, sequence_parallel), with_kwargs=True)
                 hooked_parents.add(parent_name)
-        elif isinstance(module, nn.Embedding):
-            new = VocabParallelEmbedding(module, comm, group, sequence_parallel=sequence_parallel and cut is None)
-        else:
-            new = ColumnParallelLinear(module, comm, group, sequence_parallel=sequence_parallel,
-                                       out_padded=padded_vocab(module.out_features, group.size))
         full_weight = module.weight
         if id(full_weight) in shared:
             new.weight = shared[id(full_weight)]
@@ -171,14 +190,27 @@ def parallelize(
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name], child, new)
     if sequence_parallel:
-        summed = {id(m.weight) for m in model.modules() if isinstance(m, ReplicatedHeadsLinear)}
-        if cut is not None:  # parameters before the cut see the whole sequence: their gradient is complete
-            summed |= {id(p) for name in cut.before for p in model.get_submodule(name).parameters()}
-            model.get_submodule(cut.at).register_forward_pre_hook(
-                InputOp(comm, group, True, cut.input_name, op=SplitSequence), with_kwargs=True)
-        for param in model.parameters():
-            if not is_tensor_parallel(param) and id(param) not in summed:
-                sum_gradient_over(param, comm, group)
+        _sum_sequence_shard_gradients(model, ctx, cut, summed, hooked_parents)
     if spec is not None:
         spec.fit_tensor_parallel(ctx, heads)
     return model
+
+
+def _sum_sequence_shard_gradients(
+    model: nn.Module, ctx: ParallelContext, cut: SequenceCut | None, summed: set[int], hooked_parents: set[str],
+) -> None:
+    """Under sequence parallelism: a gradient hook summing over tp every replicated parameter that sees
+    only this rank's tokens (see the module docstring); installs the sequence cut when the spec has one."""
+    comm, group = ctx.comm, ctx.group("tp")
+    complete = set(summed) | {id(m.weight) for m in model.modules() if isinstance(m, ReplicatedHeadsLinear)}
+    if cut is not None:  # parameters before the cut see the whole sequence: their gradient is complete
+        complete |= {id(p) for name in cut.before for p in model.get_submodule(name).parameters()}
+        model.get_submodule(cut.at).register_forward_pre_hook(
+            InputOp(comm, group, True, cut.input_name, op=SplitSequence), with_kwargs=True)
+    for parent in hooked_parents:  # inside a gathered block, up to the row layers' reduce-scatter
+        for module in model.get_submodule(parent).modules():
+            if not isinstance(module, RowParallelLinear):
+                complete |= {id(p) for p in module.parameters(recurse=False)}
+    for param in model.parameters():
+        if not is_tensor_parallel(param) and id(param) not in complete:
+            sum_gradient_over(param, comm, group)

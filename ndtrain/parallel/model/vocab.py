@@ -6,6 +6,11 @@ head (a `ColumnParallelLinear` with `out_padded=V'`). Padding rows are never loo
 are < V) and their logits are masked to −∞ in the loss, so they never affect it (their
 gradients stay zero).
 
+The embedding keeps what the table it replaces does besides the look-up: a `padding_idx` row gets
+no gradient (on the rank holding it), and a scaled embedding's `embed_scale` (Gemma's
+`*TextScaledWordEmbedding`: the rows times √d) multiplies this rank's rows before the sum. Any
+other `nn.Embedding` subclass is refused: its forward is unknown here.
+
 What is communicated, and when (b·s tokens of width d on each rank):
 - `VocabParallelEmbedding` forward: each rank looks up the tokens in its rows (zeros elsewhere),
   then the partial embeddings are summed: all-reduce of b·s·d (g), or with sequence parallelism
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.dist.comm import Communicator, Group
+from ndtrain.errors import UserError
 from ndtrain.parallel.precision import at_least_fp32
 from ndtrain.parallel.placement import carry_placement
 from ndtrain.parallel.model.tensor import from_parallel, _slice
@@ -36,8 +42,20 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
+def embedding_scale(embedding: nn.Module) -> torch.Tensor | None:
+    """The scale a scaled embedding multiplies its rows by (its `embed_scale` buffer), None for a plain
+    `nn.Embedding`; UserError for an embedding whose forward does something else."""
+    if type(embedding) is nn.Embedding:
+        return None
+    scale = getattr(embedding, "embed_scale", None)
+    if isinstance(embedding, nn.Embedding) and isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        return scale
+    raise UserError(f"the embedding is a {type(embedding).__name__}, whose forward a vocab-parallel table cannot "
+                    "reproduce (a plain or an embed_scale-scaled nn.Embedding only)")
+
+
 class VocabParallelEmbedding(nn.Module):
-    """This rank's V'/n rows of an embedding table; output summed over tp (or reduce-scattered)."""
+    """This rank's V'/n rows of an embedding table (times its scale); output summed over tp (or reduce-scattered)."""
 
     def __init__(
         self, embedding: nn.Embedding, comm: Communicator, group: Group, *, sequence_parallel: bool = False
@@ -49,11 +67,18 @@ class VocabParallelEmbedding(nn.Module):
         weight, shard = _slice(embedding.weight, 0, group.rank, group.size, self.padded)
         self.weight = carry_placement(nn.Parameter(weight), embedding.weight, tp=shard)
         self.start, self.stop = shard.start, shard.start + shard.length
+        pad = embedding.padding_idx
+        self.padding_idx = pad - self.start if pad is not None and self.start <= pad < self.stop else None
+        scale = embedding_scale(embedding)
+        self.embed_scale: torch.Tensor | None
+        self.register_buffer("embed_scale", None if scale is None else scale.detach().clone(), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         outside = (tokens < self.start) | (tokens >= self.stop)
         local = torch.where(outside, 0, tokens - self.start)
-        x = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        x = F.embedding(local, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
         return from_parallel(x, self.comm, self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
