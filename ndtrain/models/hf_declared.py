@@ -19,14 +19,21 @@ output, the last entry is the final norm; the head is the module `get_output_emb
 name ends in "Attention". The tp plan is the declared one prefixed by the base model's name, plus
 ndtrain's vocab-parallel embedding and head (the loss is computed on vocabulary shards: the
 declared `colwise_gather_output` head would gather the logits first). Declared styles are mapped to
-ndtrain's names by `DECLARED_STYLES`; a style ndtrain does not implement makes the plan a one-line
-refusal naming it. Nothing here communicates or changes the model.
+ndtrain's names by `DECLARED_STYLES` (parallel/model/tp_styles.py implements each); a style ndtrain
+does not implement makes the plan a one-line refusal naming it. A declared pattern may match nothing
+in a given model (Qwen2-MoE's `layers.*.mlp.gate_proj` names the dense MLP of `mlp_only_layers`, not
+the shared expert, `mlp.shared_expert.gate_proj`, which stays replicated): the spec drops those
+(`applicable_plan`). Also here: `softcap_logits`, the final-logit soft-capping a config declares
+(Gemma2), for whoever computes logits without the model's own forward (a pipeline's last stage).
+Nothing here communicates or changes the model.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
+import torch
 from torch import nn
 
 from ndtrain.models.hf_family import Family
@@ -77,6 +84,21 @@ def declared_tp_plan(config: Any, base: str, embedding: str, head: str) -> tuple
     plan.setdefault(embedding, "vocab")
     plan[head] = "vocab"
     return plan, ""
+
+
+def applicable_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The entries of `plan` whose pattern matches some module or parameter of `model`."""
+    names = [name for name, _ in model.named_modules()] + [name for name, _ in model.named_parameters()]
+    return {pattern: style for pattern, style in plan.items()
+            if any(fnmatch.fnmatchcase(name, pattern) for name in names)}
+
+
+def softcap_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
+    """`logits` soft-capped as the family's `*ForCausalLM` forward does when its config sets
+    `final_logit_softcapping` (c·tanh(logits / c), Gemma2), else unchanged. Element-wise, so it applies
+    to a vocabulary shard as to the whole: under tp the head's shard is capped before the vocab-parallel loss."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def declared_family(model: nn.Module) -> Family | None:

@@ -38,8 +38,11 @@ FAMILIES: dict[str, Family] = {  # hand-written only where transformers declares
         model_type="gpt2", embeddings=("transformer.wte", "transformer.wpe"), layers="transformer.h",
         final_norm="transformer.ln_f", head="lm_head", attention="attn",
         tied={"lm_head.weight": "transformer.wte.weight"}, positions="transformer.wpe", embed_dropout="transformer.drop",
-        tp_refusal="tensor parallel is not supported for gpt2: its fused Conv1D c_attn (q, k, v in one "
-                   "[d, 3d] matrix) needs a q/k/v-aware split ndtrain does not have; use dp/ZeRO for gpt2",
+        # Conv1D weights are [in, out]; c_attn's output is [q | k | v], split per third so that each rank
+        # holds the same heads' q, k and v; wpe stays whole (positions are not split)
+        tp_plan={"transformer.wte": "vocab", "lm_head": "vocab", "transformer.h.*.attn.c_attn": "qkv_colwise",
+                 "transformer.h.*.attn.c_proj": "rowwise", "transformer.h.*.mlp.c_fc": "colwise",
+                 "transformer.h.*.mlp.c_proj": "rowwise"},
     ),
 }
 

@@ -2,13 +2,22 @@
 
 Read from the family record (`hf_families.Family`, keyed by `config.model_type`):
 - Tensor parallel: the family's plan (a family without one is refused in one line; a model_type
-  ndtrain has no family for needs a plan from the user), only behind the `CausalLM` adapter; heads from
-  the config, k/v projections replicated when tp does not divide the kv heads (the attention's
-  `num_key_value_groups` is then set to the local ratio); the adapter's `loss_fn` becomes the
-  vocab-parallel cross-entropy and `full_logits` gathers the vocabulary (one all-gather) when called
-  without targets. Sequence parallelism cuts the sequence at the first decoder layer's input
+  ndtrain has no family for needs a plan from the user), only behind the `CausalLM` adapter, its
+  declared patterns that match nothing in this model dropped; heads from the config. When the plan
+  splits the attention per head (colwise q/k/v, GPT-NeoX's per-head fused query_key_value, GPT-2's
+  c_attn per third), the attention modules' head attributes that their forward reads become local:
+  `num_key_value_groups` (k/v projections replicated when tp does not divide the kv heads),
+  `num_key_value_heads`, and GPT-2's `num_heads`, `split_size`, `embed_dim`; a family whose q/k/v
+  are gathered (Phi-3, OLMo2: `colwise_gather_output`) runs whole attention and keeps them. The
+  adapter's `loss_fn` becomes the vocab-parallel cross-entropy (on logits the family's forward
+  soft-capped per shard, Gemma2) and `full_logits` gathers the vocabulary (one all-gather) when
+  called without targets. Sequence parallelism cuts the sequence at the first decoder layer's input
   (`SequenceCut`): HF computes the causal mask, positions and RoPE tables from the embedding's output,
   which must therefore span the whole sequence (one all-reduce of b·s·d instead of a reduce-scatter).
+  Symmetrically the sequence is gathered back at the final norm's output rather than at the head's
+  input (the same all-gather, moved up one module): the base model's own code after its layers then
+  sees whole sequences (GPT-2 reshapes its last hidden states to (−1, T, d), which would silently
+  regroup a shard).
 - Pipeline: the family's decoder-layer list, cut into `HFStage`s (models/hf_stages.py); the
   first stage adds the embeddings, the last the final norm and head; `balance=measured` is refused.
 - Recomputation: `selective` recomputes each layer's whole attention module (HF has no `attend` seam).
@@ -25,12 +34,13 @@ from torch import nn
 
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
+from ndtrain.models.hf_declared import applicable_plan
 from ndtrain.models.hf_families import decoder_layers, family_of, hf_config
 from ndtrain.models.hf_context import apply_hf_context_parallel
 from ndtrain.models.hf_stages import HFStage, end_costs
 from ndtrain.parallel.model.context import Ring
 from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, SequenceCut
-from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim
+from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim, GatherSequence
 from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy
 
 
@@ -49,7 +59,7 @@ class HFParallel(ModelParallel):
     def tp_plan(self) -> Mapping[str, str] | None:
         if self.family is not None and self.family.tp_plan is None:
             raise UserError(self.family.tp_refusal)
-        return None if self.family is None else self.family.tp_plan
+        return None if self.family is None else applicable_plan(self.model, self.family.tp_plan)
 
     def check_tensor_parallel(self) -> None:
         if self.family is not None and getattr(self.model, "hf", None) is None:
@@ -62,7 +72,8 @@ class HFParallel(ModelParallel):
         config = self.config
         attention = self._layers()[0].get_submodule(self.family.attention)
         n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return Heads(config.num_attention_heads, n_kv, attention.head_dim, type(attention), self.family.kv_projections,
+        head_dim = getattr(attention, "head_dim", None) or getattr(attention, "head_size")  # GPT-NeoX: head_size
+        return Heads(config.num_attention_heads, n_kv, head_dim, type(attention), self.family.kv_projections,
                      ("config.num_attention_heads", "config.num_key_value_heads"))
 
     def sequence_cut(self) -> SequenceCut | None:
@@ -72,19 +83,21 @@ class HFParallel(ModelParallel):
                            before=self.family.embeddings)
 
     def fit_tensor_parallel(self, ctx: ParallelContext, heads: Heads | None) -> None:
-        """Vocab-parallel loss and gathered logits on the adapter; local kv-group ratio on HF attention."""
-        if self.family is None or heads is None:
+        """Vocab-parallel loss and gathered logits on the adapter; local head counts on HF attention
+        when the plan split it per head (`heads`)."""
+        if self.family is None:
             return
         model, family = self.model, self.family
         head = model.get_submodule(family.head)
-        if not isinstance(head, ColumnParallelLinear):
-            raise UserError(f"tp plan for {family.model_type} must make {family.head!r} vocab-parallel "
-                            "(the loss is computed on vocab shards)")
         tp = ctx.group("tp").size
-        local_kv = heads.n_kv_heads // tp if heads.n_kv_heads % tp == 0 else 1
-        for module in model.modules():
-            if isinstance(module, heads.attention_type) and hasattr(module, "num_key_value_groups"):
-                module.num_key_value_groups = heads.n_heads // tp // local_kv
+        if not isinstance(head, ColumnParallelLinear):
+            raise UserError(f"--tp {tp}: tp plan for {family.model_type} must make {family.head!r} vocab-parallel "
+                            "(the loss is computed on vocab shards)")
+        if heads is not None:
+            _localize_heads(model, heads, tp)
+        if head.sequence_parallel and head.communicate_input and family.final_norm:
+            head.communicate_input = False  # the final norm's output arrives gathered instead
+            model.get_submodule(family.final_norm).register_forward_hook(_GatherOutput(ctx))
         model.loss_fn = functools.partial(  # type: ignore[method-assign]
             vocab_parallel_cross_entropy, start=head.out_start, vocab_size=head.out_features,
             comm=ctx.comm, group=ctx.group("tp"))
@@ -132,6 +145,30 @@ class HFParallel(ModelParallel):
 
     def _layers(self) -> nn.ModuleList:
         return decoder_layers(self.model)[1]  # type: ignore[index]
+
+
+class _GatherOutput:
+    """Forward hook: the module's output (a sequence shard) all-gathered to the whole sequence over tp
+    (ḡ: the gradient reduce-scattered back)."""
+
+    def __init__(self, ctx: ParallelContext) -> None:
+        self.comm, self.group = ctx.comm, ctx.group("tp")
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return GatherSequence.apply(output, self.comm, self.group)
+
+
+def _localize_heads(model: nn.Module, heads: Heads, tp: int) -> None:
+    """Set the head attributes HF attention modules read in their forward to this rank's counts."""
+    local_heads = heads.n_heads // tp
+    local_kv = heads.n_kv_heads // tp if heads.n_kv_heads % tp == 0 else 1
+    local = {"num_key_value_groups": local_heads // local_kv, "num_key_value_heads": local_kv,
+             "num_heads": local_heads, "split_size": local_heads * heads.head_dim, "embed_dim": local_heads * heads.head_dim}
+    for module in model.modules():
+        if isinstance(module, heads.attention_type):
+            for name, value in local.items():
+                if isinstance(getattr(module, name, None), int):
+                    setattr(module, name, value)
 
 
 def _gather_vocab(head: ColumnParallelLinear, ctx: ParallelContext, logits: torch.Tensor) -> torch.Tensor:
