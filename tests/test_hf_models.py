@@ -140,9 +140,9 @@ def test_cli_check_and_refusals(tmp_path: Path) -> None:
         check_hf_model(tmp_path / "bad", 32)
     # The layout is checked against the family before any worker starts.
     gpt2 = hf_dir(tmp_path, "gpt2")
-    proc = ndtrain("train", "--check", "--model", f"hf:{gpt2}", "--nproc", "2", "--tp", "2", "--out", str(tmp_path / "r2"))
+    proc = ndtrain("train", "--check", "--model", f"hf:{gpt2}", "--nproc", "3", "--tp", "3", "--out", str(tmp_path / "r2"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "tensor parallel is not supported for gpt2" in proc.stderr
+    assert "--tp 3: " in proc.stderr and "not divisible by tp=3" in proc.stderr  # c_attn's q, k, v of 32 features
     # Falcon's config declares no plans: each model-parallel axis is refused naming itself; Mistral
     # declares both (base_model_tp_plan, base_model_pp_plan): every axis is accepted.
     falcon = transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)

@@ -13,7 +13,8 @@ The runs are float64, as tests/test_engine_zero.py's, so that the bound measures
 and not the CPU kernels' fp32 summation order amplified by AdamW. (HF's RMSNorm and RoPE still
 compute in fp32 inside a float64 model; measured errors stay ≤ 1e-11, README's table.)
 Also here, single-process: layer lists found from the model, recompute on HF blocks called with
-keyword arguments, `Engine(loss_fn=...)`, tensor-parallel refusals and a user plan.
+keyword arguments, `Engine(loss_fn=...)`, tensor-parallel refusals and a user plan. (GPT-2 and the
+other families under tp: tests/test_hf_declared_tp.py.)
 """
 
 from __future__ import annotations
@@ -81,13 +82,7 @@ def _case(ctx: ParallelContext, base: ParallelConfig, family: str, strategy: str
 def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
     base = ParallelConfig(**LAYOUTS[layout][0])
     ctx = init(base, init_method=init_method())
-    out = run_each(lambda case: _case(ctx, base, *case), cases)
-    if layout == "tp":  # gpt2 under tp: refused
-        try:
-            _train(ctx, base, "gpt2", {})
-        except UserError as e:
-            out["gpt2_tp_refusal"] = str(e)
-    return out
+    return run_each(lambda case: _case(ctx, base, *case), cases)
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +106,6 @@ def test_matches_single_process(family: str, strategy: str, slow: bool, one_thre
             assert "all_reduce/tp" in ops or "sp" in strategy, ops
         if "zero3" in strategy:  # units gathered through the shared-memory ring (one host, the default)
             assert "all_gather_shm/dp_cp" in ops and "reduce_scatter_shm/dp_cp" in ops, ops
-
-
-def test_gpt2_tensor_parallel_is_refused_in_one_line(spawns: Spawns) -> None:
-    message = MATRIX.runs(spawns, "tp", False)[0]["gpt2_tp_refusal"]
-    assert "\n" not in message and "not supported for gpt2" in message and "Conv1D" in message
 
 
 # ------------------------------------------------------------------------------------ single process
@@ -182,7 +172,6 @@ def test_tensor_parallel_refusals_are_one_line() -> None:
     bare = make_model("llama").hf
     bind_spec(bare, spec_of(bare))  # as Engine does: a bare transformers model gets its family's spec
     cases = [
-        (make_model("gpt2"), None, "tensor parallel is not supported for gpt2"),
         (bare, None, "needs the adapter"),
         (make_model("llama"), {"hf.model.layers.*.mlp.up_proj": "colwise"}, "must make 'hf.lm_head' vocab-parallel"),
     ]
