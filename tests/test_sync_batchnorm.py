@@ -60,8 +60,9 @@ CASES: dict[str, tuple[int, bool, bool, int]] = {
     "zero3-sync": (3, True, False, 2),
     "zero3-local": (3, False, False, 1),
 }
-CI = ("ddp-sync", "ddp-local", "ddp-sync-acc2", "ddp-sync-buffers", "ddp-local-buffers")
-SPAWNS = {(2, "ci"): CI, (2, "zero"): tuple(n for n in CASES if n not in CI), (4, "all"): tuple(CASES)}
+CI = ("ddp-sync", "ddp-local", "ddp-sync-acc2", "ddp-sync-buffers", "ddp-local-buffers", "layer")
+SPAWNS = {(2, "ci"): CI, (2, "zero"): tuple(n for n in CASES if n not in CI), (4, "all"): (*CASES, "layer")}
+LAYER_SHARDS = {2: ((5, 2), (6, 0)), 4: ((4, 0, 3, 1), (2, 3, 1, 2))}  # the layer alone, per pass: a rank may hold none
 
 
 class Counted(nn.Module):
@@ -124,9 +125,51 @@ def _train(ctx: ParallelContext, name: str) -> dict[str, Any]:
             "synced_layers": sum(isinstance(m, SyncBatchNorm) for m in engine.model.modules())}
 
 
+def layer_inputs(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per training pass of the layer test: the whole input [n, 3, 4, 4] (mean far from 0) and the weights
+    of its loss Σ w·y."""
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(sum(sizes), 3, 4, 4, generator=g, dtype=DTYPE) * 2 + 30,
+             torch.randn(sum(sizes), 3, 4, 4, generator=g, dtype=DTYPE)) for sizes in LAYER_SHARDS[world]]
+
+
+def layer_rows(world: int, rank: int) -> list[slice]:
+    """This rank's rows of each pass's input."""
+    return [slice(sum(sizes[:rank]), sum(sizes[: rank + 1])) for sizes in LAYER_SHARDS[world]]
+
+
+def new_layer() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.BatchNorm2d(3, momentum=0.3).to(DTYPE)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5), layer.bias.uniform_(-1, 1)
+    return layer
+
+
+def layer_pass(layer: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A training pass of `layer` per input (its running statistics updated each time; γ's and β's
+    gradients accumulated), then eval on the last input: outputs, gradients and state."""
+    out = {}
+    for i, (x, w) in enumerate(inputs):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        (y * w).sum().backward()
+        out.update({f"y{i}": y.detach(), f"x{i}.grad": xi.grad})
+    layer.eval()
+    out["eval"] = layer(inputs[-1][0]).detach()
+    return {**out, **{f"{k}.grad": p.grad for k, p in layer.named_parameters()}, **layer.state_dict()}
+
+
+def _layer(ctx: ParallelContext) -> dict[str, torch.Tensor]:
+    """A BatchNorm2d alone on this rank's rows of `layer_inputs`."""
+    layer = convert_sync_batchnorm(new_layer(), ctx.comm, ctx.group("dp_cp"))
+    rows = layer_rows(ctx.world_size, ctx.rank)
+    return layer_pass(layer, [(x[r], w[r]) for (x, w), r in zip(layer_inputs(ctx.world_size), rows)])
+
+
 def _suite(world: int, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     ctx = init(ParallelConfig(), init_method=init_method())
-    return run_each(lambda name: _train(ctx, name), names)
+    return run_each(lambda name: _layer(ctx) if name == "layer" else _train(ctx, name), names)
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +179,34 @@ def spawns() -> Spawns:
 
 def _params(world: int, group: str) -> list[Any]:
     marks = [] if group == "ci" else [pytest.mark.slow]
-    return [pytest.param(world, group, name, marks=marks, id=f"world{world}-{name}") for name in SPAWNS[world, group]]
+    return [pytest.param(world, group, name, marks=marks, id=f"world{world}-{name}")
+            for name in SPAWNS[world, group] if name in CASES]
 
 
 ALL = [p for key in SPAWNS for p in _params(*key)]
 
 
 # ------------------------------------------------------------------------------------ checks
+@pytest.mark.parametrize("world, group", [(2, "ci"), pytest.param(4, "all", marks=pytest.mark.slow)])
+def test_layer_with_uneven_and_empty_shards(world: int, group: str, spawns: Spawns) -> None:
+    """Each rank's outputs (training passes, then eval) and input gradients are the reference's rows;
+    γ's and β's gradients sum over the ranks to the reference's; every rank's running statistics are
+    the reference's."""
+    runs = case_result(spawns.get((world, group), world, world, SPAWNS[world, group]), "layer")
+    ref = layer_pass(new_layer(), layer_inputs(world))
+    shared = ("running_mean", "running_var", "num_batches_tracked", "weight", "bias")
+    passes = len(LAYER_SHARDS[world])
+    for rank, run in enumerate(runs):
+        rows = layer_rows(world, rank)
+        mine = {k: ref[k][rows[i]] for i in range(passes) for k in (f"y{i}", f"x{i}.grad")}
+        mine["eval"] = ref["eval"][rows[-1]]
+        assert all(run[k].shape == v.shape for k, v in mine.items()), f"layer rank {rank}"
+        expected = {**{k: ref[k] for k in shared}, **{k: v for k, v in mine.items() if v.numel()}}
+        assert_params_close({k: run[k] for k in expected}, expected, 1e-12, f"layer rank {rank}")
+    for name in ("weight.grad", "bias.grad"):
+        torch.testing.assert_close(sum(run[name] for run in runs), ref[name], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("world, group, name", ALL)
 def test_batchnorm_cnn_on_uneven_shards(world: int, group: str, name: str, spawns: Spawns) -> None:
     zero, sync, broadcast, accumulation = CASES[name]
