@@ -39,6 +39,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
+from ndtrain.dist.launchers import detect
+
 log = logging.getLogger("ndtrain")
 FILE_ONLY = {"console": False}  # `extra=` of a record the console handler skips: it goes to the rank log only
 LOGS_DIR = "logs"
@@ -94,8 +96,8 @@ def ensure_console(main: bool) -> None:
 
 
 def _worker_rank() -> int:
-    """This process's global rank as torchrun set it (0 without torchrun)."""
-    return int(os.environ.get("RANK", "0"))
+    """This process's global rank as its launcher set it: torchrun, mpirun or srun (0 without one)."""
+    return detect(os.environ).rank
 
 
 def record_user_error(message: str, printed: bool) -> None:

@@ -35,7 +35,9 @@ for three reasons:
   then exits with 128 + the signal number.
 
 A process started by torchrun (ours or the user's, single or multi node) sees torchrun's
-environment and runs as a worker directly; `die_with_parent` makes it end with its agent.
+environment and runs as a worker directly; `die_with_parent` makes it end with its agent. A process
+started by mpirun or srun reads its place from that launcher's variables (dist/launchers.py) and is
+no one's agent: cli/external.py.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from typing import Any, Iterator
 import torch
 
 from ndtrain.console import rank_log_path, recorded_user_error, unprinted_user_error
+from ndtrain.dist.launchers import detect
 from ndtrain.errors import UserError
 from ndtrain.run.preemption import STOP_SIGNALS, exit_status
 
@@ -70,10 +73,22 @@ def in_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def speaks_for_the_run() -> bool:
+    """True in the one process that prints for the whole run before workers start: the launching
+    process, or rank 0 of the processes mpirun or srun started (every process, when their variables
+    cannot be read: each then says so)."""
+    if in_worker():
+        return False
+    try:
+        return detect(os.environ).rank == 0
+    except UserError:
+        return True
+
+
 def set_worker_threads(threads: int) -> int:
-    """Intra-op threads for this process: `threads`, or the cores shared evenly by the local workers."""
+    """Intra-op threads for this process: `threads`, or the cores shared evenly by the workers on this host."""
     if threads <= 0:
-        local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_workers = detect(os.environ).local_world_size
         threads = max(1, (os.cpu_count() or 1) // local_workers)
     torch.set_num_threads(threads)
     return threads

@@ -1,30 +1,27 @@
 """The `ndtrain` command: train, generate, export, inspect, bench, plan.
 
 `ndtrain train` validates the whole configuration in the launching process (so mistakes end in
-one line and exit status 2 before any worker starts), then either runs as a worker (when
-torchrun started this process) or launches `--nproc` local workers through torchrun's elastic
-agent, each re-running the same command line.
+one line and exit status 2 before any worker starts: cli/prepare.py), then either runs as a worker
+(when torchrun started this process) or launches `--nproc` local workers through torchrun's elastic
+agent, each re-running the same command line. Started by mpirun or srun, every process runs the
+command: rank 0 validates and prepares while the others wait, then each is a worker (cli/external.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import stat
 import sys
-import tempfile
+import time
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ndtrain.cli import flags as cli_flags
 from ndtrain.cli.flags import parse_bool
-from ndtrain.config import TrainConfig, dump_toml, parse_override
+from ndtrain.config import TrainConfig, parse_override
 from ndtrain.errors import UserError
-from ndtrain.run.config_checks import parameter_count, resolve_config
-
-if TYPE_CHECKING:
-    import torch
+from ndtrain.run.config_checks import resolve_config
 
 # Everyday flags and the config key each one sets; the help adds the key, its allowed values and
 # its config default (cli_flags.add_config_flag).
@@ -72,11 +69,6 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"ndtrain: error: {self.prog}: {message} (see {self.prog} --help)\n")
 
-
-# What a run writes into its directory (trainer.py) and the kind each must be.
-MAX_PROCS_PER_CORE = 8  # CPU workers per core a local launch accepts
-RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "file", "summary.json": "file",
-             "loss.png": "file", "timeline.json": "file", "logs": "folder"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,10 +133,10 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         overrides["checkpoint.overwrite"] = True
     overrides.update(parse_override(item) for item in args.set)
     cfg = resolve_config(args.config, overrides)
-    from ndtrain.launch import in_worker
+    from ndtrain.launch import speaks_for_the_run
 
     warning = cli_flags.preset_override_warning(args.config, overrides)
-    if warning is not None and not in_worker():  # once, from the launching process
+    if warning is not None and speaks_for_the_run():  # once, from the launching process (or rank 0)
         print(f"ndtrain: warning: {warning}", file=sys.stderr, flush=True)
     return cfg
 
@@ -159,129 +151,41 @@ def version_line() -> str:
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from ndtrain.cli.prepare import prepare_run
+    from ndtrain.dist.launchers import detect
     from ndtrain.launch import in_worker, launch_local
 
+    launch = detect(os.environ)
+    if launch.external:  # mpirun or srun started this process and its peers
+        from ndtrain.cli.external import join_external
+
+        status, store, joined = join_external(lambda: train_config(args), args.check, launch, nproc_given(args))
+        if status is not None or joined is None:
+            return 2 if status is None else status
+        return train_worker(joined, store=store)
     cfg = train_config(args)
     if in_worker():
         return train_worker(cfg)
-    from ndtrain.dist.mesh import resolve_backend, resolve_device
-
-    device = resolve_device(cfg.parallel.device, 0)
-    check_nproc(cfg.launch.nproc, device)  # before the layout checks: they would name a dp no machine can run
-    dp = cfg.parallel.resolve_dp(cfg.launch.nproc)
-    if cfg.ps.servers:
-        from ndtrain.ps.engine import check_ps_config
-
-        dp = check_ps_config(cfg, cfg.launch.nproc)
-    cfg.schedule.accumulation_steps(dp)
-    resolve_backend(cfg.parallel.backend, device)
-    from ndtrain.models.hf import check_hf_model, hf_path, is_hf_model
-
-    if is_hf_model(cfg.model.preset):
-        check_hf_model(hf_path(cfg.model.preset), cfg.model.seq_len, cfg.parallel)
-    from ndtrain.run.layout_check import check_layout_on_meta
-
-    check_layout_on_meta(cfg, cfg.launch.nproc)  # heads vs tp, sequence vs cp, layers vs pp: before any folder
-    check_host_memory(cfg)
-    check_run_dir(cfg.log.out)
-    from ndtrain.data.prepare import check_data
-    from ndtrain.run.directory import check_owned, claimed, has_checkpoint, nothing_to_resume
-    from ndtrain.run.lock import refuse_if_locked
-
-    run_dir = Path(cfg.log.out)
-    refuse_if_locked(run_dir)  # a live run's folder: named by its holder (reads only)
-    check_owned(run_dir)  # another program's folder is never written into (--resume, --overwrite too)
-    if cfg.checkpoint.resume and not cfg.ps.servers and not has_checkpoint(run_dir):
-        raise nothing_to_resume(run_dir / "checkpoints")
-    from ndtrain.run.data_identity import check_resume_data
-
-    check_resume_data(cfg, run_dir)  # a checkpoint of other data: refused before the token file is rebuilt
-    with claimed(run_dir, write=not args.check):  # the marker first; a refusal below takes back what was added
-        check_data(cfg, write=not args.check)  # builds the token file once, before any worker starts
+    prepare_run(cfg, args.check, cfg.launch.nproc)
     if args.check:
-        print(dump_toml(cfg), end="")
         return 0
     if cfg.launch.nproc == 1:
         return train_worker(cfg)
     return launch_local(argv, cfg.launch.nproc, cfg.launch.max_restarts, Path(cfg.log.out))
 
 
-def check_nproc(nproc: int, device: torch.device) -> None:
-    """Local workers this machine can hold: one per GPU on CUDA (NCCL refuses two ranks on one device),
-    at most MAX_PROCS_PER_CORE per core on CPU (beyond that a run only thrashes, or exhausts the machine)."""
-    import torch
-
-    if device.type == "cuda":
-        gpus = torch.cuda.device_count()
-        if nproc > gpus:
-            raise UserError(f"--nproc {nproc} needs {nproc} GPUs on CUDA (one process per GPU), this machine has "
-                            f"{gpus}: use --nproc {gpus} or fewer")
-        return
-    cores = os.cpu_count() or 1
-    if nproc > MAX_PROCS_PER_CORE * cores:
-        raise UserError(f"--nproc {nproc} is more than {MAX_PROCS_PER_CORE} processes per core on this machine's "
-                        f"{cores} cores: use --nproc {MAX_PROCS_PER_CORE * cores} or fewer")
+def nproc_given(args: argparse.Namespace) -> bool:
+    """`--nproc` or `--set launch.nproc=N` on the command line."""
+    return getattr(args, cli_flags.flag_dest("--nproc")) is not None or any(
+        parse_override(item)[0] == "launch.nproc" for item in args.set)
 
 
-def check_host_memory(cfg: TrainConfig) -> None:
-    """Each local worker first builds the whole fp32 model on the host (then shards or moves it):
-    nproc × 4Ψ bytes is the least the run needs, so more than this machine's memory cannot run."""
-    params = parameter_count(cfg.model)
-    need = cfg.launch.nproc * 4 * params
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise UserError(
-            f"the model has {params:,} parameters: {cfg.launch.nproc} workers × 4 bytes each is {need / 2**30:,.1f} GiB, "
-            f"more than this machine's {have / 2**30:,.1f} GiB: use smaller model sizes or fewer processes"
-        )
-
-
-def check_run_dir(out: str) -> None:
-    """`--out` must be a folder or a path a folder can be made at, and writable: checked with
-    os.access and a probe file that is never linked into the folder. Nothing is created."""
-    path = existing = Path(out)
-    while True:  # the nearest part of the path that exists ('.' or '/' at the latest)
-        try:
-            mode = os.stat(existing).st_mode
-            break
-        except (FileNotFoundError, NotADirectoryError):
-            if existing == existing.parent:
-                raise UserError(f"--out {out!r} has no existing folder above it: give a directory for the run") from None
-            existing = existing.parent
-        except (OSError, ValueError) as e:
-            raise UserError(f"--out {out!r} cannot be used: {getattr(e, 'strerror', None) or e}") from None
-    if not stat.S_ISDIR(mode):
-        where = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
-        raise UserError(f"--out {out!r} {where}: give a directory for the run")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out!r} is not writable ({str(existing)!r}: permission denied): give a writable directory")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise UserError(f"--out {out!r} is not writable ({str(existing)!r}: {e.strerror}): give a writable directory") from None
-    if existing == path:
-        _check_run_files(path)
-
-
-def _check_run_files(run_dir: Path) -> None:
-    """In an existing run directory, what the run writes must have its kind: a folder for checkpoints,
-    regular files for the rest."""
-    for name, kind in RUN_FILES.items():
-        try:
-            mode = os.stat(run_dir / name).st_mode
-        except FileNotFoundError:
-            continue
-        if not (stat.S_ISDIR(mode) if kind == "folder" else stat.S_ISREG(mode)):
-            raise UserError(
-                f"--out {str(run_dir)!r} holds {name!r} that is not a {kind}: move it away or use another --out"
-            )
-
-
-def train_worker(cfg: TrainConfig) -> int:
+def train_worker(cfg: TrainConfig, store: Any = None) -> int:
     """Train in this process; exit status 0, 2 (a user error or a failure that would recur), 1 (a bug or
     a lost peer: restartable) or 128+N (stopped by signal N, checkpoint written); the rule is
-    ndtrain/failures.py's. Output: console and RUN_DIR/logs/rank_N.log (see console.py)."""
+    ndtrain/failures.py's. Output: console and RUN_DIR/logs/rank_N.log (see console.py). `store`: the
+    rendezvous store an mpirun or srun launch has joined (cli/external.py); start-up's deadline then
+    counts from now, not from the process start (rank 0 prepared the run meanwhile)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ndtrain.console import WorkerConsole, log, report_user_error
@@ -292,20 +196,23 @@ def train_worker(cfg: TrainConfig) -> int:
     from ndtrain.dist.phases import process_started
     from ndtrain.run.preemption import Preempted, exit_status
     from ndtrain.run.lock import run_lock
+    from ndtrain.run.shared_dir import check_shared_run_dir
     from ndtrain.trainer import Trainer
 
+    started = process_started() if store is None else time.monotonic()  # start-up's deadline counts from here
     if in_worker():
         die_with_parent()
     set_worker_threads(cfg.launch.threads)
     with WorkerConsole() as console:
         try:
-            ctx = init(cfg.parallel, started=process_started())  # start-up's deadline counts from the process start
+            ctx = init(cfg.parallel, started=started, store=store)
         except UserError as e:
             report_user_error(str(e))
             return 2
         try:
             with run_lock(Path(cfg.log.out), ctx):
                 console.attach_rank_log(Path(cfg.log.out))
+                check_shared_run_dir(Path(cfg.log.out), ctx)  # several hosts: one folder for all
                 Trainer(cfg, ctx).run()
         except NonFiniteError as e:
             e.newest_checkpoint = _newest_checkpoint(Path(cfg.log.out) / "checkpoints")
@@ -383,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_cli.main(args)
     except UserError as e:
-        from ndtrain.launch import in_worker
+        from ndtrain.launch import in_worker, speaks_for_the_run
 
         if args.command == "train" and in_worker():  # every rank raised it: printed once
             from ndtrain.console import report_user_error
 
             report_user_error(str(e))
-        else:
+        elif speaks_for_the_run():  # under mpirun or srun: rank 0 prints what every rank raised
             print(f"ndtrain: error: {e}", file=sys.stderr)
         return 2

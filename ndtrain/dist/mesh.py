@@ -10,6 +10,7 @@ a stall ends every live rank with a message naming the ranks that did not arrive
 started on the rendezvous store before the process group is built with that store, so joining the
 group (rendezvous and group creation) is watched as the first step of start-up (`ctx.phases`,
 dist/phases.py); the same `Phases` watch evaluation, saves and loads for the trainer and engine.
+The world (rank, size, rendezvous) is what the launcher says: torchrun, mpirun or srun (dist/launchers.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from ndtrain.dist.comm import Communicator, Group
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
+from ndtrain.dist.launchers import detect
 from ndtrain.dist.phases import Phases
 from ndtrain.dist.watchdog import Watchdog
 
@@ -121,16 +123,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def init(config: ParallelConfig | None = None, init_method: str | None = None, *,
-         started: float | None = None) -> ParallelContext:
-    """Join the world described by torchrun's environment (or a single process) and build all groups.
+         started: float | None = None, store: Any = None) -> ParallelContext:
+    """Join the world its launcher describes (torchrun, mpirun, srun: dist/launchers.py; else a single
+    process) and build all groups.
 
     `started`: the `time.monotonic()` reading the start-up deadline counts from (a worker passes its
-    process's start, `phases.process_started()`); default: now."""
+    process's start, `phases.process_started()`); default: now. `store`: a store the ranks already
+    share at the launcher's rendezvous (the CLI's, under mpirun or srun), used instead of a new one."""
     config = config or ParallelConfig()
     config.validate()
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    launch = detect(os.environ)
+    rank, world_size, local_rank = launch.rank, launch.world_size, launch.local_rank
     dp = config.resolve_dp(world_size)
     sizes = {"dp": dp, "cp": config.cp, "pp": config.pp, "tp": config.tp}
     device = resolve_device(config.device, local_rank)
@@ -140,7 +143,10 @@ def init(config: ParallelConfig | None = None, init_method: str | None = None, *
     timeout = timedelta(seconds=config.timeout_s)
     comm = Communicator(rank, timeout)
     phases = Phases(config)
-    store = _rendezvous(init_method or "env://", rank, world_size, timeout) if world_size > 1 else None
+    if world_size > 1:
+        store = _rendezvous(store, init_method or launch.init_method(), rank, world_size, timeout)
+    else:
+        store = None
     if store is not None:
         comm.watchdog = phases.watchdog = Watchdog(
             rank, store, config.watchdog_s, comm.issued, world_size=world_size).start()
@@ -154,12 +160,14 @@ def init(config: ParallelConfig | None = None, init_method: str | None = None, *
     )
 
 
-def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta) -> Any:
-    """The store the process group is built on, as `init_process_group` would make it (the
-    rendezvous behind `init_method`, prefixed "default_pg"); the existing group's when there is one."""
+def _rendezvous(store: Any, init_method: str, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """The store the process group is built on, as `init_process_group` would make it (the given
+    store or the rendezvous behind `init_method`, prefixed "default_pg"); the existing group's when
+    there is one."""
     if dist.is_initialized():
         return dist.distributed_c10d._get_default_store()
-    store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+    if store is None:
+        store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     return dist.PrefixStore("default_pg", store)
 
