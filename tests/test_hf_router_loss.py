@@ -14,8 +14,9 @@ leaving the term out, or computing it over half of a micro-batch's tokens, moves
 ≥ 4e-2: `test_the_term_moves_the_reference`). dp2, ZeRO-3, recompute (routers run again in backward),
 cp2 (one all-reduce of the counts per forward), pp2 (1f1b, zb: the counts ride on the activation),
 tp2 with and without sequence parallelism, and on 4 processes cp2×pp2, tp2×pp2 with sequence parallelism
-and dp2×pp2 with ZeRO-1. One spawn per layout trains all
-of its cases; in CI a representative part runs, the rest is slow.
+and dp2×pp2 with ZeRO-1. One spawn per number of processes trains all of its cases, layout after
+layout; in CI a representative part runs (Qwen3-MoE under cp2 and pp2: the all-reduce and the stats
+riding on the activation), the rest is slow.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _reference(family: str, pieces: int, coef: float = COEF) -> dict[str, torch.
 
 # ------------------------------------------------------------------------------------ single process
 @pytest.mark.parametrize("family", MOE)
-def test_the_adapters_loss_is_the_models_own(family: str) -> None:
+def test_the_adapters_loss_is_the_models_own(family: str, one_thread: None) -> None:
     model = _model(family)
     x, y = batch(0)
     own = model.hf(input_ids=x, labels=y, shift_labels=y.contiguous(), use_cache=False)  # y is already shifted
@@ -94,7 +95,7 @@ def test_the_adapters_loss_is_the_models_own(family: str) -> None:
 
 @pytest.mark.parametrize("changes", [{"output_router_logits": False}, {"router_aux_loss_coef": 0.0}],
                          ids=["no_router_logits", "zero_coefficient"])
-def test_without_the_term_the_loss_is_cross_entropy(changes: dict[str, Any]) -> None:
+def test_without_the_term_the_loss_is_cross_entropy(changes: dict[str, Any], one_thread: None) -> None:
     model = _model("mixtral", **changes)
     x, y = batch(1)
     assert model.router_loss is None
@@ -102,7 +103,7 @@ def test_without_the_term_the_loss_is_cross_entropy(changes: dict[str, Any]) -> 
     assert model(x, y).item() == model.loss_fn(logits, y).item()
 
 
-def test_routers_run_again_in_backward_are_not_counted() -> None:
+def test_routers_run_again_in_backward_are_not_counted(one_thread: None) -> None:
     """recompute=full runs each layer (and its router) again in backward: the next step's term is unchanged."""
     from ndtrain.parallel.model.recompute import apply_recompute
 
@@ -117,7 +118,7 @@ def test_routers_run_again_in_backward_are_not_counted() -> None:
                         {n: p.grad for n, p in plain.named_parameters()}, 1e-12, "gradients")
 
 
-@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "qwen3_moe" else [pytest.mark.slow]) for f in MOE])
 def test_the_term_moves_the_reference(family: str, one_thread: None) -> None:
     """The parity below can fail: without the term, or with it over half the tokens, parameters differ by far more than TOL."""
     with_term = _reference(family, 1)
@@ -141,10 +142,18 @@ def _train(ctx: ParallelContext, base: ParallelConfig, family: str, case: str) -
     return {"params": engine.full_state_dict(), "losses": losses, "ops": ops}
 
 
-def _suite(layout: str, cases: list[tuple[str, str]]) -> dict[Any, Any]:
-    base = ParallelConfig(**LAYOUTS[layout][0])
-    ctx = init(base, init_method=init_method())
-    return run_each(lambda case: _train(ctx, base, *case), cases)
+def _suite(cases: list[tuple[str, str]]) -> dict[Any, Any]:
+    """Every case in turn, each layout's groups built once on the one world (as test_engine_layouts does)."""
+    contexts: dict[str, tuple[ParallelContext, ParallelConfig]] = {}
+
+    def run(family: str, case: str) -> dict[str, Any]:
+        layout = CASES[case][0]
+        if layout not in contexts:
+            base = ParallelConfig(**LAYOUTS[layout][0])
+            contexts[layout] = (init(base, init_method=init_method()), base)
+        return _train(*contexts[layout], family, case)
+
+    return run_each(lambda case: run(*case), cases)
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +170,10 @@ def _params() -> list[Any]:
 @pytest.mark.parametrize(("family", "case"), _params())
 def test_layout_matches_one_process(family: str, case: str, one_thread: None, spawns: Spawns) -> None:
     layout = CASES[case][0]
-    slow = (family, case) not in FAST
-    cases = [(f, c) for c in CASES for f in MOE if CASES[c][0] == layout and ((f, c) not in FAST) == slow]
-    run = case_result(spawns.get((layout, slow), LAYOUTS[layout][1], layout, cases), (family, case))
+    slow, processes = (family, case) not in FAST, LAYOUTS[layout][1]
+    cases = [(f, c) for c in CASES for f in MOE
+             if LAYOUTS[CASES[c][0]][1] == processes and ((f, c) not in FAST) == slow]
+    run = case_result(spawns.get((processes, slow), processes, cases), (family, case))
     got: dict[str, torch.Tensor] = {}
     for out in run:  # pipeline ranks each hold their stages' parameters (tp gathered)
         got.update(out["params"])
@@ -175,3 +185,39 @@ def test_layout_matches_one_process(family: str, case: str, one_thread: None, sp
     assert all(out["losses"] == run[0]["losses"] for out in run)
     if "cp" in layout:  # the counts' all-reduce (ring attention only sends and receives over cp), last stage
         assert "all_reduce/cp" in run[-1]["ops"], run[-1]["ops"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_stats_ride_on_the_activation_bit_for_bit(dtype: torch.dtype) -> None:
+    """Pipeline stages: float32 stats packed into an activation of any dtype and unpacked unchanged, both
+    ways (values whose bytes read as NaN, inf or -0 in the activation's dtype included)."""
+    from ndtrain.models.hf_router_loss import _Pack, _Unpack
+
+    bits = torch.tensor([0x7FC0_0001, 0xFF80_8000, 0x8000_7F80, 0x3F80_0000, 0x0000_FFFF, 0x7F80_0000],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    hidden = torch.randn(2, 3, 4, dtype=torch.float64).to(dtype).requires_grad_()
+    stats = bits.clone().requires_grad_()
+    packed = _Pack.apply(hidden, stats)
+    assert packed.dtype == dtype and packed.ndim == 1
+    received = packed.detach().requires_grad_()  # what the next stage gets
+    out_hidden, out_stats = _Unpack.apply(received, bits.numel(), 2, 4)
+    assert torch.equal(out_hidden, hidden) and torch.equal(out_stats.view(torch.int32), bits.view(torch.int32))
+    grad_hidden, grad_stats = torch.randn(2, 3, 4, dtype=torch.float64).to(dtype), bits.flip(0)  # awkward bytes back
+    torch.autograd.backward([out_hidden, out_stats], [grad_hidden, grad_stats], inputs=[received])
+    packed.backward(received.grad)  # what the previous stage does with the gradient it receives
+    assert torch.equal(stats.grad.view(torch.int32), grad_stats.view(torch.int32))
+    assert torch.equal(hidden.grad, grad_hidden)
+
+
+def test_a_model_whose_routers_cannot_be_found_is_refused_in_one_line() -> None:
+    from ndtrain.errors import UserError
+    from ndtrain.models.hf_router_loss import RouterLoss
+
+    class Opaque(torch.nn.Module):  # adds a router loss in its forward, records no router class
+        config = transformers.PretrainedConfig(output_router_logits=True)
+        config.model_type = "opaque_moe"
+        router_aux_loss_coef = 0.01
+
+    with pytest.raises(UserError, match="opaque_moe: output_router_logits=true") as error:
+        RouterLoss.of(Opaque())
+    assert "\n" not in str(error.value)

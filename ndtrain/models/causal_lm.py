@@ -55,7 +55,7 @@ class CausalLM(nn.Module):
         if targets is None:
             return self.full_logits(logits)
         loss = self.loss_fn(logits, targets)
-        return loss if router is None else loss + router.loss(window.stats(logits.device), targets.numel())
+        return loss if router is None else loss + router.loss(window, targets.numel(), logits.device)
 
     def parallel_spec(self) -> ModelParallel:
         """What the parallel strategies need to know to split this model: its family's spec (hf_parallel.py)."""

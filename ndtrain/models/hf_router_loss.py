@@ -20,16 +20,19 @@ is ignored. The hooks only keep the tensor; all arithmetic happens after the for
 
 Layouts (one micro-batch is one forward, as in the reference: the mean of the pieces' losses):
 - dp, ZeRO-1/2/3: each rank's micro-batch is its own forward; nothing is exchanged.
-- cp, and tp with sequence parallelism when the routers see 1/tp of the tokens (their row count says
-  so): the ranks hold disjoint tokens of one forward. One all-reduce of (C, p, N), 2E+1 float32, per
+- cp, and tp with sequence parallelism when the routers see 1/tp of the tokens (their row count against
+  the forward's targets says so): the ranks hold disjoint tokens of one forward. One all-reduce of (C, p, N), 2E+1 float32, per
   such group and forward; each rank's loss gets the global aux as its value and its own share's gradient,
   × cp because the data-parallel strategy averages gradients over dp×cp (tp sums a replicated
   parameter's gradient under sequence parallelism: × 1). Routers that see every token (tp without
   sequence parallelism) compute the whole aux on every tp rank, their gradient identical: nothing exchanged.
 - pp: the stats of a stage's layers travel with its activation to the next stage (`RouterLoss.attach_to_stage`:
-  (C, p, N, layers) as 2E+2 float32 appended bit for bit to the flattened activation, 8·(E+1) bytes more per
-  boundary and micro-batch, the same back with the gradient); the last stage computes aux, and the gradient
-  of the earlier stages' p comes back in the activation's gradient. No extra message.
+  (C, p, N) and a pad, 2E+2 float32, appended bit for bit to the flattened activation, 8·(E+1) bytes more per
+  boundary and micro-batch, the same back with the gradient; one copy of the activation on each side); the
+  last stage adds the loss (with the all-reduces above), and the gradient of the earlier stages' p comes
+  back in the activation's gradient. No extra message.
+Whether the routers saw a 1/tp share is read from shapes (Python ints): no host synchronisation.
+With `Engine(loss_fn=...)` the user's loss replaces the model's, router term included.
 """
 
 from __future__ import annotations
@@ -66,50 +69,55 @@ class TokenGroup:
 
 @dataclass
 class RouterStats:
-    """One forward's router statistics so far: top-k counts C [E], probability sums p [E] (with gradient),
-    rows N and router layers, all float32."""
+    """One forward's router statistics so far, float32: top-k counts C [E], probability sums p [E] (with
+    gradient), rows N []."""
 
     counts: torch.Tensor
     probs: torch.Tensor
     rows: torch.Tensor
-    layers: torch.Tensor
 
     def flat(self) -> torch.Tensor:
-        """[C, p, N, layers]: 2E+2 float32 (an even count: whole float64 elements when packed)."""
-        return torch.cat([self.counts, self.probs, self.rows.view(1), self.layers.view(1)])
+        """[C, p, N, 0]: 2E+2 float32 (an even count: whole float64 elements when packed)."""
+        return torch.cat([self.counts, self.probs, self.rows.view(1), self.rows.new_zeros(1)])
 
     @staticmethod
     def of_flat(flat: torch.Tensor) -> RouterStats:
         experts = (flat.numel() - 2) // 2
-        counts, probs, rest = flat.split([experts, experts, 2])
-        return RouterStats(counts.detach(), probs, rest[0].detach(), rest[1].detach())
+        counts, probs, rows, _ = flat.split([experts, experts, 1, 1])
+        return RouterStats(counts.detach(), probs, rows.detach()[0])
 
 
 class _Window:
-    """The router logits recorded during one forward, on top of the stats carried from earlier stages."""
+    """The router logits recorded during one forward, on top of the stats carried from earlier stages;
+    `rows_per_layer`: the tokens each router layer of this rank sees (a Python int: read without a sync)."""
 
-    def __init__(self, experts: int, top_k: int, carried: RouterStats | None) -> None:
-        self.experts, self.top_k, self.carried = experts, top_k, carried
+    def __init__(self, experts: int, top_k: int, carried: RouterStats | None = None,
+                 rows_per_layer: int | None = None) -> None:
+        self.experts, self.top_k, self.carried, self.rows_per_layer = experts, top_k, carried, rows_per_layer
         self.logits: list[torch.Tensor] = []
+
+    def record(self, logits: torch.Tensor) -> None:
+        self.logits.append(logits)
+        self.rows_per_layer = logits.shape[0]
 
     def stats(self, device: torch.device) -> RouterStats:
         """C, p, N as transformers' `load_balancing_loss_func` accumulates them (no attention mask),
         layer after layer, from zeros or from the carried stats."""
-        experts, top_k = self.experts, self.top_k
         if self.carried is None:
-            zeros = torch.zeros(experts, dtype=torch.float32, device=device)
-            stats = RouterStats(zeros, zeros, zeros.new_zeros(()), zeros.new_zeros(()))
+            zeros = torch.zeros(self.experts, dtype=torch.float32, device=device)
+            stats = RouterStats(zeros, zeros, zeros.new_zeros(()))
         else:
             stats = self.carried
         counts, probs, rows = stats.counts, stats.probs, stats.rows
         for logits in self.logits:
             weights = torch.softmax(logits, dim=-1)
-            _, selected = torch.topk(weights, top_k, dim=-1)
-            chosen = torch.zeros(experts, dtype=torch.float32, device=device)
-            counts = counts + chosen.scatter_add_(0, selected.reshape(-1), torch.ones_like(selected, dtype=torch.float32).reshape(-1))
+            _, selected = torch.topk(weights, self.top_k, dim=-1)
+            chosen = selected.reshape(-1)
+            ones = torch.ones(chosen.shape, dtype=torch.float32, device=device)
+            counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen, ones)
             probs = probs + weights.float().sum(dim=0)
             rows = rows + weights.shape[0]
-        return RouterStats(counts, probs, rows, stats.layers + len(self.logits))
+        return RouterStats(counts, probs, rows)
 
 
 class RouterLoss:
@@ -147,53 +155,39 @@ class RouterLoss:
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._window is not None:
-            self._window.logits.append(output[self._index] if isinstance(output, tuple) else output)
+            self._window.record(output[self._index] if isinstance(output, tuple) else output)
 
     def spread_over(self, axis: str, group: TokenGroup) -> None:
         """The ranks of `axis` hold disjoint tokens of each forward (context parallel; tp's sequence shards)."""
         self._groups[axis] = group
 
     @contextlib.contextmanager
-    def window(self, carried: RouterStats | None = None) -> Iterator[_Window]:
-        """Record the routers' logits while open (on top of `carried`, a previous stage's stats)."""
-        self._window = window = _Window(self.experts, self.top_k, carried)
+    def window(self) -> Iterator[_Window]:
+        """Record the routers' logits while open."""
+        self._window = window = _Window(self.experts, self.top_k)
         try:
             yield window
         finally:
             self._window = None
 
-    def loss(self, stats: RouterStats, tokens: int) -> torch.Tensor:
-        """coef · aux of the forward whose `tokens` targets this rank holds: the global value, this rank's gradient."""
-        if not int(stats.layers):
-            return stats.probs.new_zeros(())
-        groups = [g for g in self._groups.values() if g.group.size > 1 and self._applies(g, stats, tokens)]
-        share = self._aux(stats.counts, stats.probs, stats.rows)
+    def loss(self, window: _Window, tokens: int, device: torch.device) -> torch.Tensor:
+        """coef · aux of the forward `window` recorded, whose `tokens` targets this rank holds: the global
+        value, this rank's share of the gradient (× the strategy's averaging)."""
+        stats = window.stats(device)
+        assert window.rows_per_layer is not None, "a whole forward runs at least one router"
+        groups = [g for g in self._groups.values() if g.group.size > 1 and _splits(g, window.rows_per_layer, tokens)]
         if not groups:
-            return self.coef * share
+            return self.coef * self._aux(stats.counts, stats.probs, stats.rows)
         total = torch.cat([stats.counts, stats.probs.detach(), stats.rows.view(1)])
         for g in groups:
             g.comm.all_reduce(total, g.group)
         counts, probs, rows = total.split([self.experts, self.experts, 1])
-        scale = math.prod(g.grad_scale for g in groups)
-        share = scale * self._aux(counts, stats.probs, rows[0])
+        share = math.prod(g.grad_scale for g in groups) * self._aux(counts, stats.probs, rows[0])
         return self.coef * (share + (self._aux(counts, probs, rows[0]) - share).detach())
 
     def _aux(self, counts: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """E · Σ_e (C_e/N)·(p_e/N), the expression and order of transformers' function."""
+        """E · Σ_e (C_e/N)·(p_e/N), in the order of transformers' expression."""
         return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * self.experts
-
-    @staticmethod
-    def _applies(group: TokenGroup, stats: RouterStats, tokens: int) -> bool:
-        """Whether `group`'s ranks saw disjoint tokens: always (cp), or when each router layer saw 1/size of them."""
-        if not group.sharded_only:
-            return True
-        per_layer = int(stats.rows) // int(stats.layers)
-        if per_layer * group.group.size == tokens:
-            return True
-        if per_layer == tokens:
-            return False
-        raise RuntimeError(f"the routers saw {per_layer} rows of a forward of {tokens} tokens over "
-                           f"{group.group.size} ranks: neither all nor 1/{group.group.size} of them")
 
     # ------------------------------------------------------------------ pipeline stages
     def attach_to_stage(self, stage: nn.Module, first: bool, last: bool) -> None:
@@ -204,22 +198,32 @@ class RouterLoss:
             lambda module, args, kwargs, output: self._leave(last, args, kwargs, output), with_kwargs=True)
 
     def _enter(self, first: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        carried = None
-        if not first:
+        self._window = _Window(self.experts, self.top_k)
+        if not first:  # each router layer here sees the incoming activation's tokens
             targets = args[1] if len(args) > 1 else kwargs["targets"]
             hidden, flat = _Unpack.apply(args[0], 2 * self.experts + 2, targets.shape[0], self.hidden_size)
-            carried, args = RouterStats.of_flat(flat), (hidden, *args[1:])
-        self._window = _Window(self.experts, self.top_k, carried)
+            self._window = _Window(self.experts, self.top_k, RouterStats.of_flat(flat), hidden.shape[0] * hidden.shape[1])
+            args = (hidden, *args[1:])
         return args, kwargs
 
     def _leave(self, last: bool, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         window, self._window = self._window, None
         assert window is not None, "a pipeline stage left without entering"
         targets = args[1] if len(args) > 1 else kwargs.get("targets")
-        stats = window.stats(output.device)
         if not last:
-            return _Pack.apply(output, stats.flat())
-        return output if targets is None else output + self.loss(stats, targets.numel())
+            return _Pack.apply(output, window.stats(output.device).flat())
+        return output if targets is None else output + self.loss(window, targets.numel(), output.device)
+
+
+def _splits(group: TokenGroup, rows_per_layer: int, tokens: int) -> bool:
+    """Whether `group`'s ranks saw disjoint tokens of the forward: always (cp), or when each router layer
+    of this rank saw 1/size of the `tokens` (sequence parallelism over tp); all of them: no."""
+    if not group.sharded_only or rows_per_layer * group.group.size == tokens:
+        return True
+    if rows_per_layer == tokens:
+        return False
+    raise RuntimeError(f"the routers saw {rows_per_layer} rows of a forward of {tokens} tokens over "
+                       f"{group.group.size} ranks: neither all nor 1/{group.group.size} of them")
 
 
 class _Pack(torch.autograd.Function):
