@@ -18,7 +18,6 @@ rank trained on in a buffer (`seen`): a non-BatchNorm buffer that drifts with un
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import pytest
@@ -31,6 +30,8 @@ from ndtrain.dist.comm import Communicator, Group
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
+from ndtrain.models.build import build_meta_model, build_seeded_model
+from ndtrain.models.digits import DigitsNet
 from ndtrain.models.digits_cnn import BatchNormDigitsNet, build_digits_net
 from ndtrain.parallel.data.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from tests.helpers.counts import counted_since
@@ -351,10 +352,12 @@ def test_refusals_are_one_line(overrides: dict[str, Any], message: str) -> None:
     assert "\n" not in str(caught.value)
 
 
-def test_digits_task_builds_the_bn_cnn() -> None:
-    cfg = load_config(None, {"model.preset": "digits", "model.digits_net": "bn_cnn"})
-    assert isinstance(build_digits_net(cfg.model.digits_net, cfg.model.dim, cfg.seed), BatchNormDigitsNet)
-    plain = build_digits_net("cnn", 64, 0)
-    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in plain.modules())
-    assert math.isclose(sum(p.numel() for p in build_digits_net("bn_cnn", 64, 0).parameters()),
-                        sum(p.numel() for p in plain.parameters()) - 32 - 64 - 64 - 128 + 2 * sum(CHANNELS))
+def test_digits_task_option_builds_the_bn_cnn() -> None:
+    """`model.digits_net` chooses the digits task's model where every run builds it (models/build.py)."""
+    cfg = load_config(None, {"model.preset": "digits", "model.digits_net": "bn_cnn", "model.dim": DIM})
+    model = build_seeded_model(cfg.model, cfg.seed)
+    assert isinstance(model, BatchNormDigitsNet) and isinstance(build_meta_model(cfg.model), BatchNormDigitsNet)
+    norms = [(name, m.num_features) for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert norms == [("features.1", 32), ("features.4", 64), ("features.8", 64), ("project.1", 128)]
+    plain = build_seeded_model(load_config(None, {"model.preset": "digits"}).model, 0)
+    assert type(plain) is DigitsNet and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in plain.modules())
