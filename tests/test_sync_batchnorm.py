@@ -33,7 +33,7 @@ from ndtrain.errors import UserError
 from ndtrain.models.build import build_meta_model, build_seeded_model
 from ndtrain.models.digits import DigitsNet
 from ndtrain.models.digits_cnn import BatchNormDigitsNet, build_digits_net
-from ndtrain.parallel.data.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from ndtrain.parallel.data.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm, describe_batchnorm
 from tests.helpers.counts import counted_since
 from tests.helpers.parity import assert_params_close, max_relative_error
 from tests.helpers.reference import decay_groups, train_reference
@@ -361,3 +361,14 @@ def test_digits_task_option_builds_the_bn_cnn() -> None:
     assert norms == [("features.1", 32), ("features.4", 64), ("features.8", 64), ("project.1", 128)]
     plain = build_seeded_model(load_config(None, {"model.preset": "digits"}).model, 0)
     assert type(plain) is DigitsNet and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in plain.modules())
+
+
+def test_description_line() -> None:
+    """The run description says over how many samples BatchNorm normalises, and warns when ranks drift."""
+    model = BatchNormDigitsNet(DIM)
+    assert describe_batchnorm(model, 1, 32) is None and describe_batchnorm(build_digits_net("cnn", DIM, 0), 4, 8) is None
+    assert describe_batchnorm(model, 2, 32) == (
+        "4 BatchNorm layers normalise each rank's micro-batch of 32 samples and their running statistics drift "
+        "apart: set parallel.sync_batchnorm = true to normalise over 64")
+    convert_sync_batchnorm(model, *one_rank())
+    assert describe_batchnorm(model, 4, 8) == "4 BatchNorm layers normalise over 4 ranks × micro-batch 8 = 32 samples (parallel.sync_batchnorm)"

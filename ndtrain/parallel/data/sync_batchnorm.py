@@ -211,7 +211,7 @@ def describe_batchnorm(model: nn.Module, ranks: int, micro_batch: int) -> str | 
     if not layers or (ranks == 1 and not synced):
         return None
     if synced == len(layers):
-        return (f"{synced} BatchNorm layers normalise over {ranks} ranks × micro-batch {micro_batch} = "
+        return (f"{synced} BatchNorm layers normalise over {ranks} rank{'s' * (ranks > 1)} × micro-batch {micro_batch} = "
                 f"{ranks * micro_batch} samples (parallel.sync_batchnorm)")
     return (f"{len(layers) - synced} BatchNorm layers normalise each rank's micro-batch of {micro_batch} samples and "
             f"their running statistics drift apart: set parallel.sync_batchnorm = true to normalise over "
