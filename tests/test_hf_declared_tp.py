@@ -4,7 +4,10 @@ Families (tests/helpers/hf_zoo.py: hidden 64, 2 layers, seeded, float64, no down
 of AdamW under tp=2 on 2 gloo processes, with sequence parallelism (`tp2_sp`) and without (`tp2`), and
 must end at the parameters of single-process training on the whole global batch (relative error
 ≤ 1e-5, tests/helpers/hf.py's TOL; the families whose RMSNorm multiplies by its weight in fp32,
-Gemma* and OLMo2, sit near 1e-7, the others near 1e-12 or below). One spawn per (layout, CI or slow set)
+Gemma*, sit near 1e-7, the others near 1e-12 or below). OLMo2 is held to 1e-4: its RMSNorm casts q
+and k to fp32 before normalising them, so q computed from split columns (equal to 1e-16) sometimes
+rounds to another fp32 value, and AdamW turns that into 2.3e-5 on the embedding after 5 steps (the same
+run with the norm computed in float64: 1.9e-13). One spawn per (layout, CI or slow set)
 trains all its families. In CI: tp2_sp for Llama (colwise/rowwise), Phi-3 (colwise_gather_output /
 rowwise_split_input), GPT-NeoX (per-head fused query_key_value), GPT-2 (hand-written plan: Conv1D,
 c_attn split per q/k/v), Qwen3 (replicate_grad_sum q_norm/k_norm) and Mixtral (moe_tp_experts with
@@ -47,6 +50,7 @@ from tests.helpers.runner import Spawns, case_result, init_method, run_each  # n
 LAYOUTS = {"tp2_sp": {"tp": 2, "sequence_parallel": True}, "tp2": {"tp": 2}}
 CI = ("llama", "phi3", "gpt_neox", "gpt2", "qwen3", "mixtral")
 SAVED = ("gpt2", "mixtral")  # packed shards in checkpoints
+TOLERANCE = {"olmo2": 1e-4}  # fp32 rounding inside HF's norm, amplified by AdamW (module docstring)
 LOCAL_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {  # what each rank holds of some parameters (layer 0)
     "llama": {"hf.model.layers.0.self_attn.q_proj.weight": (32, 64), "hf.model.layers.0.mlp.down_proj.weight": (64, 64),
               "hf.model.embed_tokens.weight": (128, 64)},
@@ -120,7 +124,7 @@ def test_family_under_tp_matches_one_process(family: str, layout: str, one_threa
     for rank, out in enumerate(outs):
         got = {name: out["params"][name] for name in ref}
         assert {t.dtype for t in got.values()} == {DTYPE}
-        assert_params_close(got, ref, TOL, f"{family} {layout} rank {rank}")
+        assert_params_close(got, ref, TOLERANCE.get(family, TOL), f"{family} {layout} rank {rank}")
         if "sp" in layout:  # sequence parallelism: all-gather + reduce-scatter around the layers' tp work
             assert {"all_gather/tp", "reduce_scatter/tp"} <= out["ops"], out["ops"]
         else:
