@@ -1,11 +1,11 @@
 """The MoE router's load-balancing loss (models/hf_router_loss.py) in the training loss, under every layout.
 
-Single process: the `CausalLM` adapter's loss equals the model's own forward with labels
+Single process: the `CausalLM` adapter's training loss equals the model's own forward with labels
 (cross-entropy + `router_aux_loss_coef` · aux) for Mixtral, Qwen2-MoE and Qwen3-MoE: the router term
 and its gradient exactly (transformers accumulates aux in float32, and so does ndtrain), the whole
 loss to float32 rounding (transformers computes its cross-entropy in float32 even for a float64
 model; the adapter in float64). With output_router_logits false or a zero coefficient the loss is
-cross-entropy alone.
+cross-entropy alone, and so is the evaluation loss (eval mode) always.
 
 Layouts: tiny float64 MoE models (tests/helpers/hf_zoo.py) with output_router_logits=true and
 coefficient COEF train 5 steps and must end at the parameters of single-process training whose loss
@@ -71,8 +71,17 @@ def _pieces(case: str) -> int:
 
 @functools.cache
 def _reference(family: str, pieces: int, coef: float = COEF) -> dict[str, torch.Tensor]:
+    return _reference_run(family, pieces, coef)[0]
+
+
+@functools.cache
+def _reference_run(family: str, pieces: int, coef: float = COEF) -> tuple[dict[str, torch.Tensor], float]:
+    """The reference's parameters and its evaluation loss (eval mode: cross-entropy) on batch STEPS."""
     model = _model(family, router_aux_loss_coef=coef, output_router_logits=coef > 0)
-    return train_reference(model, adamw(decay_groups(model)), map(batch, range(STEPS)), pieces=pieces).params
+    params = train_reference(model, adamw(decay_groups(model)), map(batch, range(STEPS)), pieces=pieces).params
+    model.eval()
+    with torch.no_grad():
+        return params, model(*batch(STEPS)).item()
 
 
 # ------------------------------------------------------------------------------------ single process
@@ -101,6 +110,16 @@ def test_without_the_term_the_loss_is_cross_entropy(changes: dict[str, Any], one
     assert model.router_loss is None
     logits = model.hf(input_ids=x, use_cache=False).logits
     assert model(x, y).item() == model.loss_fn(logits, y).item()
+
+
+def test_evaluation_reports_cross_entropy(one_thread: None) -> None:
+    """In eval mode (Engine.evaluate) the loss is the cross-entropy, nats per token, without the router term."""
+    model = _model("qwen3_moe")
+    x, y = batch(1)
+    training = model(x, y).item()
+    model.eval()
+    logits = model.hf(input_ids=x, use_cache=False, output_router_logits=False).logits
+    assert model(x, y).item() == model.loss_fn(logits, y).item() < training - 1e-3
 
 
 def test_routers_run_again_in_backward_are_not_counted(one_thread: None) -> None:
@@ -139,7 +158,8 @@ def _train(ctx: ParallelContext, base: ParallelConfig, family: str, case: str) -
         x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
         losses.append(engine.train_step(list(zip(x.chunk(micro), y.chunk(micro)))).loss)
     ops = {op for op, v in ctx.comm.stats.snapshot().items() if v != before.get(op)}
-    return {"params": engine.full_state_dict(), "losses": losses, "ops": ops}
+    evaluation = engine.evaluate([tuple(t.chunk(dp)[rank] for t in batch(STEPS))])[0]
+    return {"params": engine.full_state_dict(), "losses": losses, "ops": ops, "eval": evaluation}
 
 
 def _suite(cases: list[tuple[str, str]]) -> dict[Any, Any]:
@@ -180,9 +200,11 @@ def test_layout_matches_one_process(family: str, case: str, one_thread: None, sp
     names = [name for name, _ in _model(family).named_parameters()]
     got = {name: got[name] for name in names}
     assert {t.dtype for t in got.values()} == {DTYPE}
-    error = assert_params_close(got, _reference(family, _pieces(case)), TOL, f"{family} {case}")
+    params, evaluation = _reference_run(family, _pieces(case))
+    error = assert_params_close(got, params, TOL, f"{family} {case}")
     print(f"{family} {case}: max relative error {error:.3e}")
     assert all(out["losses"] == run[0]["losses"] for out in run)
+    assert abs(run[0]["eval"] - evaluation) <= TOL * evaluation, (run[0]["eval"], evaluation)  # cross-entropy alone
     if "cp" in layout:  # the counts' all-reduce (ring attention only sends and receives over cp), last stage
         assert "all_reduce/cp" in run[-1]["ops"], run[-1]["ops"]
 

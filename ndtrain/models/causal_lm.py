@@ -6,9 +6,9 @@ Face causal LM given `labels=` shifts them again, silently training to predict t
 ahead; this adapter never passes `labels=`. It asks the wrapped model (`self.hf`) for logits
 [B, T, V] (no KV cache) and computes the mean cross-entropy over all B·T tokens once, in fp32
 (float64 for a float64 model), like `Llama.loss_fn`. When the model's own forward would add its MoE
-router's load-balancing loss (`output_router_logits`, `router_aux_loss_coef` ≠ 0), the loss adds it too
-(`router_loss`, models/hf_router_loss.py: recorded from the routers, reduced where a layout spreads a
-forward's tokens over ranks), and the model is asked not to compute its own copy.
+router's load-balancing loss (`output_router_logits`, `router_aux_loss_coef` ≠ 0), the training loss (train
+mode) adds it too (`router_loss`, models/hf_router_loss.py: recorded from the routers, reduced where a layout
+spreads a forward's tokens over ranks), and the model is asked not to compute its own copy.
 
 Seams (attributes a strategy may replace, as on the built-in model):
 - `loss_fn(logits, targets)`: tensor parallel swaps in the vocab-parallel cross-entropy;
@@ -46,10 +46,10 @@ class CausalLM(nn.Module):
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits [B, T, V], or with targets [B, T] the mean cross-entropy over all B·T tokens (fp32 scalar),
-        plus the router loss when the model adds one."""
+        plus the router loss in train mode when the model adds one."""
         if position_ids is not None and position_ids.ndim == 1:
             position_ids = position_ids.unsqueeze(0).expand(tokens.shape[0], -1)
-        router = self.router_loss if targets is not None else None
+        router = self.router_loss if targets is not None and self.training else None  # evaluation: cross-entropy
         with router.window() if router is not None else contextlib.nullcontext() as window:
             logits = self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False, **self._no_router_output).logits
         if targets is None:

@@ -32,6 +32,9 @@ Layouts (one micro-batch is one forward, as in the reference: the mean of the pi
   last stage adds the loss (with the all-reduces above), and the gradient of the earlier stages' p comes
   back in the activation's gradient. No extra message.
 Whether the routers saw a 1/tp share is read from shapes (Python ints): no host synchronisation.
+Only the training loss (the model in train mode) gets the term: evaluation (`Engine.evaluate`, eval mode)
+reports the cross-entropy alone, the nats per token its unit says (transformers' forward would add the
+term there too).
 With `Engine(loss_fn=...)` the user's loss replaces the model's, router term included.
 """
 
@@ -195,7 +198,8 @@ class RouterLoss:
         incoming activation (not first), pack them onto the outgoing one (not last), add the loss (last)."""
         stage.register_forward_pre_hook(lambda module, args, kwargs: self._enter(first, args, kwargs), with_kwargs=True)
         stage.register_forward_hook(
-            lambda module, args, kwargs, output: self._leave(last, args, kwargs, output), with_kwargs=True)
+            lambda module, args, kwargs, output: self._leave(last, module.training, args, kwargs, output),
+            with_kwargs=True)
 
     def _enter(self, first: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._window = _Window(self.experts, self.top_k)
@@ -206,13 +210,15 @@ class RouterLoss:
             args = (hidden, *args[1:])
         return args, kwargs
 
-    def _leave(self, last: bool, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+    def _leave(self, last: bool, training: bool, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         window, self._window = self._window, None
         assert window is not None, "a pipeline stage left without entering"
         targets = args[1] if len(args) > 1 else kwargs.get("targets")
         if not last:
             return _Pack.apply(output, window.stats(output.device).flat())
-        return output if targets is None else output + self.loss(window, targets.numel(), output.device)
+        if targets is None or not training:
+            return output
+        return output + self.loss(window, targets.numel(), output.device)
 
 
 def _splits(group: TokenGroup, rows_per_layer: int, tokens: int) -> bool:
