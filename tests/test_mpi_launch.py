@@ -315,7 +315,7 @@ def test_mpirun_trains_exactly_like_the_torchrun_launch(tmp_path: Path) -> None:
     assert_bit_identical(final_weights(tmp_path / "mpirun"), final_weights(tmp_path / "torchrun"))
 
 
-@pytest.mark.slow  # ≈ 10 s; the refusal itself is in CI, in-process
+@pytest.mark.slow  # an mpirun of its own (11-27 s on this 2-core machine); the refusal itself is in CI, in-process
 def test_backend_mpi_under_mpirun_is_one_line_from_rank_0(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = run_mpirun(2, [*NDTRAIN, "train", "--data", corpus_file(tmp_path), "--out", str(out),
@@ -331,7 +331,7 @@ def our_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(("ndtrain", "[rank"))]
 
 
-@pytest.mark.slow  # ≈ 10 s
+@pytest.mark.slow  # an mpirun of its own (17-23 s on this 2-core machine)
 def test_a_file_only_one_host_lacks_is_named_by_that_rank(tmp_path: Path) -> None:
     """Rank 1 is given a data file that does not exist (as on a host without it): rank 1 prints the one
     line, naming itself; everything every rank refuses alike is printed by rank 0 alone (above)."""
@@ -343,7 +343,7 @@ def test_a_file_only_one_host_lacks_is_named_by_that_rank(tmp_path: Path) -> Non
                                "give a text file, a folder or a .jsonl file"], proc.stderr[-3000:]
 
 
-@pytest.mark.slow  # ≈ 30 s: the Slurm path of the command end to end (its variables' ranks are in CI above)
+@pytest.mark.slow  # 48-73 s here: the Slurm path of the command end to end (its variables' ranks are in CI above)
 def test_srun_variables_train_exactly_like_the_torchrun_launch(tmp_path: Path) -> None:
     """`ndtrain train` in two processes given srun's variables by hand trains like `--nproc 2`."""
     data, port = corpus_file(tmp_path), str(free_port())
