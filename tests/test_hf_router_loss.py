@@ -139,7 +139,8 @@ def test_routers_run_again_in_backward_are_not_counted(one_thread: None) -> None
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "qwen3_moe" else [pytest.mark.slow]) for f in MOE])
 def test_the_term_moves_the_reference(family: str, one_thread: None) -> None:
-    """The parity below can fail: without the term, or with it over half the tokens, parameters differ by far more than TOL."""
+    """The parity below can fail: without the term, or with it over half the tokens, the parameters
+    differ by far more than TOL."""
     with_term = _reference(family, 1)
     assert max_relative_error(_reference(family, 1, coef=0.0), with_term) > 4e-2
     assert max_relative_error(_reference(family, 2), with_term) > 4e-2

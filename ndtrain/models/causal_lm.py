@@ -40,7 +40,8 @@ class CausalLM(nn.Module):
         self.hf = hf_model
         self.router_loss = RouterLoss.of(hf_model)  # None: the loss is cross-entropy alone
         # the model's own router loss would be computed and dropped: ask for none (router_loss adds it)
-        self._no_router_output = {"output_router_logits": False} if getattr(hf_model.config, "output_router_logits", False) else {}
+        asked = getattr(hf_model.config, "output_router_logits", False)
+        self._no_router_output = {"output_router_logits": False} if asked else {}
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
@@ -51,7 +52,8 @@ class CausalLM(nn.Module):
             position_ids = position_ids.unsqueeze(0).expand(tokens.shape[0], -1)
         router = self.router_loss if targets is not None and self.training else None  # evaluation: cross-entropy
         with router.window() if router is not None else contextlib.nullcontext() as window:
-            logits = self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False, **self._no_router_output).logits
+            logits = self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False,
+                             **self._no_router_output).logits
         if targets is None:
             return self.full_logits(logits)
         loss = self.loss_fn(logits, targets)

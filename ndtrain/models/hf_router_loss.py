@@ -1,4 +1,4 @@
-"""The MoE router's load-balancing loss, added to the training loss as the model's own forward adds it, under every layout.
+"""The MoE router's load-balancing loss in the training loss, as the model's own forward adds it, under every layout.
 
 What transformers does (Mixtral, Qwen2-MoE, Qwen3-MoE and the other families whose `*ForCausalLM.forward`
 calls `load_balancing_loss_func`): with `config.output_router_logits` true and labels given, the loss is
@@ -21,11 +21,12 @@ is ignored. The hooks only keep the tensor; all arithmetic happens after the for
 Layouts (one micro-batch is one forward, as in the reference: the mean of the pieces' losses):
 - dp, ZeRO-1/2/3: each rank's micro-batch is its own forward; nothing is exchanged.
 - cp, and tp with sequence parallelism when the routers see 1/tp of the tokens (their row count against
-  the forward's targets says so): the ranks hold disjoint tokens of one forward. One all-reduce of (C, p, N), 2E+1 float32, per
-  such group and forward; each rank's loss gets the global aux as its value and its own share's gradient,
-  × cp because the data-parallel strategy averages gradients over dp×cp (tp sums a replicated
-  parameter's gradient under sequence parallelism: × 1). Routers that see every token (tp without
-  sequence parallelism) compute the whole aux on every tp rank, their gradient identical: nothing exchanged.
+  the forward's targets says so): the ranks hold disjoint tokens of one forward. One all-reduce of
+  (C, p, N), 2E+1 float32, per such group and forward; each rank's loss gets the global aux as its
+  value and its own share's gradient, × cp because the data-parallel strategy averages gradients over
+  dp×cp (tp sums a replicated parameter's gradient under sequence parallelism: × 1). Routers that see
+  every token (tp without sequence parallelism) compute the whole aux on every tp rank, their gradient
+  identical (parallel/model/moe.py keeps the router outside the experts' f): nothing exchanged.
 - pp: the stats of a stage's layers travel with its activation to the next stage (`RouterLoss.attach_to_stage`:
   (C, p, N) and a pad, 2E+2 float32, appended bit for bit to the flattened activation, 8·(E+1) bytes more per
   boundary and micro-batch, the same back with the gradient; one copy of the activation on each side); the
@@ -206,7 +207,8 @@ class RouterLoss:
         if not first:  # each router layer here sees the incoming activation's tokens
             targets = args[1] if len(args) > 1 else kwargs["targets"]
             hidden, flat = _Unpack.apply(args[0], 2 * self.experts + 2, targets.shape[0], self.hidden_size)
-            self._window = _Window(self.experts, self.top_k, RouterStats.of_flat(flat), hidden.shape[0] * hidden.shape[1])
+            rows = hidden.shape[0] * hidden.shape[1]
+            self._window = _Window(self.experts, self.top_k, RouterStats.of_flat(flat), rows)
             args = (hidden, *args[1:])
         return args, kwargs
 
@@ -250,14 +252,18 @@ class _Unpack(torch.autograd.Function):
     """The inverse of `_Pack`: hidden [B, -1, d] and the float32 stats (S of them), bit for bit both ways."""
 
     @staticmethod
-    def forward(ctx: Any, packed: torch.Tensor, size: int, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, packed: torch.Tensor, size: int, batch: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         tail = size * 4 // packed.element_size()
         ctx.dtype, ctx.n = packed.dtype, packed.numel() - tail
         hidden = packed[: ctx.n].view(batch, -1, width).clone()
         return hidden, packed[ctx.n :].contiguous().view(torch.uint8).view(torch.float32).clone()
 
     @staticmethod
-    def backward(ctx: Any, grad_hidden: torch.Tensor, grad_stats: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_hidden: torch.Tensor, grad_stats: torch.Tensor
+    ) -> tuple[Any, ...]:
         """(Undefined gradients arrive as zeros: autograd materialises them for custom functions.)"""
         tail = grad_stats.contiguous().view(torch.uint8).view(ctx.dtype)
         return torch.cat([grad_hidden.reshape(-1), tail]), None, None, None
