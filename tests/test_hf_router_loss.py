@@ -13,8 +13,10 @@ per step is the mean of the layout's micro-batches, each with its own router ter
 leaving the term out, or computing it over half of a micro-batch's tokens, moves the parameters by
 ≥ 4e-2: `test_the_term_moves_the_reference`). dp2, ZeRO-3, recompute (routers run again in backward),
 cp2 (one all-reduce of the counts per forward), pp2 (1f1b, zb: the counts ride on the activation),
-tp2 with and without sequence parallelism, and on 4 processes cp2×pp2, tp2×pp2 with sequence parallelism
-and dp2×pp2 with ZeRO-1. One spawn per number of processes trains all of its cases, layout after
+tp2 with and without sequence parallelism, and on 4 processes cp2×pp2, tp2×pp2 with sequence
+parallelism and dp2×pp2 with ZeRO-1; Qwen2-MoE with a dense last layer under pp2 and tp2×pp2 (its last
+stage runs no router: the counts all come from the stage before). Each layout's evaluation loss must be
+the reference's cross-entropy. One spawn per number of processes trains all of its cases, layout after
 layout; in CI a representative part runs (Qwen3-MoE under cp2 and pp2: the all-reduce and the stats
 riding on the activation), the rest is slow.
 """
@@ -54,11 +56,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {  # case → (layout, parallel c
 }
 LAYOUTS = {"dp": ({}, 2), "cp": ({"cp": 2}, 2), "pp": ({"pp": 2}, 2), "tp": ({"tp": 2}, 2),  # → (axes, processes)
            "cp_pp": ({"cp": 2, "pp": 2}, 4), "tp_pp": ({"tp": 2, "pp": 2}, 4), "dp_pp": ({"pp": 2}, 4)}
+# Qwen2-MoE with a dense MLP in its last layer: the last pipeline stage runs no router of its own
+VARIANTS = {"qwen2_moe_dense_last": ("qwen2_moe", {"mlp_only_layers": [1]})}
+CELLS = [(f, c) for c in CASES for f in MOE] + [("qwen2_moe_dense_last", c) for c in ("pp2_1f1b", "tp2_sp_pp2")]
 FAST = {("qwen3_moe", "cp2"), ("qwen3_moe", "pp2_1f1b")}
 
 
 def _model(family: str, **changes: Any) -> torch.nn.Module:
-    return zoo_model(family, **{"output_router_logits": True, "router_aux_loss_coef": COEF, **changes})
+    family, variant = VARIANTS.get(family, (family, {}))
+    return zoo_model(family, **{"output_router_logits": True, "router_aux_loss_coef": COEF, **variant, **changes})
 
 
 def _pieces(case: str) -> int:
@@ -185,15 +191,14 @@ def spawns() -> Spawns:
 def _params() -> list[Any]:
     return [pytest.param(family, case, id=f"{family}-{case}",
                          marks=[] if (family, case) in FAST else [pytest.mark.slow])
-            for case in CASES for family in MOE]
+            for family, case in CELLS]
 
 
 @pytest.mark.parametrize(("family", "case"), _params())
 def test_layout_matches_one_process(family: str, case: str, one_thread: None, spawns: Spawns) -> None:
     layout = CASES[case][0]
     slow, processes = (family, case) not in FAST, LAYOUTS[layout][1]
-    cases = [(f, c) for c in CASES for f in MOE
-             if LAYOUTS[CASES[c][0]][1] == processes and ((f, c) not in FAST) == slow]
+    cases = [(f, c) for f, c in CELLS if LAYOUTS[CASES[c][0]][1] == processes and ((f, c) not in FAST) == slow]
     run = case_result(spawns.get((processes, slow), processes, cases), (family, case))
     got: dict[str, torch.Tensor] = {}
     for out in run:  # pipeline ranks each hold their stages' parameters (tp gathered)
