@@ -38,6 +38,7 @@ TpStyle = Literal["colwise", "rowwise", "vocab", "replicate", "colwise_gather_ou
                   "qkv_colwise", "packed_colwise", "moe_tp_experts", "replicate_grad_sum"]
 LrScaling = Literal["none", "linear", "sqrt"]  # optim.lr relative to optim.reference_batch
 DigitsNet = Literal["cnn", "bn_cnn"]  # the digits task's model: models/digits.py, models/digits_cnn.py
+Attention = Literal["auto", "sdpa", "eager"]  # an hf: model's attention implementation (models/hf.py)
 
 
 def values(option: Any) -> tuple[Any, ...]:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from ndtrain.config.checks import check_choices, exists, positive
-from ndtrain.config.options import DataFormat, DigitsNet, LrScaling, ProgressMode
+from ndtrain.config.options import Attention, DataFormat, DigitsNet, LrScaling, ProgressMode
 from ndtrain.config.presets import DEFAULT_PRESET, is_hf_preset
 from ndtrain.errors import UserError
 
@@ -37,12 +37,16 @@ class ModelConfig:
     init_std: float = 0.02
     init_from: str | None = None  # weights to start from: an HF save_pretrained folder or a .safetensors file
     digits_net: DigitsNet = "cnn"  # --model digits: the plain CNN, or bn_cnn (BatchNorm after every layer)
+    attention: Attention = "auto"  # an hf: model's: auto = sdpa where its class supports it, else eager (models/hf.py)
 
     def validate(self) -> None:
         positive(self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")
         check_choices(self)
         if self.digits_net != "cnn" and self.preset != "digits":
             raise UserError(f"model.digits_net={self.digits_net!r} chooses the digits task's model: use it with --model digits")
+        if self.attention != "auto" and not is_hf_preset(self.preset):
+            raise UserError(f"model.attention={self.attention!r} chooses a Hugging Face model's attention implementation: "
+                            "use it with --model hf:PATH")
         positive(self, "norm_eps", "rope_theta", "init_std")
         if self.init_from is not None and not exists(self.init_from):
             raise UserError(f"model.init_from {self.init_from!r} does not exist: give an HF model folder or a .safetensors file")
