@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from ndtrain.checkpoint.buffers import buffer_names
 from ndtrain.checkpoint.store import load_checkpoint, save_checkpoint, select_checkpoint
 from ndtrain.checkpoint.manifest import MANIFEST, verify
 from ndtrain.config import ParallelConfig
@@ -156,6 +157,7 @@ class Engine:
         full = model_fn().to(ctx.device)
         full = synchronise_batchnorm(full, ctx) if cfg.sync_batchnorm else full  # same tensors and names
         name_parameters(full)
+        self.buffer_sites = buffer_names(full)  # persistent buffers by their unsharded names (checkpoints)
         self.parameter_count = count_parameters(full)
         full_shapes = {name: p.shape for name, p in full.named_parameters(remove_duplicate=False)}
         self.loss_fn = loss_fn

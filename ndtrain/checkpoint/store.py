@@ -5,6 +5,7 @@ Layout of RUN_DIR/checkpoints:
         .metadata, *.distcp every tensor under the unsharded model's names with global shapes
         progress.json       trainer progress, LR schedule, optimizer hyperparameters (JSON, rank 0)
         rng/rank00000.pt    each rank's RNG states (written by that rank only)
+        buffers/rank*.pt    persistent buffers (BatchNorm statistics) by name, one file per stage (`buffers.py`)
         manifest.json       every file's size and SHA-256, step, layout, versions (written last)
     latest                  name of the newest complete checkpoint
 
@@ -41,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ndtrain.checkpoint.buffers import buffer_names, held, load_buffers, write_buffers
 from ndtrain.checkpoint.format import FORMAT, SliceLoadPlanner, SliceSavePlanner, load_pieces, problems, save_pieces
 from ndtrain.checkpoint.manifest import PARTIAL, Choice, choose, obsolete, step_of, write_manifest
 from ndtrain.errors import UserError
@@ -169,6 +171,8 @@ def save_checkpoint(directory: Path, step: int, engine: Any, extra: dict[str, An
         rng_dir.mkdir(exist_ok=True)
         with open(rng_dir / f"rank{ctx.rank:05d}.pt", "wb") as file:  # a Python file: a full disk is an OSError
             torch.save(_rng_state(ctx.device), file)
+        if all(ctx.coord(axis) == 0 for axis in ("dp", "cp", "tp")):  # one writer per pipeline stage
+            write_buffers(partial, ctx.rank, held(engine.buffer_sites, engine.model))
 
     def finish() -> None:
         if ctx.is_main:
@@ -224,6 +228,7 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
             engine.scheduler.load_state_dict(extra["scheduler"])
         _restore_groups(engine.optimizer, engine.scheduler, extra.get("optimizer_groups", []))
         engine.load_extra_state(extra.get("engine", {}))
+        load_buffers(path, held(engine.buffer_sites, engine.model))
         rng_file = path / "rng" / f"rank{ctx.rank:05d}.pt"
         if rng_file.exists():  # a rank beyond the saved world keeps its own RNG
             _set_rng_state(load_tensors(rng_file), ctx.device)
@@ -284,9 +289,11 @@ def _reason(error: BaseException) -> str:
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load only the model weights of a checkpoint into a single-process model (no process group)."""
+    """Load only the model weights (parameters and persistent buffers) of a checkpoint into a single-process
+    model (no process group)."""
     state = {"model": {name: p.detach() for name, p in model.named_parameters()}}  # a tied weight once
     try:
         _dcp_load(state, path, no_dist=not dist.is_initialized())  # in place, into the parameters
+        load_buffers(path, buffer_names(model))
     except (Exception, CheckpointException) as e:
         raise UserError(f"cannot load model weights from {str(path)!r}: {_reason(e)}") from None
