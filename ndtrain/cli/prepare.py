@@ -45,7 +45,7 @@ def prepare_run(cfg: TrainConfig, check: bool, local_nproc: int, local_rank: int
     from ndtrain.models.hf import check_hf_model, hf_path, is_hf_model
 
     if is_hf_model(cfg.model.preset):
-        check_hf_model(hf_path(cfg.model.preset), cfg.model.seq_len, cfg.parallel)
+        check_hf_model(hf_path(cfg.model.preset), cfg.model.seq_len, cfg.parallel, cfg.model.attention)
     from ndtrain.run.layout_check import check_layout_on_meta
 
     check_layout_on_meta(cfg, cfg.launch.nproc)  # heads vs tp, sequence vs cp, layers vs pp: before any folder

@@ -21,14 +21,14 @@ def build_seeded_model(cfg: ModelConfig, seed: int) -> nn.Module:
     weights when its folder holds some); `cfg.init_from` is not read here."""
     if cfg.preset == "digits":
         return build_digits_net(cfg.digits_net, cfg.dim, seed)
-    return build_hf_model(hf_path(cfg.preset), seed) if is_hf_model(cfg.preset) else build_model(cfg, seed)
+    return build_hf_model(hf_path(cfg.preset), seed, cfg.attention) if is_hf_model(cfg.preset) else build_model(cfg, seed)
 
 
 def build_meta_model(cfg: ModelConfig) -> nn.Module:
     """The model `cfg.preset` names on the meta device: the modules and shapes `build_seeded_model` gives,
     without memory, initialisation or reading any weights (what the launcher checks a layout against)."""
     if is_hf_model(cfg.preset):
-        return build_meta_hf_model(hf_path(cfg.preset))
+        return build_meta_hf_model(hf_path(cfg.preset), cfg.attention)
     with torch.device("meta"):
         return DIGITS_NETS[cfg.digits_net](cfg.dim) if cfg.preset == "digits" else Llama(cfg)
 

@@ -83,7 +83,7 @@ def hf_model_table(preset: str, model_raw: dict[str, Any]) -> tuple[dict[str, An
                 f"the HF config decides the model's sizes and values; drop model.{key}"
             )
     return {**model_raw, **{k: v for k, v in sizes.items() if k not in model_raw or k != "seq_len"},
-            "preset": f"hf:{path}"}, path
+            "preset": f"hf:{path}", "attention": hf.resolve_attention(path, model_raw.get("attention", "auto"))}, path
 
 
 def hf_config_values(config: dict[str, Any]) -> dict[str, float]:
