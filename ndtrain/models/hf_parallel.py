@@ -18,8 +18,9 @@ Read from the family record (`hf_families.Family`, keyed by `config.model_type`)
   input (the same all-gather, moved up one module): the base model's own code after its layers then
   sees whole sequences (GPT-2 reshapes its last hidden states to (−1, T, d), which would silently
   regroup a shard).
-- Pipeline: the family's decoder-layer list, cut into `HFStage`s (models/hf_stages.py); the
-  first stage adds the embeddings, the last the final norm and head; `balance=measured` is refused.
+- Pipeline: the family's decoder-layer list, cut into `HFStage`s (models/hf_stages.py: each runs the
+  family's own forward over its layers); the first stage adds the embeddings, the last the final norm and
+  head; a model with parameters outside those parts (`pipeline_refusal`) and `balance=measured` are refused.
 - Recomputation: `selective` recomputes each layer's whole attention module (HF has no `attend` seam).
 """
 
@@ -37,7 +38,7 @@ from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.hf_declared import applicable_plan
 from ndtrain.models.hf_families import decoder_layers, family_of, hf_config
 from ndtrain.models.hf_context import apply_hf_context_parallel
-from ndtrain.models.hf_stages import HFStage, end_costs
+from ndtrain.models.hf_stages import HFStage, end_costs, pipeline_refusal
 from ndtrain.parallel.model.context import Ring
 from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, SequenceCut
 from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim, GatherSequence
@@ -114,6 +115,9 @@ class HFParallel(ModelParallel):
                             "or wrap it in ndtrain.models.causal_lm.CausalLM")
         if balance == "measured":
             raise UserError("pipeline balance 'measured' is not supported for Hugging Face models: use 'params'")
+        refusal = pipeline_refusal(self.model, self.family)
+        if refusal is not None:
+            raise UserError(refusal)
         return list(self._layers())
 
     def end_costs(self) -> tuple[float, float]:

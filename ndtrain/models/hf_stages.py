@@ -22,7 +22,7 @@ Granite's `logits_scaling`). A stage after the first gives the forward an all-ze
 `inputs_embeds` of the activation's shape (what the prologue reads is its shape, dtype and device; what it
 computes from its values is replaced by the incoming activation before the stage's first layer).
 
-Refused in one line (`pipeline_refusal`, checked by the launcher and by the cut): a base model or
+Refused in one line (`pipeline_refusal`, checked by the launcher and by the spec before the cut): a base model or
 `*ForCausalLM` holding parameters outside the plan's parts (embedding, layers, final norm, head) — a
 module the plan does not place in any stage, whose output may feed every layer (Gemma4's per-layer
 embeddings, DeepSeek-V4's hyper-connection head).
@@ -41,7 +41,6 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ndtrain.errors import UserError
 from ndtrain.models.hf_families import Family, hf_config, hf_model
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -148,9 +147,6 @@ class HFStage(nn.Module):
     def __init__(self, model: nn.Module, family: Family, layer_ids: Sequence[int], first: bool, last: bool,
                  loss_fn: LossFn | None) -> None:
         super().__init__()
-        refusal = pipeline_refusal(model, family)
-        if refusal is not None:
-            raise UserError(refusal)
         self.first, self.last = first, last
         self.config = hf_config(model)
         self._family = family
