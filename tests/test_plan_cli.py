@@ -124,14 +124,42 @@ def test_an_old_profile_is_refused_with_the_fix(tmp_path, capsys: pytest.Capture
 def test_published_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["--published"]) == 0
     out = capsys.readouterr().out
-    assert "llm-foundry" in out and "held out" in out and "fit" in out
-    assert "held out: 10 rows, median |error|" in out and "ordering, BigScience" in out
+    assert "llm-foundry" in out and "Megatron-Bridge 25.11" in out and "fused-fp8" in out
+    assert "fit sources, in sample: " in out and "held out: 5 rows, median |error|" in out
+    assert "ordering, BigScience" in out
+
+
+def test_kernels_chooses_the_stack_of_a_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "64", "--json", "--tp", "1",
+            "--pp", "1", "--dp", "8", "--cp", "1", "--zero", "3", "--mbs", "1", "--vpp", "1", "--recompute", "full",
+            "--sp", "false"]
+    speeds = {}
+    for stack in ("eager", "fused", "fused-fp8"):
+        assert run([*argv, "--kernels", stack]) == 0
+        speeds[stack] = json.loads(capsys.readouterr().out)["candidates"][0]["tokens_per_s"]
+    assert run(argv) == 0  # the default: ndtrain's own layers, eager
+    assert json.loads(capsys.readouterr().out)["candidates"][0]["tokens_per_s"] == speeds["eager"]
+    assert speeds["eager"] < speeds["fused"] < speeds["fused-fp8"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "64", "--kernels", "fused-fp8"],
+     "--kernels fused-fp8 runs FP8 GEMMs, which a100-80gb has no tensor cores for"),
+    (["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "64", "--kernels", "cudnn"],
+     "argument --kernels: invalid choice: 'cudnn'"),
+    (["--model", "bench", "--gpus", "2", "--profile", "p.json", "--global-batch", "8", "--kernels", "eager"],
+     "a --profile runs ndtrain's own layers at the rates --calibrate measured: drop --kernels"),
+])
+def test_kernels_mistakes_are_one_line(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(argv) == 2
+    assert fragment in one_error_line(capsys)
 
 
 def test_explain_shows_the_best_layouts_terms(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch", "64",
                 "--explain"]) == 0
     out = capsys.readouterr().out
-    for term in ("gemm", "waves", "128×256 tiles on 132 SMs", "attention", "element-wise", "recompute adds",
-                 "one layer backward", "gradients reduced at 2 bytes", "φ =", "dp_comm", "step"):
+    for term in ("kernel profile eager", "gemm", "waves", "128×256 tiles on 132 SMs", "attention", "element-wise",
+                 "move at η_ew", "recompute adds", "one layer backward", "gradients reduced at 2 bytes", "φ =",
+                 "dp_comm", "step"):
         assert term in out

@@ -121,6 +121,19 @@ def test_without_a_layer_profile_compute_comes_from_flops(tmp_path: Path) -> Non
     assert t.compute > 4 * BENCH.seq * BENCH.model_flops_per_token / 60e9  # FLOPs at 60 GFLOP/s + traffic
 
 
+def test_the_measured_element_wise_rate_prices_the_element_wise_work(tmp_path: Path) -> None:
+    """`--calibrate` measures ndtrain's own element-wise layer ops (GB/s of the bytes the eager profile
+    counts); without layer pieces that rate, relative to the copy rate, is η_ew (1 in older profiles)."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**cpu_profile(), "elementwise_gbs": {"1": 5.0, "2": 3.0}}))
+    measured = load_profile(path, 2)
+    assert measured.efficiency.elementwise == pytest.approx(3.0 / 12.0)  # 2 processes: 3 of the copy's 12 GB/s
+    older = hardware(tmp_path, 2)
+    assert older.efficiency.elementwise == 1.0
+    slow, fast = (step_time(BENCH, layout(dp=2), Cluster(hw, 2, 2), B).compute for hw in (measured, older))
+    assert slow > fast
+
+
 def test_profile_errors(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not an ndtrain CPU profile"):
         (tmp_path / "x.json").write_text("{}")

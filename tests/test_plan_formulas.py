@@ -203,8 +203,11 @@ def test_step_time_of_a_single_gpu_is_the_sum_of_its_terms() -> None:
 
     products = [gemm(tokens, h, 3 * h), gemm(tokens, h, h), gemm(tokens, h, f), gemm(tokens, f, h)]
     attention = tokens * 4 * 512 * h / (eff.matmul * hw.peak_flops)  # dense kernel: batched GEMMs
-    element = eff.element_passes * layer_activation_bytes(spec, layout(), MIXED_BF16, "none") / hw.hbm_bandwidth
-    loss = eff.element_passes * 4 * tokens * v / hw.hbm_bandwidth
+    # the default kernel profile (eager): LayerNorm 4, residual 6 + dropout 5, GeLU 4 per element; the dense
+    # score chain 13 + dropout 5 per score; cross-entropy 14 per logit; at η_ew of the HBM bandwidth
+    bandwidth = eff.elementwise * hw.hbm_bandwidth
+    element = tokens * (2 * 4 * h + 2 * 11 * h + 4 * f + 18 * 16 * 512) / bandwidth
+    loss = 14 * tokens * v / bandwidth
     logits_f, logits_b = gemm(tokens, h, v)
     layer_f = sum(f for f, _ in products) + attention + element
     layer_b = sum(b for _, b in products) + 2 * (attention + element)

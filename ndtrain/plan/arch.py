@@ -13,6 +13,10 @@ Parameters (exact, as the reference implementations build them):
           per layer  h·(a+2k)·d + a·d·h  [attention]  +  3·h·f  [w1, w2, w3]  +  2h  [norms]
           total  l·(per layer) + 2·V·h + h
 
+Dropout, by arch unless `dropout` says otherwise: gpt has it (Megatron's GPT practice, 0.1 on the
+hidden states and the attention probabilities), llama has none; it decides the element-wise work of
+a kernel profile (`kernels.py`: the masks' bytes), not the FLOPs.
+
 Attention kernel, by arch unless `flash` says otherwise (the practice of each family's published runs):
     gpt    Megatron's dense masked softmax (Shoeybi 2019): QKᵀ and AV over the full s×s score
            matrix, which is stored for the backward (Korthikanti 2022's 5·a·s²·b)
@@ -53,6 +57,7 @@ class ModelSpec:
     vocab: int
     seq: int
     flash: bool | None = None  # attention kernel: None = the family's practice (see above)
+    dropout: bool | None = None  # dropout layers: None = the family's practice (see above)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -120,6 +125,10 @@ class ModelSpec:
     def flash_attention(self) -> bool:
         """Causal FlashAttention rather than a stored dense score matrix: llama unless told otherwise."""
         return self.arch == "llama" if self.flash is None else self.flash
+
+    @cached_property
+    def has_dropout(self) -> bool:
+        return self.arch == "gpt" if self.dropout is None else self.dropout
 
     @cached_property
     def attention_forward_flops_per_token(self) -> int:

@@ -4,6 +4,8 @@ Measured, each in freshly spawned processes that all work at once (so shared cor
     matmul      fp32 and bf16 GFLOP/s per process, n = 1 and 2 processes (cores/n threads each):
                 2·N³ FLOPs per N×N product, median over repeats
     memory      copy bandwidth per process, 2·bytes per copy (read + write)
+    elementwise ndtrain's own layer ops (norms, rotary, SwiGLU product, residual adds) in GB/s of the
+                bytes the eager kernel profile counts for them (calibrate_elementwise.py), per process
     collectives for P = 2 and 4 processes (and --gpus N): each op in groups of n while the
                 processes compute between collectives (calibrate_comm.py)
     layers      with --model/--arch: the model's block and ends, forward and backward, per tp shard
@@ -55,6 +57,8 @@ def _timed(fn: Callable[[], None], budget_s: float = REPEAT_S, min_reps: int = 3
 def _compute_worker(rank: int, threads: int, barrier: Any, results: Any) -> None:
     import torch
 
+    from ndtrain.plan import calibrate_elementwise
+
     torch.set_num_threads(threads)
     baseline = _rss_mib()
     rates: dict[str, float] = {}
@@ -66,7 +70,10 @@ def _compute_worker(rank: int, threads: int, barrier: Any, results: Any) -> None
     dst = torch.empty_like(src)
     barrier.wait()
     copy_gbs = 2 * COPY_BYTES / _timed(lambda: dst.copy_(src)) / 1e9
-    results.put((rank, {"matmul": rates, "copy_gbs": copy_gbs, "baseline_mib": baseline}))
+    barrier.wait()
+    elementwise_gbs = calibrate_elementwise.measure(_timed)
+    results.put((rank, {"matmul": rates, "copy_gbs": copy_gbs, "elementwise_gbs": elementwise_gbs,
+                        "baseline_mib": baseline}))
 
 
 def _layers_worker(rank: int, threads: int, model: ModelSpec, tps: list[int], barrier: Any, results: Any) -> None:
@@ -170,13 +177,14 @@ def run(out: Path, model: ModelSpec | None = None, processes: tuple[int, ...] = 
     cores = os.cpu_count() or 1
     tps = cpu_profile.profiled_tps(model, max(processes)) if model is not None else []
     profile: dict[str, Any] = {"kind": "ndtrain-cpu-profile", "version": cpu_profile.VERSION, "cores": cores,
-                               "matmul_gflops": {"fp32": {}, "bf16": {}}, "memory_gbs": {}, "collectives": {},
-                               "models": {}}
+                               "matmul_gflops": {"fp32": {}, "bf16": {}}, "memory_gbs": {}, "elementwise_gbs": {},
+                               "collectives": {}, "models": {}}
     for n in (1, 2):
         per_rank = _measure_compute(n, cores)
         for dtype in ("fp32", "bf16"):
             profile["matmul_gflops"][dtype][str(n)] = round(statistics.median(r["matmul"][dtype] for r in per_rank), 3)
         profile["memory_gbs"][str(n)] = round(statistics.median(r["copy_gbs"] for r in per_rank), 3)
+        profile["elementwise_gbs"][str(n)] = round(statistics.median(r["elementwise_gbs"] for r in per_rank), 3)
         profile["process_baseline_mib"] = round(max(r["baseline_mib"] for r in per_rank), 1)
     for p in sorted(set(processes)):
         if p > 1:
@@ -205,6 +213,8 @@ def summary(profile: dict[str, Any]) -> str:
     for dtype, rates in profile["matmul_gflops"].items():
         lines.append(f"  matmul {dtype}: " + ", ".join(f"{n} proc {r:.1f} GFLOP/s each" for n, r in rates.items()))
     lines.append("  copy: " + ", ".join(f"{n} proc {r:.1f} GB/s each" for n, r in profile["memory_gbs"].items()))
+    lines.append("  ndtrain's element-wise layer ops: " + ", ".join(
+        f"{n} proc {r:.1f} GB/s each" for n, r in profile["elementwise_gbs"].items()))
     for p, ops in profile["collectives"].items():
         lines.append(f"  {p} processes computing: {ops['chunk_ms']:.2f} ms per compute chunk")
         for op, fits in ops.items():

@@ -4,12 +4,14 @@
     ndtrain plan --arch gpt --layers 48 --hidden 6144 --heads 48 --vocab 51200 --seq-len 2048 ...
     ndtrain plan ... --tp 8 --pp 4 --dp 2 --cp 1 --zero 1 --micro-batch 1 --recompute selective --sp true
                  --schedule 1f1b      (every layout flag given: that one layout is evaluated)
+    ndtrain plan ... --kernels fused-fp8         the software stack the layers run (kernels.py; default eager)
     ndtrain plan --calibrate [--out PATH] [--model NAME | --arch ...] [--gpus N]
                                                  measure this machine (and the model's layers)
     ndtrain plan --profile PATH --gpus 4 ...     plan local CPU processes with that profile
-    ndtrain plan --published                     the cluster-scale check against published runs
-    ndtrain plan --fit-published                 refit the GPU efficiency constants on its fit rows
-    ndtrain plan --ablation                      refit with each term taken out (docs/planner.md's table)
+    ndtrain plan --validate                      leave-one-source-out and held-out check on published runs
+    ndtrain plan --published                     every published row with its prediction
+    ndtrain plan --fit-published                 refit the GPU efficiency constants on the fit sources
+    ndtrain plan --ablation                      each term taken out, judged leave-one-source-out
     ndtrain plan --validate bench-results/layouts-n4.json --profile plan-profile.json
                                                  predicted vs measured step times of `bench layouts`
 
@@ -27,12 +29,13 @@ from ndtrain.cli.flags import BOOL_METAVAR, parse_bool
 from ndtrain.config import MODEL_PRESETS
 from ndtrain.errors import UserError
 from ndtrain.config.options import PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
-from ndtrain.plan import ablation, arch, calibrate, fit, report, validate
+from ndtrain.plan import ablation, arch, calibrate, fit, kernels, loso, report, validate
 from ndtrain.plan.cpu_profile import load_profile
 from ndtrain.plan.hardware import GPUS, Cluster, gpu
 from ndtrain.plan.search import Fixed, search
 
 DEFAULT_PROFILE = Path("plan-profile.json")
+LOSO = Path()  # `--validate` with no file: the published runs' leave-one-source-out check
 
 
 # Model names: ndtrain's own presets (as `train --model` and `bench --model` spell them), then the
@@ -72,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="inter-node bandwidth per GPU, GB/s (default: the GPU's)")
     cluster.add_argument("--profile", type=Path, help="calibrated CPU profile (from --calibrate) instead of --gpu "
                          "(default: none)")
+    cluster.add_argument("--kernels", choices=tuple(kernels.PROFILES), help="the software stack the GPU layers run: "
+                         + "; ".join(f"{p.name}: {p.stack}" for p in kernels.PROFILES.values())
+                         + f" (default: {kernels.DEFAULT.name}, ndtrain's own layers)")
     cluster.add_argument("--global-batch", type=int, metavar="N",
                          help="sequences per optimizer step (default: none; required)")
 
@@ -91,15 +97,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--top", type=int, default=10, metavar="N", help="layouts to show")
     out.add_argument("--json", action="store_true", help='print {"candidates": [...]} best first')
     out.add_argument("--explain", action="store_true", help="why rejected layouts fail, and the best layout's time term by term")
-    out.add_argument("--published", action="store_true", help="compare with published large-scale runs")
+    out.add_argument("--published", action="store_true", help="every published run with its prediction")
     out.add_argument("--fit-published", action="store_true",
-                     help="refit the GPU efficiency constants on the published fit rows and print them")
+                     help="refit the GPU efficiency constants on the published fit sources and print them")
     out.add_argument("--ablation", action="store_true",
-                     help="refit the constants with each term of the GPU model taken out, and print the table")
+                     help="take each term of the GPU model out, refit, and print its leave-one-source-out errors")
     out.add_argument("--calibrate", action="store_true", help="measure this machine into a CPU profile; with --model/--arch also "
                      "that model's layers; --gpus N adds a process count to the default 1, 2, 4")
-    out.add_argument("--validate", type=Path, metavar="RESULT",
-                     help="compare with a `bench layouts` JSON result (needs --profile; default: none)")
+    out.add_argument("--validate", type=Path, metavar="RESULT", nargs="?", const=LOSO,
+                     help="alone: the planner's leave-one-source-out and held-out errors on published runs; with "
+                     "RESULT: compare with a `bench layouts` JSON result (needs --profile) (default: none)")
     out.add_argument("--out", type=Path, default=DEFAULT_PROFILE, help="profile path written by --calibrate")
 
 
@@ -129,6 +136,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.ablation:
         print(ablation.table([ablation.evaluate(variant) for variant in ablation.VARIANTS]))
+        return 0
+    if args.validate is LOSO:
+        print(loso.report())
         return 0
     if args.validate is not None:
         return _validate(args.validate, args.profile)
@@ -186,12 +196,16 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     if args.profile is not None:
         if args.gpu:
             raise UserError("give either --gpu NAME or --profile PATH, not both")
+        if args.kernels:
+            raise UserError("--kernels describes a GPU software stack; a --profile runs ndtrain's own layers at the "
+                            "rates --calibrate measured: drop --kernels")
         if args.gpus <= 0:
             raise UserError(f"--gpus {args.gpus} must be > 0")
         return Cluster(load_profile(args.profile, args.gpus), args.gpus, args.gpus)
     if not args.gpu:
         raise UserError("--gpu is required: a100-40gb, a100-80gb, h100-sxm or h200 (or --profile PATH)")
-    return Cluster(gpu(args.gpu, args.intra_bw, args.inter_bw), args.gpus, args.gpus_per_node)
+    stack = kernels.profile(args.kernels) if args.kernels else None
+    return Cluster(gpu(args.gpu, args.intra_bw, args.inter_bw, stack), args.gpus, args.gpus_per_node)
 
 
 def _fixed(args: argparse.Namespace) -> Fixed:

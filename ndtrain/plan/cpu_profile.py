@@ -5,6 +5,9 @@ T = max(1, C // P) intra-op threads (what `ndtrain train`/`bench` set), so at mo
 S = C // T processes compute at once ("slots"). It holds, all measured on this machine:
     matmul_gflops, memory_gbs     per-process rates at 1 and 2 concurrent processes: the FLOP-based
                                   fallback for models without a layer profile
+    elementwise_gbs               per-process rate of ndtrain's own element-wise layer ops, in bytes
+                                  the eager kernel profile counts (calibrate_elementwise.py): η_ew of
+                                  that fallback, relative to the copy rate (1 in older profiles)
     collectives[P][op][n]         α and B of all_reduce, all_gather, reduce_scatter and send_recv in
                                   groups of n ranks while all P processes exist and compute between
                                   collectives (see calibrate_comm.py), fitted to the α–β formulas
@@ -31,7 +34,7 @@ from typing import Any
 from ndtrain.errors import UserError
 from ndtrain.plan import jsonfile
 from ndtrain.plan.arch import ModelSpec
-from ndtrain.plan.efficiency import MEASURED
+from ndtrain.plan.efficiency import measured
 from ndtrain.plan.hardware import FP32, GB, GIB, Hardware, Link
 
 VERSION = 2
@@ -149,10 +152,12 @@ def load_profile(path: Path, processes: int) -> Hardware:
     cpu = CpuProfile(cores, processes, links, pieces, adamw, _sharing(comm, nearest, cores, processes), model_sharing)
     flops = _per_process(data["matmul_gflops"]["fp32"], processes) * GB
     memory_bw = _per_process(data["memory_gbs"], processes) * GB
+    measured_ew = data.get("elementwise_gbs")  # absent from profiles written before it was measured
+    elementwise = _per_process(measured_ew, processes) * GB / memory_bw if measured_ew else 1.0
     link = cpu.link("all_reduce", processes)
     ram = data["memory_total_gib"] * GIB / processes
     reserved = data["process_baseline_mib"] * 1024**2
-    return Hardware("cpu", "cpu", flops, MEASURED, ram, reserved, memory_bw, link, link, FP32, False, cpu)
+    return Hardware("cpu", "cpu", flops, measured(elementwise), ram, reserved, memory_bw, link, link, FP32, False, cpu)
 
 
 def _sharing(comm: dict[str, Any], measured: str, cores: int, processes: int) -> float:

@@ -8,17 +8,19 @@ A device is described by
     links       intra-node and inter-node (bandwidth B per GPU, latency α), used by the α–β
                 collective model in `collectives.py`
 
-GPU figures: NVIDIA V100, A100 and H100/H200 datasheets (dense fp16/bf16 130 / 312 / 989 / 989
-TFLOP/s, the V100's being the DGX-2H SXM3 part's; HBM 0.9 / 1.555 / 2.039 / 3.35 / 4.8 TB/s; SMs
-80 / 108 / 132 / 132).
+GPU figures: NVIDIA V100, A100, H100/H200 and B200 datasheets (dense fp16/bf16 130 / 312 / 989 /
+989 / 2250 TFLOP/s, the V100's being the DGX-2H SXM3 part's; dense FP8 1979 on H100/H200, 4500 on
+B200, none before Hopper; HBM 0.9 / 1.555 / 2.039 / 3.35 / 4.8 / 8.0 TB/s; SMs 80 / 108 / 132 /
+132 / 148).
 Link defaults are achievable bus bandwidths of NCCL ring collectives on large messages (≈ 80 %
-of the NVLink per-direction rate, ≈ 95 % of one 200 Gb/s HDR or 400 Gb/s NDR NIC per GPU; a
-DGX-2H's 100 GB/s per 16 GPUs for the V100), overridable with --intra-bw / --inter-bw. A group spanning nodes uses the NICs of its members in each node
+of the NVLink per-direction rate: 300 / 450 / 900 GB/s for NVLink 3 / 4 / 5; ≈ 95 % of one 200 Gb/s
+HDR or 400 Gb/s NDR NIC per GPU; a DGX-2H's 100 GB/s per 16 GPUs for the V100), overridable with
+--intra-bw / --inter-bw. A group spanning nodes uses the NICs of its members in each node
 (`Cluster.link`).
 
 A CPU profile (JSON written by `ndtrain plan --calibrate`, read by `cpu_profile.load_profile`)
 replaces all of these by what was measured on this machine for a given number of local processes
-(`efficiency.MEASURED`, η = 1: the measured matmul rate is already what is achieved), and its
+(`efficiency.measured`, η = 1: the measured matmul rate is already what is achieved), and its
 communication never overlaps compute: gloo runs on the same cores.
 """
 
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from ndtrain.errors import UserError
 from ndtrain.plan.efficiency import GPU_EFFICIENCY, GpuEfficiency
+from ndtrain.plan.kernels import DEFAULT, KernelProfile
 
 if TYPE_CHECKING:  # annotations only: cpu_profile builds its profiles on this module
     from ndtrain.plan.cpu_profile import CpuProfile
@@ -75,29 +78,32 @@ class Hardware:
     overlaps_comm: bool  # GPUs communicate beside compute; CPU collectives run on the computing cores
     cpu: CpuProfile | None = None  # what a calibrated CPU profile measured beyond these numbers
     sms: int = 0  # streaming multiprocessors (datasheet), over which GEMM tiles run in waves; 0 on CPUs
+    fp8_peak_flops: float = 0.0  # dense FP8 matmul FLOP/s; 0 where the GPU has no FP8 tensor cores
+    tensor_cores: str = ""  # volta, ampere, hopper, blackwell: which η_mm applies (`efficiency.py`)
+    kernels: KernelProfile = DEFAULT  # the software stack its layers run (`kernels.py`)
+    tp_overlap: bool = False  # tensor-parallel collectives run behind the GEMMs (Megatron's --tp-comm-overlap)
 
-    @property
-    def matmul_efficiency(self) -> float:
-        return self.efficiency.matmul
 
 
-def _gpu(name: str, peak_tflops: float, memory_gib: float, hbm_tbs: float, intra_gbs: float,
-         inter_gbs: float, sms: int) -> Hardware:
+def _gpu(name: str, tensor_cores: str, peak_tflops: float, memory_gib: float, hbm_tbs: float, intra_gbs: float,
+         inter_gbs: float, sms: int, fp8_tflops: float = 0.0) -> Hardware:
     return Hardware(
         name, "gpu", peak_tflops * 1e12, GPU_EFFICIENCY, memory_gib * GIB, 2 * GIB, hbm_tbs * 1e12,
         Link(intra_gbs * GB, 5e-6), Link(inter_gbs * GB, 10e-6), MIXED_BF16, True, sms=sms,
+        fp8_peak_flops=fp8_tflops * 1e12, tensor_cores=tensor_cores,
     )
 
 
-# η is the same for every GPU (`efficiency.py`): generations differ only by their datasheet numbers.
+# η is the same for every GPU but Hopper's bf16 GEMMs (`efficiency.py`): generations differ by their datasheet numbers.
 GPUS: dict[str, Hardware] = {
     hw.name: hw
     for hw in (
-        _gpu("v100-sxm3", 130, 32, 0.9, 120, 6.25, 80),
-        _gpu("a100-40gb", 312, 40, 1.555, 240, 24, 108),
-        _gpu("a100-80gb", 312, 80, 2.039, 240, 24, 108),
-        _gpu("h100-sxm", 989, 80, 3.35, 360, 48, 132),
-        _gpu("h200", 989, 140, 4.8, 360, 48, 132),
+        _gpu("v100-sxm3", "volta", 130, 32, 0.9, 120, 6.25, 80),
+        _gpu("a100-40gb", "ampere", 312, 40, 1.555, 240, 24, 108),
+        _gpu("a100-80gb", "ampere", 312, 80, 2.039, 240, 24, 108),
+        _gpu("h100-sxm", "hopper", 989, 80, 3.35, 360, 48, 132, 1979),
+        _gpu("h200", "hopper", 989, 140, 4.8, 360, 48, 132, 1979),
+        _gpu("b200", "blackwell", 2250, 180, 8.0, 720, 48, 148, 4500),
     )
 }
 
@@ -132,10 +138,17 @@ class Cluster:
         return Link(bandwidth, self.hardware.inter.latency)
 
 
-def gpu(name: str, intra_bw_gbs: float | None = None, inter_bw_gbs: float | None = None) -> Hardware:
+def gpu(name: str, intra_bw_gbs: float | None = None, inter_bw_gbs: float | None = None,
+        kernels: KernelProfile | None = None) -> Hardware:
     if name not in GPUS:
         raise UserError(f"--gpu {name!r} is unknown: choose one of {', '.join(GPUS)} (or --profile PATH)")
     hw = GPUS[name]
+    if kernels is not None:
+        if kernels.fp8 and hw.fp8_peak_flops == 0:
+            fp8_gpus = ", ".join(n for n, g in GPUS.items() if g.fp8_peak_flops)
+            raise UserError(f"--kernels {kernels.name} runs FP8 GEMMs, which {name} has no tensor cores for: "
+                            f"use {fp8_gpus}, or a bf16 profile")
+        hw = replace(hw, kernels=kernels)
     for flag, value in (("--intra-bw", intra_bw_gbs), ("--inter-bw", inter_bw_gbs)):
         if value is not None and value <= 0:
             raise UserError(f"{flag} {value} must be > 0 (GB/s per GPU)")

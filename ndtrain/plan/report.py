@@ -17,7 +17,7 @@ from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.efficiency import GpuEfficiency
 from ndtrain.plan.hardware import Cluster, Hardware
 from ndtrain.plan.layout import Layout
-from ndtrain.plan.published import ORDERINGS, RUNS, PublishedRun, held_out
+from ndtrain.plan.published import ORDERINGS, RUNS, PublishedRun
 from ndtrain.plan.search import Candidate, Rejections, SearchResult
 
 GIB = 1024**3
@@ -87,18 +87,18 @@ ORDER_MARGIN = 0.05  # measured differences below this are within the sources' r
 
 
 def published_table() -> str:
-    """The cluster-scale check: published runs, reported vs predicted throughput per GPU."""
-    rows = [("#", "source", "gpu", "layout", "unit", "reported", "predicted", "error", "role")]
+    """Every published run, reported vs predicted tokens/s per GPU with the planner's constants (in
+    sample for the fit sources: `ndtrain plan --validate` gives the leave-one-source-out figures)."""
+    rows = [("#", "source", "row", "gpu", "profile", "layout", "reported", "predicted", "error", "role")]
     for index, run in enumerate(RUNS):
         lay = run.layout
-        layout = f"{lay.label()} B={run.global_batch}"
-        unit = "tok/s/GPU" if run.metric == "tokens" else "TFLOP/s/GPU"
-        rows.append((str(index), run.source, run.gpu, layout, unit, f"{run.reported:.1f}", f"{run.predicted():.1f}",
-                     f"{100 * run.error():+.1f}%", "held out" if held_out(index) else "fit"))
+        rows.append((str(index), run.source.key, run.name, run.gpu, run.kernels.name,
+                     f"{lay.label()} B={run.global_batch}", f"{run.reported:.1f}", f"{run.predicted():.1f}",
+                     f"{100 * run.error():+.1f}%", "held out" if run.source.held_out else "fit"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    for name, chosen in (("held out", True), ("fit", False), ("all", None)):
-        errors = [abs(run.error()) for i, run in enumerate(RUNS) if chosen is None or held_out(i) == chosen]
+    for name, chosen in (("fit sources, in sample", False), ("held out", True)):
+        errors = [abs(run.error()) for run in RUNS if run.source.held_out == chosen]
         lines.append(f"{name}: {len(errors)} rows, median |error| {100 * statistics.median(errors):.1f} %, "
                      f"worst {100 * max(errors):.1f} %")
     for source, runs in ORDERINGS:
@@ -127,11 +127,17 @@ def terms(candidate: Candidate, model: ModelSpec, cluster: Cluster) -> str:
         eff = hw.efficiency
         layer = gpu_compute.layer_terms(model, lay, hw)
         gpu = gpu_compute.compute(model, lay, hw)
-        lines.append(f"  one layer forward, one rank: gemm {_ms(layer.gemm)} (arithmetic at η_mm = {eff.matmul} of "
-                     f"{hw.peak_flops / 1e12:.4g} TFLOP/s + operand traffic at {hw.hbm_bandwidth / 1e12:.4g} TB/s), "
+        gemm_rate = (f"η_fp8 = {eff.fp8_matmul} of {hw.fp8_peak_flops / 1e12:.4g} FP8" if hw.kernels.fp8
+                     else f"η_mm = {eff.gemm(hw.tensor_cores)} of {hw.peak_flops / 1e12:.4g}")
+        per_layer, scores = gpu_compute.element_bytes(model, lay, hw)
+        lines.append(f"  kernel profile {hw.kernels.name}: {hw.kernels.stack}")
+        lines.append(f"  one layer forward, one rank: gemm {_ms(layer.gemm)} (arithmetic at {gemm_rate} TFLOP/s + "
+                     f"operand traffic at {hw.hbm_bandwidth / 1e12:.4g} TB/s), "
                      f"waves {_ms(layer.waves)} ({_fills(model, lay, hw)}), "
-                     f"attention {_ms(layer.attention)} (η_attn = {eff.attention} for flash, η_mm for dense), "
-                     f"element-wise {_ms(layer.element)} ({eff.element_passes} passes over its activations)")
+                     f"attention {_ms(layer.attention)} (η_attn = {eff.flash(hw.kernels.attention)} for "
+                     f"{hw.kernels.attention} flash kernels, η_mm for dense), "
+                     f"element-wise {_ms(layer.element)} ({(per_layer + scores) / 1e6:.1f} MB the profile's kernels "
+                     f"move at η_ew = {eff.elementwise} of HBM)")
         lines.append(f"  one layer backward {_ms(gpu.layer_b)} (2 × forward, its products' own waves); recompute adds "
                      f"{_ms(gpu.recompute)} per layer backward ({lay.recompute})")
         lines.append(f"  data-parallel gradients reduced at {hw.precision.grad_bytes} bytes per value; overlapped "

@@ -1,0 +1,186 @@
+"""Published runs of Megatron-LM and its descendants (Megatron-DeepSpeed, NeMo, Megatron-Bridge).
+
+Each source's stack, read in its code or documents:
+    Megatron v1.0   megatron/model/transformer.py @ v1.0 (2020-05): apex FusedLayerNorm, GeLU through a
+    (V100)          torch.jit.script function, attention as baddbmm + masked_fill + softmax + dropout,
+                    dropout and the residual add as separate kernels: `eager`, dense attention
+    BigScience      Megatron-DeepSpeed with the fused kernels (`--abort-on-unmet-fused-kernel-constraints`
+    BLOOM           in train/tr11-176B-ml/tr11-176B-ml.slurm): fused scale-mask-softmax, bias-GeLU,
+                    bias-dropout-add (default dropout 0.1), dense attention: `fused`
+    Korthikanti     Megatron-LM 2022 (the same fusions), dense attention: `fused`
+    Megatron-LM     Megatron-Core with Transformer Engine, `--tp-comm-overlap`, `--overlap-grad-reduce
+    (H100, 2024)    --overlap-param-gather` (README 'Training Speed and Scalability'): `fused`, TP overlapped
+    NeMo 24.07      Megatron-Core with Transformer Engine in FP8 (the table's precision): `fused-fp8`
+    Megatron-Bridge NeMo 25.11 container, FP8 current scaling: `fused-fp8` (held out)
+Megatron's distributed optimizer is ZeRO-1 (gradients reduce-scattered, parameters all-gathered); with
+tp > 1 the Megatron-Core runs use sequence parallelism (`--tp-comm-overlap` requires it).
+"""
+
+from __future__ import annotations
+
+from ndtrain.plan.arch import PRESETS, ModelSpec
+from ndtrain.plan.kernels import EAGER, FUSED, FUSED_FP8
+from ndtrain.plan.published_run import PublishedRun, Source, megatron, megatron_tokens
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int, flash: bool) -> ModelSpec:
+    return ModelSpec(name, "gpt", layers, hidden, heads, heads, 4 * hidden, vocab, seq, flash)
+
+
+# --- bigscience-workshop/bigscience train/tr11-176B-ml @ 9e64ede -------------------------------
+# 48 nodes of 8 A100 80GB, 4 × 100 Gb/s Omni-Path per node (6.25 GB/s per GPU), Megatron-DeepSpeed
+# with ZeRO-1, full activation checkpointing, no SP, sequence 2048, vocabulary 250880 (padded).
+BIGSCIENCE = Source(
+    "BigScience", "BigScience BLOOM-176B training (tr11) and its 181B layout trials",
+    "bigscience-workshop/bigscience train/tr11-176B-ml/README.md@9e64ede ('Important checkpoints', 'Replica "
+    "setup') and chronicles-prequel.md@9e64ede ('GBS Variations', 2022-02-25 tables)",
+    "Megatron-DeepSpeed, fused kernels, dense attention, BF16 ZeRO-1 (profile fused)")
+_OPA = 50 / 8
+_BLOOM = _gpt("bloom-176b", 70, 14336, 112, 250880, 2048, False)
+_BLOOM_181B = _gpt("bloom-181b-trial", 72, 14336, 64, 250880, 2048, False)
+
+
+def _bloom_trial(tp: int, pp: int, dp: int, mbs: int, seconds: float) -> PublishedRun:
+    return PublishedRun(BIGSCIENCE, f"181B trial tp{tp} pp{pp} dp{dp} mbs{mbs}", f"{seconds} s/iteration",
+                        _BLOOM_181B, "a100-80gb", megatron(tp, pp, dp, mbs, "full", False, 1), 2048,
+                        2048 * 2048 / seconds / 384, FUSED, "vocabulary 250880 (the '250k' of these trials)", _OPA)
+
+
+BLOOM_TRIALS = (
+    _bloom_trial(4, 12, 8, 2, 110.48),
+    _bloom_trial(4, 6, 16, 2, 111.71),
+    _bloom_trial(2, 12, 16, 2, 112.50),
+    _bloom_trial(8, 6, 8, 4, 114.11),
+    _bloom_trial(8, 12, 4, 4, 117.07),
+    _bloom_trial(2, 24, 8, 1, 119.53),
+    _bloom_trial(4, 24, 4, 1, 130.60),
+)
+BIGSCIENCE_RUNS = (
+    PublishedRun(BIGSCIENCE, "BLOOM-176B production", "104.70 s/iteration (149.77 TFLOPs) at GBS 2048", _BLOOM,
+                 "a100-80gb", megatron(4, 12, 8, 2, "full", False, 1), 2048, 2048 * 2048 / 104.70 / 384, FUSED,
+                 "", _OPA),
+    *BLOOM_TRIALS,
+)
+
+# --- Korthikanti et al. 2022 (arXiv 2205.05198), abstract, as stored at ar5iv.labs.arxiv.org ----
+# "a 530B parameter GPT-3 style model on 2240 NVIDIA A100 GPUs ... Model Flops Utilization of
+# 54.2%, which is 29% faster than the 42.1% we achieve using recomputation".
+KORTHIKANTI = Source(
+    "Korthikanti 2022", "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models",
+    "https://ar5iv.labs.arxiv.org/html/2205.05198, abstract", "Megatron-LM 2022, fused kernels, dense attention "
+    "(profile fused)")
+_GPT_530B = _gpt("gpt-530b", 105, 20480, 128, 51200, 2048, False)
+_KORTHIKANTI_ASSUMED = ("tp8 pp35 dp8 (2240 = 8·35·8, the 530B model's tp·pp), global batch 1920, mbs 1, 1F1B, "
+                        "distributed optimizer (ZeRO-1), DGX A100 links")
+
+
+def _korthikanti(name: str, mfu: float, recompute: str, sp: bool) -> PublishedRun:
+    return PublishedRun(KORTHIKANTI, name, f"MFU {100 * mfu:.1f} % of 312 TFLOP/s", _GPT_530B, "a100-80gb",
+                        megatron(8, 35, 8, 1, recompute, sp, 1), 1920, megatron_tokens(_GPT_530B, mfu * 312),
+                        FUSED, _KORTHIKANTI_ASSUMED)
+
+
+KORTHIKANTI_RUNS = (
+    _korthikanti("530B, selective + SP", 0.542, "selective", True),
+    _korthikanti("530B, full recompute", 0.421, "full", False),
+)
+
+# --- nv-adlr/nv-adlr.github.io _projects/megatron-lm-v1.md @ 1576088 (Megatron v1.0, 2020) -----
+# 1.2B baseline on one V100 of a DGX-2H: 1288 ms per iteration (Table 1), batch 8; its config
+# (h 1536, 16 heads, 40 layers, vocabulary 51,200) from _projects/megatron-lm.md @ 0725124, Table 1.
+MEGATRON_V1 = Source(
+    "Megatron v1.0", "MegatronLM's Supercharged V1.0 (NVIDIA ADLR blog, 2020)",
+    "nv-adlr/nv-adlr.github.io _projects/megatron-lm-v1.md@1576088, Table 1; configuration from "
+    "_projects/megatron-lm.md@0725124, Table 1", "Megatron-LM v1.0: apex LayerNorm, unfused softmax and "
+    "dropout, dense attention, fp16 (profile eager)")
+_MEGATRON_1_2B = _gpt("megatron-1.2b", 40, 1536, 16, 51200, 1024, False)
+V100_RUNS = (
+    PublishedRun(MEGATRON_V1, "1.2B on 1 V100", "1288 ms/iteration, batch 8", _MEGATRON_1_2B, "v100-sxm3",
+                 megatron(1, 1, 1, 8, "full", False, 0), 8, 8 * 1024 / 1.288, EAGER,
+                 "sequence 1024 (GPT-2's), fp16 with activation checkpointing (Megatron 2019 practice)"),
+)
+
+# --- NVIDIA/Megatron-LM README.md and images/model_table.png @ f2e5db4 (2024-07-15) -----------
+# GPT models, vocabulary 131,072, sequence 4096, on H100 (DGX, 8 per node); per-GPU model TFLOP/s by
+# Megatron's count. Rows with pp = 1 only: the table gives neither micro-batch size nor pipeline
+# schedule, which set a pipeline's bubble.
+MEGATRON_LM = Source(
+    "Megatron-LM 2024", "Megatron-LM README, Training Speed and Scalability (weak scaling on H100)",
+    "NVIDIA/Megatron-LM README.md@f2e5db4 and images/model_table.png@f2e5db4", "Megatron-Core + Transformer "
+    "Engine, overlapped TP/DP communication (profile fused)")
+_MEGATRON_LM_ASSUMED = ("GPT with a 4h MLP (the table's parameter counts), dropout 0.1 (Megatron's default), "
+                        "micro-batch 1, no recompute, distributed optimizer, SP when tp > 1")
+
+
+def _megatron_lm(size: str, heads: int, hidden: int, layers: int, tp: int, gpus: int, tflops: float) -> PublishedRun:
+    spec = _gpt(f"gpt-{size.lower()}-v131k", layers, hidden, heads, 131072, 4096, True)
+    return PublishedRun(MEGATRON_LM, f"{size} tp{tp} on {gpus} GPUs", f"{tflops} TFLOP/s per GPU", spec, "h100-sxm",
+                        megatron(tp, 1, gpus // tp, 1, "none", tp > 1, 1), 192, megatron_tokens(spec, tflops), FUSED,
+                        _MEGATRON_LM_ASSUMED, tp_overlap=True)
+
+
+MEGATRON_LM_RUNS = (
+    _megatron_lm("1.7B", 16, 2048, 24, 1, 48, 408.8),
+    _megatron_lm("7.1B", 32, 4096, 30, 2, 96, 465.9),
+    _megatron_lm("16B", 48, 6144, 32, 4, 192, 489.1),
+    _megatron_lm("32B", 56, 7168, 48, 8, 384, 459.6),
+)
+
+# --- NVIDIA/NeMo docs/source/performance/performance_summary.md @ 8e3d65d (NeMo 24.07) ---------
+# Pre-training at FP8 on DGX-H100; tokens/sec/GPU as reported. Rows of models with a preset here.
+NEMO = Source(
+    "NeMo 24.07", "NeMo performance summary, pre-training at FP8 (container 24.07, DGX-H100)",
+    "NVIDIA/NeMo docs/source/performance/performance_summary.md@8e3d65d, table 'Pretraining'",
+    "Megatron-Core + Transformer Engine FP8 (profile fused-fp8)")
+_NEMO_ASSUMED = "no recompute, distributed optimizer, SP when tp > 1, TP communication not overlapped"
+
+
+def _nemo(model: str, gpus: int, batch: int, mbs: int, tp: int, pp: int, cp: int, vpp: int, tps: float,
+          seq: int | None = None) -> PublishedRun:
+    spec = PRESETS[model]
+    if model == "gpt3-175b":
+        spec = ModelSpec(spec.name, "gpt", spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.vocab,
+                         spec.seq, flash=True)
+    dp = gpus // (tp * pp * cp)
+    return PublishedRun(NEMO, f"{model} {gpus} GPUs", f"{tps} tokens/sec/GPU", spec, "h100-sxm",
+                        megatron(tp, pp, dp, mbs, "none", tp > 1, 1, cp, vpp), batch, tps, FUSED_FP8, _NEMO_ASSUMED)
+
+
+NEMO_RUNS = (
+    _nemo("gpt3-175b", 128, 256, 1, 4, 8, 1, 6, 716),
+    _nemo("gpt3-175b", 512, 2048, 2, 4, 8, 1, 6, 825),
+    _nemo("llama2-7b", 8, 128, 1, 1, 1, 1, 1, 16934),
+    _nemo("llama2-13b", 16, 128, 1, 1, 4, 1, 10, 8715),
+    _nemo("llama2-70b", 64, 128, 1, 4, 4, 1, 20, 1728),
+    _nemo("llama3-8b", 8, 128, 1, 1, 1, 2, 1, 12273),
+    _nemo("llama3-70b", 64, 128, 1, 4, 4, 2, 5, 1524),
+)
+
+# --- NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ 00b7660 (NeMo 25.11) ----------
+# Held out: never used in any fit. Dense Llama rows of the DGX-H100 and DGX-B200 tables, FP8-CS
+# (current scaling); FSDP = 1 is Megatron FSDP (ZeRO-3 over the data-parallel ranks).
+MEGATRON_BRIDGE = Source(
+    "Megatron-Bridge 25.11", "Megatron-Bridge performance summary, NeMo 25.11 container",
+    "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md@00b7660, '25.11 NeMo Container', tables "
+    "'System: DGX-H100' and 'System: DGX-B200'", "Megatron-Core + Transformer Engine FP8 current scaling "
+    "(profile fused-fp8)", held_out=True)
+
+
+def _bridge(gpu: str, model: str, gpus: int, batch: int, mbs: int, zero: int, tp: int, pp: int, cp: int, vpp: int,
+            tps: float) -> PublishedRun:
+    dp = gpus // (tp * pp * cp)
+    return PublishedRun(MEGATRON_BRIDGE, f"{gpu.upper()} {model} {gpus} GPUs", f"{tps} tokens/sec/GPU", PRESETS[model],
+                        "h100-sxm" if gpu == "h100" else gpu, megatron(tp, pp, dp, mbs, "none", tp > 1, zero, cp, vpp),
+                        batch, tps, FUSED_FP8, _NEMO_ASSUMED)
+
+
+BRIDGE_RUNS = (
+    _bridge("h100", "llama3-8b", 8, 128, 1, 3, 1, 1, 1, 1, 14451),
+    _bridge("h100", "llama3-70b", 64, 128, 1, 1, 4, 8, 1, 5, 1602),
+    _bridge("h100", "llama3-405b", 1024, 512, 1, 1, 8, 8, 2, 8, 292),
+    _bridge("b200", "llama3-8b", 8, 128, 2, 1, 1, 1, 1, 1, 30624),
+    _bridge("b200", "llama3-405b", 128, 64, 1, 1, 4, 8, 2, 8, 661),
+)
+
+RUNS: tuple[PublishedRun, ...] = (BIGSCIENCE_RUNS + KORTHIKANTI_RUNS + V100_RUNS + MEGATRON_LM_RUNS + NEMO_RUNS
+                                  + BRIDGE_RUNS)
