@@ -134,6 +134,19 @@ def test_the_measured_element_wise_rate_prices_the_element_wise_work(tmp_path: P
     assert slow > fast
 
 
+def test_the_element_wise_calibration_runs_ndtrains_ops_and_counts_the_eager_profiles_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ndtrain.plan import calibrate_elementwise as ew
+
+    monkeypatch.setattr(ew, "TOKENS", 256)  # the chain runs once here; the calibration's size is larger
+    h, f, tokens = ew.HIDDEN, ew.FFN, ew.TOKENS  # fp32: twice the 2-byte counts
+    per_token = 2 * 36 * h + 2 * 6 * h + 10 * f + 20 * 2 * h
+    assert ew.counted_bytes() == pytest.approx(2 * tokens * per_token)
+    ran = []
+    assert ew.measure(lambda fn: (ran.append(fn()), 0.5)[1]) == pytest.approx(ew.counted_bytes() / 0.5 / 1e9)
+    assert len(ran) == 1  # the chain of ndtrain's ops ran once, under the timer
+
+
 def test_profile_errors(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not an ndtrain CPU profile"):
         (tmp_path / "x.json").write_text("{}")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ndtrain.models.llama import RMSNorm, apply_rotary, rotary_tables
 from ndtrain.plan.kernels import EAGER
 
-TOKENS, HIDDEN, HEADS, FFN = 1024, 512, 8, 1408
+TOKENS, HIDDEN, HEADS, FFN = 8192, 512, 8, 1408  # tensors of 16–46 MB: beyond the caches
 
 
 def counted_bytes() -> float:

@@ -63,7 +63,7 @@ def fit(rows: Sequence[PublishedRun] | None = None, grid: dict[str, tuple[float,
     grid = dict(GRID if grid is None else grid)
     unused = {"fp8_matmul": not any(run.kernels.fp8 for run in rows),
               "attention_te": not any(run.kernels.attention == "te" and run.model.flash_attention for run in rows),
-              "matmul_hopper": not any(run.generation in ("H100", "B200") for run in rows)}
+              "matmul_hopper": not any(run.generation in ("Hopper", "Blackwell") for run in rows)}
     for name, idle in unused.items():
         if idle and len(grid[name]) > 1:
             grid[name] = (getattr(STARTS[0], name),)

@@ -71,12 +71,12 @@ def within_bounds(results: Sequence[SourceResult]) -> bool:
 
 
 def table(title: str, results: Sequence[SourceResult]) -> str:
-    lines = [title, "| source | GPUs | stack (profile) | rows | median | worst | signed median |",
+    lines = [title, "| source | GPUs (generation) | stack (profile) | rows | median | worst | signed median |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
-        generations = "/".join(dict.fromkeys(run.generation for run in r.rows))
+        gpus = ", ".join(dict.fromkeys(f"{run.gpu} ({run.generation})" for run in r.rows))
         profiles = ", ".join(dict.fromkeys(run.kernels.name for run in r.rows))
-        lines.append(f"| {r.source.key} | {generations} | {profiles} | {len(r.rows)} | {100 * r.median:.1f} % "
+        lines.append(f"| {r.source.key} | {gpus} | {profiles} | {len(r.rows)} | {100 * r.median:.1f} % "
                      f"| {100 * r.worst:.1f} % | {100 * statistics.median(r.errors):+.1f} % |")
     median, worst, n = overall(results)
     verdict = "met" if within_bounds(results) else "NOT met"

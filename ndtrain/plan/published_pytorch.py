@@ -84,7 +84,7 @@ TITAN_A100 = Source(
     "pytorch/torchtitan docs/performance.md@0413364, tables 'LLaMa 3 performance numbers' and 'LLaMa 2 "
     "performance numbers'",
     "PyTorch eager (torch.compile off), SDPA flash attention, FSDP2; fused Triton RMSNorm for 8B/13B (profile eager)")
-_FUSED_NORM = replace(EAGER, name="eager, fused RMSNorm", rms_norm=4)
+_FUSED_NORM = replace(EAGER, name="eager (fused RMSNorm)", rms_norm=4)
 
 
 def _titan(table: str, name: str, mbs: int, recompute: str, wps: float) -> PublishedRun:

@@ -29,8 +29,8 @@ from ndtrain.plan.kernels import KernelProfile
 from ndtrain.plan.layout import Layout
 from ndtrain.plan.timing import Timing, step_time
 
-GENERATIONS = {"v100-sxm3": "V100", "a100-80gb": "A100", "a100-40gb": "A100", "h100-sxm": "H100", "h200": "H100",
-               "b200": "B200"}
+GENERATIONS = {"v100-sxm3": "Volta", "a100-80gb": "Ampere", "a100-40gb": "Ampere", "h100-sxm": "Hopper",
+               "h200": "Hopper", "b200": "Blackwell"}
 
 
 @dataclass(frozen=True)
