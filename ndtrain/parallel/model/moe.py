@@ -122,6 +122,9 @@ class ExpertsInput:
             raise UserError(f"tensor parallel: {type(module).__name__} was not called with "
                             f"({', '.join(_INPUTS)}): moe_tp_experts cannot split it")
         hidden, index, weights = values[:3]
+        # HF's routers may hand fp32 weights to float64 experts: the product is computed in the promoted dtype
+        # anyway, and casting first lets each rank's partial weight gradient reach the sum before fp32 rounding
+        weights = weights.to(torch.promote_types(hidden.dtype, weights.dtype))
         if self.sequence_parallel:
             hidden = GatherTokens.apply(hidden, self.comm, self.group)
             weights = GatherTokens.apply(weights, self.comm, self.group)

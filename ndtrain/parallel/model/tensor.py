@@ -86,11 +86,18 @@ class ReduceFromParallel(torch.autograd.Function):
         return grad, None, None
 
 
+def _token_dim(x: torch.Tensor) -> int:
+    """The dim sequence parallelism splits: the sequence of [B, T, ...] activations, or the tokens of
+    flattened [N, d] ones (an MoE block's shared expert): token-wise work needs only the same rows back."""
+    return SEQ_DIM if x.ndim > 2 else 0
+
+
 def _gather_seq(x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
-    shard = x.movedim(SEQ_DIM, 0).contiguous()
+    dim = _token_dim(x)
+    shard = x.movedim(dim, 0).contiguous()
     full = shard.new_empty((group.size * shard.shape[0], *shard.shape[1:]))
     comm.all_gather(full, shard, group)
-    return full.movedim(0, SEQ_DIM)
+    return full.movedim(0, dim).contiguous()  # laid out as the unsplit module's output (fp32 reductions sum alike)
 
 
 def check_sequence_parallel(seq_len: int, tp: int) -> None:
@@ -103,11 +110,12 @@ def check_sequence_parallel(seq_len: int, tp: int) -> None:
 
 
 def _scatter_seq(x: torch.Tensor, comm: Communicator, group: Group) -> torch.Tensor:
-    check_sequence_parallel(x.shape[SEQ_DIM], group.size)
-    full = x.movedim(SEQ_DIM, 0).contiguous()
+    dim = _token_dim(x)
+    check_sequence_parallel(x.shape[dim], group.size)
+    full = x.movedim(dim, 0).contiguous()
     shard = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))
     comm.reduce_scatter(shard, full, group)
-    return shard.movedim(0, SEQ_DIM)
+    return shard.movedim(0, dim)
 
 
 class GatherSequence(torch.autograd.Function):
@@ -140,7 +148,7 @@ def _gather_last(x: torch.Tensor, comm: Communicator, group: Group) -> torch.Ten
     shard = x.movedim(-1, 0).contiguous()
     full = shard.new_empty((group.size * shard.shape[0], *shard.shape[1:]))
     comm.all_gather(full, shard, group)
-    return full.movedim(0, -1)
+    return full.movedim(0, -1).contiguous()  # as the unsplit linear's output: a norm after it reduces alike
 
 
 class GatherLastDim(torch.autograd.Function):
@@ -236,14 +244,15 @@ class InputOp:
 
 def sum_gradient_over(param: nn.Parameter, comm: Communicator, group: Group) -> None:
     """Make `param`'s gradient the sum of every tp rank's contribution, before it is accumulated
-    (so gradient accumulation and DDP's hooks see complete gradients)."""
+    (so gradient accumulation and DDP's hooks see complete gradients). A frozen parameter has none."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous().clone()
         comm.all_reduce(grad, group)
         return grad
 
-    param.register_hook(hook)
+    if param.requires_grad:
+        param.register_hook(hook)
 
 
 # --------------------------------------------------------------------------- parallel layers

@@ -17,11 +17,15 @@ style (tp_styles.py says what each does, tensor.py / vocab.py / moe.py what each
   parameters: a pattern that matches no module may match parameters.
 - `replicate_grad_sum`: kept whole, its gradient summed over tp by a hook (per-head norms).
 - `replicate`: kept whole on every rank (norms), as is every module no pattern names.
-With sequence parallelism the residual stream between blocks is a sequence shard [B, T/n, d]
-(the vocab embedding reduce-scatters, row layers reduce-scatter), so every replicated parameter
-that sees it sees only its rank's tokens: its gradient is summed over tp by a hook. Replicated
-parameters inside a block whose input is gathered (between a column layer's parent and the row
-layer's reduce-scatter: OLMo2's q_norm over the gathered q) see every token and get none.
+Replicated parameters whose gradient is partial on each rank get a hook summing it over tp:
+- with sequence parallelism the residual stream between blocks is a sequence shard [B, T/n, d]
+  (the vocab embedding reduce-scatters, row layers reduce-scatter), so every replicated parameter
+  that sees it (norms, a row layer's bias) sees only its rank's tokens;
+- inside a block whose column layers split their output (the parent of colwise children), a
+  replicated parameter the plan does not name works on this rank's features only (a learned
+  activation's parameters: Apertus' xIELU), with or without sequence parallelism;
+- inside a block whose column layers all gather their output (`colwise_gather_output`: OLMo2's
+  q_norm over the gathered q) every rank computes the same whole result: no hook.
 
 `parallelize(model, ctx, plan)` slices the weights of the *full* model (so a tp run starts from
 exactly the unsharded weights). What is specific to a model comes from its spec
@@ -51,7 +55,7 @@ from ndtrain.config.options import TP_STYLES as STYLES
 from ndtrain.parallel.placement import is_tensor_parallel
 from ndtrain.parallel.model.moe import parallelize_experts, split_expert_parameter
 from ndtrain.parallel.model.tensor import (
-    InputOp, ReplicatedHeadsLinear, RowParallelLinear, SplitSequence, sum_gradient_over,
+    ColumnParallelLinear, InputOp, ReplicatedHeadsLinear, RowParallelLinear, SplitSequence, sum_gradient_over,
 )
 from ndtrain.parallel.model.tp_styles import (
     COLUMN_BLOCKS, HEAD_STYLES, check_experts_complete, check_module, check_parameter, column_or_row, vocab_parallel,
@@ -189,28 +193,34 @@ def parallelize(
     for name, new in replaced.items():
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name], child, new)
-    if sequence_parallel:
-        _sum_sequence_shard_gradients(model, ctx, cut, summed, hooked_parents)
+    _sum_partial_gradients(model, ctx, sequence_parallel, cut, summed, hooked_parents)
     if spec is not None:
         spec.fit_tensor_parallel(ctx, heads)
     return model
 
 
-def _sum_sequence_shard_gradients(
-    model: nn.Module, ctx: ParallelContext, cut: SequenceCut | None, summed: set[int], hooked_parents: set[str],
+def _sum_partial_gradients(
+    model: nn.Module, ctx: ParallelContext, sequence_parallel: bool, cut: SequenceCut | None, summed: set[int],
+    hooked_parents: set[str],
 ) -> None:
-    """Under sequence parallelism: a gradient hook summing over tp every replicated parameter that sees
-    only this rank's tokens (see the module docstring); installs the sequence cut when the spec has one."""
+    """A gradient hook summing over tp every replicated parameter whose gradient is partial on each rank
+    (see the module docstring; `summed`: those with a hook already); installs the sequence cut."""
     comm, group = ctx.comm, ctx.group("tp")
     complete = set(summed) | {id(m.weight) for m in model.modules() if isinstance(m, ReplicatedHeadsLinear)}
+    partial: set[int] = set()
     if cut is not None:  # parameters before the cut see the whole sequence: their gradient is complete
         complete |= {id(p) for name in cut.before for p in model.get_submodule(name).parameters()}
         model.get_submodule(cut.at).register_forward_pre_hook(
             InputOp(comm, group, True, cut.input_name, op=SplitSequence), with_kwargs=True)
-    for parent in hooked_parents:  # inside a gathered block, up to the row layers' reduce-scatter
-        for module in model.get_submodule(parent).modules():
-            if not isinstance(module, RowParallelLinear):
-                complete |= {id(p) for p in module.parameters(recurse=False)}
+    for parent_name in hooked_parents:
+        parent = model.get_submodule(parent_name)
+        gathered = all(m.gather_output for m in parent.modules() if isinstance(m, ColumnParallelLinear))
+        for module in parent.modules():
+            if isinstance(module, RowParallelLinear):
+                continue  # its bias is added to the reduced output: the residual stream's rule
+            for param in module.parameters(recurse=False):
+                if not is_tensor_parallel(param) and id(param) not in complete:
+                    (complete if gathered else partial).add(id(param))
     for param in model.parameters():
-        if not is_tensor_parallel(param) and id(param) not in complete:
+        if not is_tensor_parallel(param) and id(param) not in complete and (sequence_parallel or id(param) in partial):
             sum_gradient_over(param, comm, group)
