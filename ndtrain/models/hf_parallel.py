@@ -5,10 +5,13 @@ Read from the family record (`hf_families.Family`, keyed by `config.model_type`)
   ndtrain has no family for needs a plan from the user), only behind the `CausalLM` adapter, its
   declared patterns that match nothing in this model dropped; heads from the config. When the plan
   splits the attention per head (colwise q/k/v, GPT-NeoX's per-head fused query_key_value, GPT-2's
-  c_attn per third), the attention modules' head attributes that their forward reads become local:
-  `num_key_value_groups` (k/v projections replicated when tp does not divide the kv heads),
-  `num_key_value_heads`, and GPT-2's `num_heads`, `split_size`, `embed_dim`; a family whose q/k/v
-  are gathered (Phi-3, OLMo2: `colwise_gather_output`) runs whole attention and keeps them. The
+  c_attn per third), the attention modules' head counts become local: `num_key_value_groups` (k/v
+  projections replicated when tp does not divide the kv heads), `num_heads`, `num_attention_heads`,
+  `num_key_value_heads` where a module has them, and GPT-2's `split_size` (its q/k/v width); widths
+  such as `embed_dim` stay global (CodeGen divides it by its `mp_num` blocks, which a contiguous split
+  keeps whole). A family whose q/k/v are gathered (Phi-3, OLMo2: `colwise_gather_output`) runs whole
+  attention and keeps them. With sequence parallelism every layer's attention must be split by the
+  plan (it gathers the sequence): one left whole (GPT-OSS declares only its embedding) is refused. The
   adapter's `loss_fn` becomes the vocab-parallel cross-entropy (on logits the family's forward
   soft-capped per shard, Gemma2) and `full_logits` gathers the vocabulary (one all-gather) when
   called without targets. Sequence parallelism cuts the sequence at the first decoder layer's input
@@ -41,7 +44,7 @@ from ndtrain.models.hf_context import apply_hf_context_parallel
 from ndtrain.models.hf_stages import HFStage, end_costs, pipeline_refusal
 from ndtrain.parallel.model.context import Ring
 from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, SequenceCut
-from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim, GatherSequence
+from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim, GatherSequence, ReplicatedHeadsLinear
 from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy
 
 
@@ -96,6 +99,8 @@ class HFParallel(ModelParallel):
                             "(the loss is computed on vocab shards)")
         if heads is not None:
             _localize_heads(model, heads, tp)
+        if head.sequence_parallel:
+            self._check_attention_split(tp)
         if head.sequence_parallel and head.communicate_input and family.final_norm:
             head.communicate_input = False  # the final norm's output arrives gathered instead
             model.get_submodule(family.final_norm).register_forward_hook(_GatherOutput(ctx))
@@ -103,6 +108,19 @@ class HFParallel(ModelParallel):
             vocab_parallel_cross_entropy, start=head.out_start, vocab_size=head.out_features,
             comm=ctx.comm, group=ctx.group("tp"))
         model.full_logits = functools.partial(_gather_vocab, head, ctx)  # type: ignore[method-assign]
+
+    def _check_attention_split(self, tp: int) -> None:
+        """Under sequence parallelism a layer's attention sees a sequence shard unless the plan split it
+        (its column children gather the sequence): refuse one left whole."""
+        assert self.family is not None
+        for index, layer in enumerate(self._layers()):
+            for name, child in layer.named_children():
+                if type(child).__name__.endswith("Attention") and not any(
+                        isinstance(m, (ColumnParallelLinear, ReplicatedHeadsLinear)) for m in child.modules()):
+                    raise UserError(
+                        f"--tp {tp}: sequence parallelism needs every layer's attention split by the tp plan, but "
+                        f"{self.family.layers}.{index}.{name} ({type(child).__name__}) is left whole: it would see "
+                        "1/tp of the sequence; turn sequence_parallel off")
 
     def pipeline_blocks(self, loss_fn: LossFn | None, balance: str) -> list[nn.Module]:
         if self.family is None:
@@ -166,8 +184,8 @@ def _localize_heads(model: nn.Module, heads: Heads, tp: int) -> None:
     """Set the head attributes HF attention modules read in their forward to this rank's counts."""
     local_heads = heads.n_heads // tp
     local_kv = heads.n_kv_heads // tp if heads.n_kv_heads % tp == 0 else 1
-    local = {"num_key_value_groups": local_heads // local_kv, "num_key_value_heads": local_kv,
-             "num_heads": local_heads, "split_size": local_heads * heads.head_dim, "embed_dim": local_heads * heads.head_dim}
+    local = {"num_key_value_groups": local_heads // local_kv, "num_key_value_heads": local_kv, "num_heads": local_heads,
+             "num_attention_heads": local_heads, "split_size": local_heads * heads.head_dim}
     for module in model.modules():
         if isinstance(module, heads.attention_type):
             for name, value in local.items():
