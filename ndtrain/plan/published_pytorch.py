@@ -77,8 +77,8 @@ FOUNDRY_RUNS = (
 
 # --- pytorch/torchtitan docs/performance.md @ 0413364 -----------------------------------------
 # FSDP2 on 64 A100 80GB, WPS per GPU; local batch size = mbs, global = 64 × local. "selective op"
-# checkpointing (torchtitan/parallelisms/parallelize_llama.py @ 0413364, `_custom_policy`) saves the
-# outputs of its save list "except every second mm": recompute "op" (`gpu_compute.py`).
+# checkpointing (torchtitan/parallelisms/parallelize_llama.py @ 0413364, `_get_custom_policy`) saves
+# the outputs of `no_recompute_list` but every second mm's: recompute "op" (`gpu_compute.py`).
 TITAN_A100 = Source(
     "torchtitan A100", "torchtitan performance numbers, FSDP2 on 64 A100 80GB",
     "pytorch/torchtitan docs/performance.md@0413364, tables 'LLaMa 3 performance numbers' and 'LLaMa 2 "

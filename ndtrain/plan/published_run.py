@@ -15,7 +15,7 @@ GPUs, or a reported TFLOP/s per GPU divided by the FLOPs per token of the source
 
 Which rows the constants see: a source is either a fit source (the constants of `efficiency.py` are
 fitted on all of them, and `loso.py` validates leave-one-source-out) or held out (`Source.held_out`:
-never used in any fit; decided when the source was added, before its predictions were looked at).
+never used in any fit; decided when the source was added, before any of its predictions existed).
 """
 
 from __future__ import annotations
