@@ -51,6 +51,10 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # layout → (parallel confi
 REFUSED: dict[tuple[str, str], str] = {  # (family, layout) → words of the one-line refusal
     ("gemma2", "cp2"): "soft-capping",
 }
+# OLMo2's RMSNorm computes in fp32 inside the float64 model: q/k columns computed by split matmuls differ
+# by ~1e-16, which sometimes flips an fp32 rounding of the normed q/k, and AdamW makes that 2.3e-5 on the
+# embedding after 5 steps (1.9e-13 with the norm in float64, measured); every other cell holds 1e-5.
+TOLERANCE = {("olmo2", "tp2_sp"): 1e-4}
 FAST = {("llama", "tp2_sp"), ("gemma3_text", "pp2"), ("mistral", "cp2"), ("qwen3_moe", "dp2_zero3"),
         ("phi3", "tp2_pp2"), ("gpt_neox", "dp2_pp2_zero1")}
 
@@ -68,8 +72,11 @@ def _cells() -> list[Any]:
 
 
 def _spawn_set(family: str, layout: str) -> str:
-    """Which spawn of `layout` trains the cell: the CI one, the slow named families', or the sweep's."""
-    return "fast" if (family, layout) in FAST else "sweep" if family in SWEEP else "slow"
+    """Which spawn of `layout` trains the cell: the CI one, the slow named families', or one of the sweep's
+    (8 families each, so that one spawn stays within a test's time limit)."""
+    if (family, layout) in FAST:
+        return "fast"
+    return f"sweep{SWEEP.index(family) // 8}" if family in SWEEP else "slow"
 
 
 
@@ -82,17 +89,19 @@ def _pieces(layout: str) -> int:
 
 # ------------------------------------------------------------------------------------ workers
 def _train(ctx: ParallelContext, parallel: ParallelConfig, family: str) -> dict[str, Any]:
-    try:
-        engine = Engine(lambda: zoo_model(family), adamw, ctx, parallel)
-    except UserError as e:
-        return {"refused": str(e)}
+    """The trained parameters and losses, or the one-line refusal (at construction, or at the first forward:
+    context parallel checks each attention call's arguments; the launcher makes the same check beforehand)."""
     dp, rank = ctx.size("dp"), ctx.coord("dp")
     micro = MICRO if parallel.pp > 1 else 1
     losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
-        losses.append(engine.train_step(list(zip(x.chunk(micro), y.chunk(micro)))).loss)
+    try:
+        engine = Engine(lambda: zoo_model(family), adamw, ctx, parallel)
+        for step in range(STEPS):
+            x, y = batch(step)
+            x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
+            losses.append(engine.train_step(list(zip(x.chunk(micro), y.chunk(micro)))).loss)
+    except UserError as e:
+        return {"refused": str(e)}
     return {"params": engine.full_state_dict(), "losses": losses}
 
 
@@ -114,6 +123,7 @@ def _reference(family: str, pieces: int) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------ cells
+@pytest.mark.timeout(900)  # a cell's first test waits for its whole spawn
 @pytest.mark.parametrize(("family", "layout"), _cells())
 def test_family_under_layout_matches_one_process(family: str, layout: str, spawns: Spawns) -> None:
     which = _spawn_set(family, layout)
@@ -136,6 +146,6 @@ def test_family_under_layout_matches_one_process(family: str, layout: str, spawn
     assert set(names) <= set(got), sorted(set(names) - set(got))
     got = {name: got[name] for name in names}
     assert {t.dtype for t in got.values()} == {DTYPE}
-    assert_params_close(got, _reference(family, _pieces(layout)), TOL,
+    assert_params_close(got, _reference(family, _pieces(layout)), TOLERANCE.get((family, layout), TOL),
                         f"{family} {layout}")
     assert all(out["losses"] == run[0]["losses"] for out in run)
