@@ -15,8 +15,9 @@ installed transformers that declares both plans and builds from the generic tiny
 under tp2+sp, pp2 and cp2 (all `slow`) and must either equal one process or be refused in one line
 naming the axis (`--tp 2: ...`): nothing hand-written for any of them.
 
-One spawn per layout trains all of its families; in CI a representative part runs (one cell per
-layout, chosen to cover a different family mechanism each), the rest is `slow`.
+One spawn per layout trains all of its families; in CI two composed cells run (the single axes of
+other families run in CI in tests/test_hf_declared_tp.py and tests/test_hf_declared_pp_cp.py), the rest
+is `slow`.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # layout → (parallel confi
 REFUSED: dict[tuple[str, str], str] = {  # (family, layout) → words of the one-line refusal
     ("gemma2", "cp2"): "soft-capping",
 }
-FAST = {("llama", "tp2_sp"), ("gemma3_text", "pp2"), ("mistral", "cp2"), ("qwen3_moe", "dp2_zero3"),
-        ("phi3", "tp2_pp2"), ("gpt_neox", "dp2_pp2_zero1")}
+FAST = {("phi3", "tp2_pp2"), ("gpt_neox", "dp2_pp2_zero1")}  # CI: the compositions no other test file runs for
+# these families (tests/test_hf_declared_tp.py and test_hf_declared_pp_cp.py run single axes in CI)
 
 
 SWEEP_LAYOUTS = ("tp2_sp", "pp2", "cp2")
