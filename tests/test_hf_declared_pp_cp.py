@@ -96,17 +96,19 @@ def _pieces(layout: str) -> int:
 
 # ------------------------------------------------------------------------------------ workers
 def _train(ctx: ParallelContext, parallel: ParallelConfig, family: str, window: int) -> dict[str, Any]:
-    try:
-        engine = Engine(lambda: _model(family, window), adamw, ctx, parallel)
-    except UserError as e:
-        return {"refused": str(e)}
+    """5 steps, or the refusal: the Engine's, or under cp the attention's at the first forward (every rank
+    of the cp group refuses the same call, so none waits in the ring)."""
     dp, rank = ctx.size("dp"), ctx.coord("dp")
     micro = MICRO if parallel.pp > 1 else 1
     losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
-        losses.append(engine.train_step(list(zip(x.chunk(micro), y.chunk(micro)))).loss)
+    try:
+        engine = Engine(lambda: _model(family, window), adamw, ctx, parallel)
+        for step in range(STEPS):
+            x, y = batch(step)
+            x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
+            losses.append(engine.train_step(list(zip(x.chunk(micro), y.chunk(micro)))).loss)
+    except UserError as e:
+        return {"refused": str(e)}
     return {"params": engine.full_state_dict(), "losses": losses}
 
 
