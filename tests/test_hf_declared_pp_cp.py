@@ -42,6 +42,7 @@ from ndtrain.dist.mesh import ParallelContext, init  # noqa: E402
 from ndtrain.engine import Engine  # noqa: E402
 from ndtrain.errors import UserError  # noqa: E402
 from ndtrain.models.hf import check_family_supports  # noqa: E402
+from ndtrain.models.hf_context import check_attention_call  # noqa: E402
 from tests.helpers.hf import DTYPE, STEPS, TOL, adamw, batch  # noqa: E402
 from tests.helpers.hf_float64 import float64_gemma_norms  # noqa: E402
 from tests.helpers.hf_zoo import FAMILIES, zoo_config, zoo_model  # noqa: E402
@@ -189,3 +190,22 @@ def test_launcher_accepts_what_the_ring_does() -> None:
     check_family_supports(_meta("gemma3_text", sliding_window=32), ParallelConfig(cp=2), seq_len=32)
     for family in FAMILIES:
         check_family_supports(_meta(family), ParallelConfig(pp=2, cp=1 if family == "gemma2" else 2), seq_len=32)
+
+
+def test_what_one_attention_call_may_ask_of_the_ring() -> None:
+    """The check each ring attention call makes (the launcher's and the workers'): a window as wide as the
+    sequence, causal attention and keywords that are not the attention's pass; the rest is named."""
+    attention = _meta("llama").model.layers[0].self_attn
+    check_attention_call(attention, 2, 32, None, {"dropout": 0.0, "sliding_window": 32, "is_causal": True,
+                                                  "position_ids": torch.arange(32), "use_cache": False})
+    start = "--cp 2: context parallel is not supported for model_type 'llama': its attention "
+    for kwargs, mask, words in (
+        ({"is_causal": False}, None, "is not causal (is_causal=False)"),
+        ({"sliding_window": 31}, None, "has a sliding window of 31 tokens (sliding_window), narrower than the "
+                                       "32-token sequence"),
+        ({"position_bias": torch.zeros(1)}, None, "takes the keyword 'position_bias'"),
+        ({}, torch.zeros(1), "applies a mask of its own"),
+    ):
+        with pytest.raises(UserError) as refused:
+            check_attention_call(attention, 2, 32, mask, kwargs)
+        assert str(refused.value).startswith(start + words), str(refused.value)

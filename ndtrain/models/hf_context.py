@@ -73,11 +73,11 @@ def check_attention_call(module: nn.Module, cp: int, sequence: int, attention_ma
     model_type = getattr(config, "model_type", type(module).__name__)
     start = f"--cp {cp}: context parallel is not supported for model_type {model_type!r}: its attention"
     for name, value in kwargs.items():
-        if name in _NOT_ATTENTION or name in ("dropout", "sliding_window") or value is None or value is False:
+        if name in _NOT_ATTENTION or name in ("dropout", "sliding_window", "is_causal") or value is None or value is False:
             continue
         what = f"{_NAMED[name]} ({name})" if name in _NAMED else f"the keyword {name!r}"
         raise UserError(f"{start} takes {what}, which ring attention does not do: use cp=1")
-    if getattr(module, "is_causal", True) is False:
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise UserError(f"{start} is not causal (is_causal=False), and ring attention is: use cp=1")
     if attention_mask is not None:
         raise UserError(f"{start} applies a mask of its own, which ring attention does not: use cp=1")
