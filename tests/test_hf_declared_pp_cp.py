@@ -16,9 +16,9 @@ loss is the mean of the same micro-batches (relative error ≤ 1e-5, tests/helpe
 every rank reporting the same losses. `REFUSED` cells must instead be refused in one line naming why.
 Gemma's norms are computed in float64 (tests/helpers/hf_float64.py: transformers computes them in
 float32). One spawn per layout (and CI or slow set) trains its families in turn; CI runs pp2 for Gemma2
-(soft-capped logits on the last stage, eager attention, a sliding layer on the second stage) and Gemma3
-(rotary tables per layer type) and cp2 for Gemma3 (a window as wide as the sequence, Gemma's own attention
-scale) and GPT-NeoX (fused per-head q/k/v); the rest is `slow` (tests/test_hf_family_matrix.py covers the
+(soft-capped logits on the last stage, eager attention, a sliding layer on the second stage) and cp2 for
+GPT-NeoX (fused per-head q/k/v), to keep make test within 20 minutes; the rest (Gemma3's rotary tables per
+layer type and its window as wide as the sequence among them) is `slow` (tests/test_hf_family_matrix.py covers the
 default-window models).
 
 Before workers (no spawn): the launcher's checks (models/hf.py `check_family_supports` on the
@@ -59,7 +59,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int, int]] = {  # layout → (parallel 
     "dp2_pp2_zero1": ({"pp": 2, "zero": 1, "pp_schedule": "1f1b"}, 4, 8),
     "tp2_sp_pp2": ({"tp": 2, "sequence_parallel": True, "pp": 2, "pp_schedule": "1f1b"}, 4, 8),
 }
-FAST = {"pp2": ("gemma2", "gemma3_text"), "cp2": ("gemma3_text", "gpt_neox")}
+FAST = {"pp2": ("gemma2",), "cp2": ("gpt_neox",)}  # CI; the other families and layouts are slow
 REFUSED = {("gemma2", "cp2"): "attention logit soft-capping (softcap)"}
 
 

@@ -117,6 +117,7 @@ def test_config_toml_records_the_models_own_config_values(folder: tuple[Path, Pa
     assert config(model, **{"model.rope_theta": ROPE_THETA}).model.rope_theta == ROPE_THETA  # repeating it is fine
 
 
+@pytest.mark.slow  # make test's 20 minutes; the refusal's rule is in run/config_checks.py, tested here
 def test_a_tokenizer_larger_than_the_embedding_is_refused(folder: tuple[Path, Path, object], tmp_path: Path) -> None:
     model, corpus, _ = folder
     big = tmp_path / "big.json"
