@@ -24,7 +24,8 @@ What the function does with the keywords (`check_attention_call`, the same code 
   training, non-causal attention (the module's `is_causal` false), a mask of the family's own, and any
   other keyword with a value (the ring does not know what it means).
 
-Before workers start (`check_context_attention`, from models/hf.py's launcher checks): the meta-device model
+Before workers start (`check_context_attention`, from models/hf.py's launcher checks, and again, over 2·cp
+tokens, on a meta-device model of the same class and config when the engine applies cp): the meta model
 runs each decoder layer, alone (the layers before it replaced by stand-ins returning a meta activation, as a
 pipeline stage does: hf_stages.py), up to its attention call, which applies the check and stops there, so
 every refusal above is raised by the launcher; a layer that reaches no attention call through the interface
@@ -37,6 +38,7 @@ the global positions. Costs: those of ring attention (parallel/model/context.py)
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,10 +136,33 @@ def _family(model: nn.Module, cp: int) -> Family:
     return family
 
 
+def _meta_copy(inner: Any) -> nn.Module | None:
+    """A model of `inner`'s class and config on the meta device (transformers' warnings about the config
+    silenced: the model was built already), or None when the class does not build there."""
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        with torch.device("meta"):
+            return type(inner)(copy.deepcopy(inner.config))
+    except Exception:  # noqa: BLE001 - the class will not build on the meta device: the calls check themselves
+        return None
+    finally:
+        logging.set_verbosity(verbosity)
+
+
 def apply_hf_context_parallel(model: nn.Module, ring: Ring) -> nn.Module:
-    """Route every decoder-layer attention of the HF `model` (or its `CausalLM` adapter) through ring attention."""
+    """Route every decoder-layer attention of the HF `model` (or its `CausalLM` adapter) through ring attention,
+    after checking on a meta-device model of its class and config that every layer's attention call can take
+    the ring (`check_context_attention` over 2·cp tokens: a window narrower than the training sequence is
+    refused by the first forward instead, the launcher's check knowing the sequence)."""
     cp = ring.group.size
-    _route(model, _family(model, cp), ring, cp)
+    family = _family(model, cp)
+    meta = _meta_copy(hf_model(model))
+    if meta is not None:
+        check_context_attention(meta, cp, 2 * cp)
+    _route(model, family, ring, cp)
     return model
 
 
