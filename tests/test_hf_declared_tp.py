@@ -323,3 +323,12 @@ def test_sequence_parallel_with_an_attention_left_whole_is_refused() -> None:
                                         r"tp plan, but hf.model.layers.0.self_attn \(GptOssAttention\) is left whole"):
         parallelize(model, fake_tp_ctx(2), sequence_parallel=True)
     parallelize(CausalLM(transformers.AutoModelForCausalLM.from_config(config)), fake_tp_ctx(2))  # without: fine
+
+
+def test_a_per_head_parameter_the_plan_keeps_whole_is_refused() -> None:
+    """Doge's attention holds `A`, one value per kv head, which its declared plan does not split."""
+    config = transformers.AutoConfig.for_model("doge", **{**_EXTRA_SIZES, "num_hidden_layers": 1})
+    model = CausalLM(transformers.AutoModelForCausalLM.from_config(config))
+    with pytest.raises(UserError, match=r"^--tp 2: hf.model.layers.0.self_attn.A holds one value per attention head "
+                                        r"\(shape \[2\]\) and the tp plan does not split it"):
+        parallelize(model, fake_tp_ctx(2))

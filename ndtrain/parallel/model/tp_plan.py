@@ -102,6 +102,20 @@ def _check_heads(heads: Heads, tp: int) -> None:
             "choose tp a multiple or a divisor of the kv heads")
 
 
+def _check_per_head_parameters(heads: Heads, styles: dict[str, str], modules: dict[str, nn.Module], tp: int) -> None:
+    """A split attention computes this rank's heads only: a 1-D parameter of it holding one value per
+    (kv) head that the plan keeps whole (Doge's `A`) would meet tensors of 1/tp of the heads."""
+    for name, module in modules.items():
+        if not isinstance(module, heads.attention_type):
+            continue
+        for child, param in module.named_parameters(recurse=False):
+            per_head = param.ndim == 1 and param.shape[0] in (heads.n_heads, heads.n_kv_heads)
+            if per_head and param.shape[0] != heads.head_dim and f"{name}.{child}" not in styles:
+                raise UserError(f"--tp {tp}: {name}.{child} holds one value per attention head (shape "
+                                f"{list(param.shape)}) and the tp plan does not split it: this family's attention "
+                                "cannot be split by heads; use dp/ZeRO, pp or cp")
+
+
 def _split_heads(heads: Heads | None, styles: dict[str, str], modules: dict[str, nn.Module]) -> Heads | None:
     """`heads` when the plan splits some attention's projections per head, else None (nothing to count)."""
     if heads is None:
@@ -146,6 +160,7 @@ def parallelize(
     heads = _split_heads(spec.heads() if spec is not None else None, styles, modules)
     if heads is not None:
         _check_heads(heads, group.size)
+        _check_per_head_parameters(heads, styles, modules, group.size)
     cut = spec.sequence_cut() if sequence_parallel and spec is not None else None  # None: the embedding cuts
     if sequence_parallel and cut is None and not any(
         style == "vocab" and isinstance(modules.get(name), nn.Embedding) for name, style in styles.items()
