@@ -76,5 +76,6 @@ def test_validate_without_a_file_prints_both_tables(recorder: Recorder, capsys: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_constants_are_the_fit_on_every_fit_source() -> None:
     assert fit.fit() == GPU_EFFICIENCY
