@@ -89,9 +89,9 @@ def pipeline_refusal(model: nn.Module, family: Family) -> str | None:
                     if f"{path}.{name}".lstrip(".") not in placed | {base_path} and _has_parameters(child)]
     if not outside:
         return None
-    return (f"pipeline parallel is not supported for model_type {family.model_type!r}: its "
-            f"{', '.join(repr(name) for name in outside)} holds parameters outside its pipeline plan (embedding, "
-            "layers, final norm, head), so no stage can run it")
+    return (f"pipeline parallel is not supported for model_type {family.model_type!r}: "
+            f"{', '.join(repr(name) for name in outside)} {'holds' if len(outside) == 1 else 'hold'} parameters "
+            "outside its pipeline plan (embedding, layers, final norm, head), so no stage can run it")
 
 
 class StageEnd(Exception):
