@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from pathlib import Path
 from typing import Iterator
 
 from safetensors import SafetensorError
 from torch.distributed import DistError
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ndtrain.errors import UserError
 
@@ -62,7 +62,7 @@ def chain(error: BaseException) -> Iterator[BaseException]:
             continue
         seen.add(id(current))
         yield current
-        if isinstance(current, CheckpointException):
+        if _is_checkpoint_exception(current):
             pending += [wrapped[0] for wrapped in reversed(list(current.failures.values()))]
         pending += [e for e in (current.__context__, current.__cause__) if e is not None]
 
@@ -129,3 +129,10 @@ def size_text(n_bytes: float) -> str:
         if n_bytes >= scale:
             return f"{n_bytes / scale:.1f} {unit}"
     return f"{n_bytes / 2**10:.0f} KiB"
+
+
+def _is_checkpoint_exception(error: BaseException) -> bool:
+    """A DCP `CheckpointException`, without importing DCP (about 1 s: DTensor, sympy) into every process:
+    such an exception exists only once its module is loaded."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api is not None and isinstance(error, api.CheckpointException)

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ndtrain.checkpoint.safe_pickle import load_tensors
 
 FOLDER = "buffers"
 BufferSite = tuple[nn.Module, str]
@@ -59,6 +58,8 @@ def write_buffers(folder: Path, rank: int, sites: dict[str, BufferSite]) -> None
 
 def saved_buffers(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Every buffer a checkpoint holds, by name (empty for a checkpoint written without them)."""
+    from ndtrain.checkpoint.safe_pickle import load_tensors  # DCP's import: only once a checkpoint is read
+
     state: dict[str, torch.Tensor] = {}
     for file in sorted((checkpoint / FOLDER).glob("rank*.pt")):
         state.update(load_tensors(file))

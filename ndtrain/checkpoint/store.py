@@ -23,6 +23,10 @@ gathered. Cost on disk: Ψ·(4 + 8) bytes for fp32 AdamW (fp32 masters under bf1
 Nothing is unpickled with arbitrary classes (`safe_pickle`). Checkpoints of the earlier
 per-layout format (no "checkpoint_format" in progress.json) are refused in one line; their
 weights still load with `load_model_weights` (generate, export, model.init_from).
+
+DCP itself (and the modules built on it: `format`, `safe_pickle`, `save_agreement`) is imported by
+the functions that save and load, not with this module: its import costs about 1 s (DTensor, sympy),
+paid by every process of a run otherwise, and by none that never saves or resumes.
 """
 
 from __future__ import annotations
@@ -38,17 +42,12 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ndtrain.checkpoint.buffers import buffer_names, held, load_buffers, write_buffers
-from ndtrain.checkpoint.format import FORMAT, SliceLoadPlanner, SliceSavePlanner, load_pieces, problems, save_pieces
 from ndtrain.checkpoint.manifest import PARTIAL, Choice, choose, obsolete, step_of, write_manifest
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.checkpoint.save_agreement import PendingSave, agree, attempt, settle
-from ndtrain.checkpoint.safe_pickle import SafePlanner, SafeReader, load_tensors
 
 LATEST = "latest"
 PROGRESS = "progress.json"
@@ -151,6 +150,11 @@ def save_checkpoint(directory: Path, step: int, engine: Any, extra: dict[str, An
     UserError) becomes the same UserError on every rank (see `_refused_save`); any other failure is
     re-raised by the rank that met it, the others raising `PeerFailed`.
     """
+    import torch.distributed.checkpoint as dcp
+
+    from ndtrain.checkpoint.format import FORMAT, SliceSavePlanner, save_pieces
+    from ndtrain.checkpoint.save_agreement import PendingSave, attempt, settle
+
     ctx = engine.ctx
     save = PendingSave(directory, checkpoint_name(step), save_pieces(engine))
     partial, final = save.partial, directory / save.name
@@ -205,6 +209,13 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
     pickle, a checkpoint of the old per-layout format), every rank raises a UserError carrying the
     first failing rank's message before anything is read, so no rank goes on training alone.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ndtrain.checkpoint.format import FORMAT, SliceLoadPlanner, load_pieces, problems
+    from ndtrain.checkpoint.safe_pickle import SafeReader, load_tensors
+    from ndtrain.checkpoint.save_agreement import agree
+
     ctx = engine.ctx
     error, extra, metadata = None, {}, None
     try:
@@ -266,6 +277,10 @@ def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     The metadata is read once beforehand so that a refused one fails here, with one line, rather
     than inside DCP, which logs a traceback before falling back to per-rank metadata.
     """
+    import torch.distributed.checkpoint as dcp
+
+    from ndtrain.checkpoint.safe_pickle import SafePlanner, SafeReader
+
     reader = SafeReader(path)
     reader.read_metadata()
     with _single_process_quiet():
@@ -282,6 +297,8 @@ def _single_process_quiet() -> Iterator[None]:
 
 def _reason(error: BaseException) -> str:
     """One line saying why a load failed; DCP wraps each rank's exception in a CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
     text = " ".join(str(error).split())
@@ -291,6 +308,8 @@ def _reason(error: BaseException) -> str:
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load only the model weights (parameters and persistent buffers) of a checkpoint into a single-process
     model (no process group)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     state = {"model": {name: p.detach() for name, p in model.named_parameters()}}  # a tied weight once
     try:
         _dcp_load(state, path, no_dist=not dist.is_initialized())  # in place, into the parameters
