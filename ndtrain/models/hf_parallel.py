@@ -17,6 +17,9 @@ Read from the family record (`hf_families.Family`, keyed by `config.model_type`)
   called without targets. Sequence parallelism cuts the sequence at the first decoder layer's input
   (`SequenceCut`): HF computes the causal mask, positions and RoPE tables from the embedding's output,
   which must therefore span the whole sequence (one all-reduce of b·s·d instead of a reduce-scatter).
+  Gemma3n/Gemma4 compute each layer's extra input (`per_layer_input`) from the tokens before the layers:
+  those modules see the whole sequence too (complete gradients), and each layer's input is cut to its
+  shard like its hidden states (the gradient all-gathered back: b·s·p per layer).
   Symmetrically the sequence is gathered back at the final norm's output rather than at the head's
   input (the same all-gather, moved up one module): the base model's own code after its layers then
   sees whole sequences (GPT-2 reshapes its last hidden states to (−1, T, d), which would silently
@@ -44,7 +47,9 @@ from ndtrain.models.hf_context import apply_hf_context_parallel
 from ndtrain.models.hf_stages import HFStage, end_costs, pipeline_refusal
 from ndtrain.parallel.model.context import Ring
 from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, SequenceCut
-from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim, GatherSequence, ReplicatedHeadsLinear
+from ndtrain.parallel.model.tensor import (
+    ColumnParallelLinear, GatherLastDim, GatherSequence, ReplicatedHeadsLinear, SplitSequence,
+)
 from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy
 
 
@@ -83,8 +88,21 @@ class HFParallel(ModelParallel):
     def sequence_cut(self) -> SequenceCut | None:
         if self.family is None:
             return None
-        return SequenceCut(at=f"{self.family.layers}.0", input_name=self.family.layer_input,
-                           before=self.family.embeddings)
+        family = self.family
+        return SequenceCut(at=f"{family.layers}.0", input_name=family.layer_input,
+                           before=tuple(family.embeddings) + self._per_layer_input_modules())
+
+    def _per_layer_input_modules(self) -> tuple[str, ...]:
+        """Gemma3n/Gemma4 (`hidden_size_per_layer_input`): the base model's children outside its pipeline
+        plan (per-layer embedding, projection, norm) compute every layer's extra input from the tokens before
+        the layers run, on the whole sequence (cut per layer by `_SplitPerLayerInput`): their gradients are
+        complete. Other families: none (a child outside the plan may run after the layers)."""
+        if not getattr(self.config, "hidden_size_per_layer_input", None):
+            return ()
+        family = self.family
+        base, _, _ = family.layers.rpartition(".")
+        children = {f"{base}.{name}" if base else name for name, _ in self.model.get_submodule(base).named_children()}
+        return tuple(sorted(children - {family.layers, family.final_norm, *family.embeddings}))
 
     def fit_tensor_parallel(self, ctx: ParallelContext, heads: Heads | None) -> None:
         """Vocab-parallel loss and gathered logits on the adapter; local head counts on HF attention
@@ -101,6 +119,9 @@ class HFParallel(ModelParallel):
             _localize_heads(model, heads, tp)
         if head.sequence_parallel:
             self._check_attention_split(tp)
+            if getattr(self.config, "hidden_size_per_layer_input", None):  # Gemma3n/Gemma4
+                for layer in self._layers():
+                    layer.register_forward_pre_hook(_SplitPerLayerInput(ctx), with_kwargs=True)
         if head.sequence_parallel and head.communicate_input and family.final_norm:
             head.communicate_input = False  # the final norm's output arrives gathered instead
             model.get_submodule(family.final_norm).register_forward_hook(_GatherOutput(ctx))
@@ -167,6 +188,22 @@ class HFParallel(ModelParallel):
 
     def _layers(self) -> nn.ModuleList:
         return decoder_layers(self.model)[1]  # type: ignore[index]
+
+
+class _SplitPerLayerInput:
+    """Forward pre-hook of a decoder layer taking `per_layer_input` [B, T, p] (second positional, or by
+    keyword) computed for the whole sequence from the embedding: cut to this rank's sequence shard, as the
+    layer's hidden states are (`SplitSequence`: the gradient all-gathered back)."""
+
+    def __init__(self, ctx: ParallelContext) -> None:
+        self.comm, self.group = ctx.comm, ctx.group("tp")
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if len(args) > 1 and isinstance(args[1], torch.Tensor):
+            return (args[0], SplitSequence.apply(args[1], self.comm, self.group), *args[2:]), kwargs
+        if isinstance(kwargs.get("per_layer_input"), torch.Tensor):
+            kwargs = {**kwargs, "per_layer_input": SplitSequence.apply(kwargs["per_layer_input"], self.comm, self.group)}
+        return args, kwargs
 
 
 class _GatherOutput:
