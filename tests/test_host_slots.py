@@ -10,6 +10,9 @@
   None on every rank, so they keep the backend's collectives alike.
 - A rank that stops (real SIGSTOP) before it arrives is named by the watchdog of the rank waiting in
   the shared-memory collective, as for any collective.
+- A rank that ends (real SIGKILL, or an exit) before it arrives ends the survivor's wait at once, long
+  before the watchdog, with one line naming it that the failure rule takes for a lost peer; peers in
+  another PID namespace, or not shown by /proc as recorded, are not checked.
 - `ZeroOptimizer` over a plain DDP whose buckets are slots (cut at cache lines, not at the
   optimizer's ranges) trains as over gloo: it gathers through a ring only over ZeRO-1's own
   buckets (dist/host_stream.py); gathering through a plain DDP's slots once made every parameter wrong.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,8 +32,11 @@ import pytest
 import torch
 
 from ndtrain.config import ParallelConfig
+from ndtrain.dist import host_slots
 from ndtrain.dist.host_slots import HostSlots, host_slots_supported
 from ndtrain.dist.mesh import init
+from ndtrain.dist.procfs import proc_stat
+from ndtrain.failures import lost_peer
 from tests.helpers.counts import counted_since
 from tests.helpers.runner import init_method, run_distributed
 
@@ -175,6 +182,56 @@ def test_a_rank_stopped_before_a_shared_memory_collective_is_named(capfd: pytest
         r"\(SIGSTOP\), so killed\)",
         errors[0],
     ), errors[0]
+
+
+def _ends_before_arriving(how: str) -> None:
+    """Rank 1 ends (SIGKILL or a plain exit) after one collective; rank 0 waits in the next one and
+    prints, in one line, what ended its wait (the watchdog, at 60 s, is far off)."""
+    ctx = init(ParallelConfig(watchdog_s=60, timeout_s=120), init_method=init_method())
+    slots = HostSlots.open(ctx.comm, ctx.group("dp"), 1000, torch.float32)
+    assert slots is not None
+    slots.all_reduce_mean().wait()  # everyone arrives once
+    if ctx.rank == 1 and how == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if ctx.rank == 1:
+        os._exit(0)
+    try:
+        slots.all_reduce_mean().wait()
+    except RuntimeError as error:
+        print(f"survivor: lost_peer={lost_peer(error)} {error}", file=sys.stderr, flush=True)
+        raise
+
+
+@pytest.mark.parametrize("how", ["killed", "exits"])
+def test_a_rank_that_ends_before_a_shared_memory_collective_fails_the_wait(
+        how: str, capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError) as failed:  # rank 0's error, or rank 1's death, whichever the runner sees first
+        run_distributed(_ends_before_arriving, 2, how, timeout=60)
+    assert "did not finish" not in str(failed.value), failed.value  # nobody hung
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("survivor:")]
+    assert len(lines) == 1, lines
+    assert re.fullmatch(
+        r"survivor: lost_peer=True collective #\d+ all_reduce_shm on axis 'dp' \(ranks \[0, 1\]\) failed or timed "
+        r"out after [0-9:]+: shared-memory collective #2 on axis 'dp': group rank 1 \(global rank 1, pid \d+\) "
+        r"ended: its (process is gone|process exited \(a zombie\))",
+        lines[0],
+    ), lines[0]
+
+
+def test_peers_are_checked_only_where_this_process_sees_them_as_recorded() -> None:
+    me, start = os.getpid(), proc_stat(os.getpid())[1]
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    parent, parent_start = os.getppid(), proc_stat(os.getppid())[1]
+    ids = torch.tensor([[me, parent], [start, parent_start], [namespace, namespace]])
+    assert host_slots._watched_peers(ids, 0) == {1: (parent, parent_start)}
+    assert host_slots._watched_peers(ids.clone().index_fill_(1, torch.tensor([1]), 0), 0) == {}  # unknown
+    other = ids.clone()
+    other[2, 1] += 1  # another PID namespace: its pid means nothing here
+    assert host_slots._watched_peers(other, 0) == {}
+    other = ids.clone()
+    other[1, 1] += 1  # not the process that signed
+    assert host_slots._watched_peers(other, 0) == {}
+    assert host_slots._ended(parent, parent_start + 1) == "ended: its pid names another process now"
 
 
 def _zero_over_plain_ddp(host_slots: bool) -> dict[str, torch.Tensor]:

@@ -33,8 +33,21 @@ soon as the others arrive), `Pending.wait()` polls until it is complete (yieldin
 the communicator's timeout and watchdog, as any other wait). The store order relies on x86-64's
 memory model (stores become visible in program order), so the slots are used on x86-64 Linux only.
 
+A peer that ends (killed, crashed, exited) never writes its flags again. The slots notice it
+instead of waiting for the watchdog (an agent's SIGTERM to the survivor only asks it to stop at the
+next step, so without this it would wait out the agent's grace): at setup every rank records its
+pid, its start time (field 22 of /proc/self/stat) and its PID namespace in the header; a rank checks
+its peers only where all share its PID namespace and /proc shows each peer's recorded start (else
+no checking, as for ranks in containers sharing /dev/shm). A waiting rank, once it naps between
+polls, reads /proc/PID/stat of each peer whose flag lags the collective: one small file read per
+lagging peer per nap (naps grow from 20 µs to 1 ms), nothing while the collective progresses. A
+peer that is gone, whose pid names another process, or that is a zombie ends the wait with
+`PeerFailed` (failures.py: a lost peer, so the run restarts), one line naming its group and global
+rank and its pid.
+
 Setup (collective, once per segment): group rank 0 creates a file of a random name in /dev/shm
-and broadcasts the name; every rank maps it; an all-reduce says whether every rank could open it
+and broadcasts the name; every rank maps it and signs the header (pid, start, namespace; one /proc
+read per peer afterwards to verify them); an all-reduce says whether every rank could open it
 (not, when the ranks are on different hosts or in different /dev/shm namespaces: then `open`
 returns None on every rank and the caller keeps the backend's collectives); rank 0 unlinks the
 file, so nothing is left behind after the processes end, however they end. Memory: S bytes per
@@ -59,11 +72,14 @@ from typing import Any, Callable
 import torch
 
 from ndtrain.dist.comm import Communicator, Group, Pending
+from ndtrain.dist.procfs import proc_stat
+from ndtrain.failures import PeerFailed
 
 SHARED_MEMORY = Path("/dev/shm")
 _LINE = 64  # bytes: slots and chunks start on cache lines, so two writers never share one
 _SPINS = 64  # yields before a waiting rank starts to sleep between polls
 _NAP_S = (20e-6, 1e-3)  # first and longest sleep between polls after the yields
+_ROWS = 5  # header rows of N int64: arrived, done (the flags); pid, start time, PID namespace (the identities)
 
 
 def host_slots_supported() -> bool:
@@ -79,9 +95,11 @@ class HostSlots:
                  chunk: int | None = None) -> None:
         n = group.size
         self.comm, self.group, self.numel, self.dtype = comm, group, numel, dtype
-        header = _round_up(2 * n * 8, _LINE)
+        header = _header_bytes(n)
         stride = _round_up(numel * dtype.itemsize, _LINE) // dtype.itemsize
-        self._flags = raw[:header].view(torch.int64)[: 2 * n].view(2, n)  # [arrived, done] per rank
+        rows = _header(raw, n)
+        self._flags = rows[:2]  # [arrived, done] per rank
+        self._peers = _watched_peers(rows[2:], group.rank)  # group rank → (pid, start) of the peers checked
         self.slots = raw[header : header + n * stride * dtype.itemsize].view(dtype).view(n, stride)[:, :numel]
         self.mine = self.slots[group.rank]
         self.chunks = _chunks(numel, n, _round_up(-(-numel // n), _LINE // dtype.itemsize) if chunk is None else chunk)
@@ -97,7 +115,7 @@ class HostSlots:
         match a caller's layout (ZeRO-1's `FlatLayout`); default: numel / N rounded up to a cache line.
         `directory`: where the segment is made (a tmpfs shared by the ranks)."""
         n = group.size
-        size = _round_up(2 * n * 8, _LINE) + n * _round_up(numel * dtype.itemsize, _LINE)
+        size = _header_bytes(n) + n * _round_up(numel * dtype.itemsize, _LINE)
         token = torch.zeros(2, dtype=torch.int64)  # the segment's name, 0 when rank 0 could not create it
         raw = None
         if group.rank == 0 and host_slots_supported():
@@ -108,6 +126,8 @@ class HostSlots:
         comm.broadcast(token, group, src=0)
         if group.rank != 0 and token[0].item() != 0 and host_slots_supported():
             raw = _map(_segment(directory, token), size)
+        if raw is not None:
+            _sign(_header(raw, n)[2:], group.rank)  # before the all-reduce: every rank's is there after it
         opened = torch.tensor([0 if raw is None else 1], dtype=torch.int64)
         comm.all_reduce(opened, group, op=torch.distributed.ReduceOp.MIN)
         if group.rank == 0 and raw is not None:
@@ -183,10 +203,24 @@ class _Collective:
             polls += 1
             if polls < _SPINS:
                 os.sched_yield()
-            else:  # a peer is far behind (or gone: the watchdog ends this): wake up less and less often
+            else:  # a peer is far behind (or gone): wake up less and less often
+                self._check_peers()
                 time.sleep(nap)
                 nap = min(2 * nap, _NAP_S[1])
         return True
+
+    def _check_peers(self) -> None:
+        """Raise `PeerFailed` if a peer whose flag lags this collective has ended: one /proc read per
+        lagging peer (none where setup found the peers' processes not visible, `_watched_peers`)."""
+        s = self.s
+        lagging = s._flags[1 if self._mine_done else 0]
+        for k, (pid, start) in s._peers.items():
+            if int(lagging[k]) >= self.seq:
+                continue
+            ended = _ended(pid, start)
+            if ended is not None and int(lagging[k]) < self.seq:  # read again: it may have written, then exited
+                raise PeerFailed(f"shared-memory collective #{self.seq} on axis '{s.group.name}': group rank {k} "
+                                 f"(global rank {s.group.global_rank(k)}, pid {pid}) {ended}")
 
 
 def _average_into_every_slot(s: HostSlots) -> None:
@@ -215,6 +249,50 @@ def _chunks(numel: int, n: int, chunk: int) -> list[tuple[int, int]]:
     if chunk * n < numel:
         raise ValueError(f"{n} chunks of {chunk} elements do not cover {numel}")
     return [(min(numel, k * chunk), min(numel, (k + 1) * chunk)) for k in range(n)]
+
+
+def _header_bytes(n: int) -> int:
+    return _round_up(_ROWS * n * 8, _LINE)
+
+
+def _header(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """The segment's header as [_ROWS, n] int64 (rows: arrived, done, pid, start time, PID namespace)."""
+    return raw[: _header_bytes(n)].view(torch.int64)[: _ROWS * n].view(_ROWS, n)
+
+
+def _sign(identities: torch.Tensor, rank: int) -> None:
+    """This process's pid, start time and PID namespace into column `rank` of `identities` ([3, n];
+    0 for what cannot be read, or where /proc is another PID namespace's: then nobody checks)."""
+    stat = proc_stat(os.getpid())
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino if os.readlink("/proc/self") == str(os.getpid()) else 0
+    except OSError:
+        namespace = 0
+    identities[:, rank] = torch.tensor([os.getpid(), 0 if stat is None else stat[1], namespace])
+
+
+def _watched_peers(identities: torch.Tensor, rank: int) -> dict[int, tuple[int, int]]:
+    """Group rank → (pid, start time) of every other rank, where this process can tell when they end
+    (every rank in its PID namespace, /proc showing each peer with its recorded start); else {}.
+    Every rank reads the same header, so all decide alike unless a peer ended meanwhile. Cost: one
+    /proc read per peer, once per segment."""
+    pids, starts, namespaces = identities.tolist()
+    if 0 in starts or 0 in namespaces or len(set(namespaces)) != 1:
+        return {}
+    peers = {k: (pids[k], starts[k]) for k in range(len(pids)) if k != rank}
+    return {} if any(_ended(pid, start) for pid, start in peers.values()) else peers
+
+
+def _ended(pid: int, start: int) -> str | None:
+    """How the process `pid` started at `start` (clock ticks after boot) ended, or None while it runs."""
+    stat = proc_stat(pid)
+    if stat is None:
+        return "ended: its process is gone"
+    if stat[1] != start:
+        return "ended: its pid names another process now"
+    if stat[0] in ("Z", "X"):
+        return "ended: its process exited (a zombie)"
+    return None
 
 
 def _segment(directory: Path, token: torch.Tensor) -> Path:
