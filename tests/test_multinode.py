@@ -231,6 +231,7 @@ def _alive(pid: int) -> bool:
     return state not in "ZX"
 
 
+@pytest.mark.slow  # ≈ 40 s; CI keeps the namespaces' path (the two-host exactness above) and the watchdog's own tests
 def test_cut_link_ends_every_rank_with_the_watchdog_message(hosts: Hosts, tmp_path: Path) -> None:
     out = tmp_path / "cut"
     nodes = start_nodes(hosts, tmp_path, out, "--steps", "100000", "--set", f"parallel.watchdog_s={WATCHDOG_S}",
