@@ -57,13 +57,20 @@ FAST: set[tuple[str, str]] = set()  # all slow: the single axes of these familie
 
 
 SWEEP_LAYOUTS = ("tp2_sp", "pp2", "cp2")
+KNOWN = {  # open defects, each failing as stated (strict: a fix makes the cell fail until this entry goes)
+    ("kolibri1", "tp2_sp"): pytest.mark.xfail(strict=True, reason=(
+        "Kolibri1 under tp2+sp ends 2e-4 to 3e-3 away (relative) in experts.down_proj, its router and shared "
+        "experts, although tp2 without sp is within 1e-8 and the losses agree; its router computes in float32 "
+        "(suspected: fp32 rounding of routing weights amplified by AdamW; not yet shown)")),
+}
 
 
 def _cells() -> list[Any]:
     named = [pytest.param(family, layout, id=f"{family}-{layout}",
                           marks=[] if (family, layout) in FAST else [pytest.mark.slow])
              for layout in LAYOUTS for family in FAMILIES]
-    swept = [pytest.param(family, layout, id=f"sweep-{family}-{layout}", marks=[pytest.mark.slow])
+    swept = [pytest.param(family, layout, id=f"sweep-{family}-{layout}",
+                          marks=[pytest.mark.slow, *([KNOWN[family, layout]] if (family, layout) in KNOWN else [])])
              for layout in SWEEP_LAYOUTS for family in SWEEP]
     return named + swept
 
