@@ -34,10 +34,13 @@ from ndtrain.models.llama_parallel import LlamaParallel
 from ndtrain.parallel.precision import at_least_fp32
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, each [len(positions), head_dim / 2], in fp32."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, each [len(positions), head_dim / 2], in fp32, or in `dtype`
+    where that is wider (float64: a float32 table would differ by an ulp between CPU and CUDA cos)."""
+    wide = torch.promote_types(torch.float32, dtype)
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=wide, device=positions.device) / head_dim)
+    angles = positions.to(wide)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
 
@@ -155,7 +158,8 @@ class Llama(nn.Module):
         return self.head(x, targets)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_tables(positions, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta)
+        dtype = next(self.parameters()).dtype
+        return rotary_tables(positions, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta, dtype)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)
