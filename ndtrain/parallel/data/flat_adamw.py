@@ -160,7 +160,7 @@ class FlatAdamW(torch.optim.Optimizer):
                             "FlatAdamW steps all parameters together; set parallel.flat_adamw=false for this run")
         layout = self.ddp.buckets[k].flat_layout
         flat.exp_avg, flat.exp_avg_sq = torch.zeros_like(flat.values), torch.zeros_like(flat.values)
-        flat.step = torch.tensor(steps.pop() if steps else 0.0, dtype=_step_dtype())
+        flat.step = _step_counter(steps.pop() if steps else 0.0, flat.values.device, self.fused)
         flat.avg_views, flat.sq_views = layout.views(flat.exp_avg), layout.views(flat.exp_avg_sq)
         for p, a, s in zip(params, flat.avg_views, flat.sq_views):
             state = self.state[p]
@@ -276,6 +276,10 @@ def _fused_supported(tensor: torch.Tensor) -> bool:
     return tensor.device.type in ("cpu", "cuda") and tensor.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _step_dtype() -> torch.dtype:
-    """torch's AdamW step counter dtype (float32, float64 when that is the default dtype)."""
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+def _step_counter(step: float, device: torch.device, fused: bool) -> torch.Tensor:
+    """A bucket's step counter as torch's AdamW keeps it: for the fused kernel float32 on the values'
+    device (its CUDA kernel reads the counter there, as a float); otherwise on the CPU, float32, or
+    float64 when that is the default dtype."""
+    if fused:
+        return torch.tensor(step, dtype=torch.float32, device=device)
+    return torch.tensor(step, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
