@@ -10,7 +10,8 @@ Steps (each with its own time budget; the whole fits in 8 minutes on an H100):
    repeats of `steps` timed steps each (budget 150 s): median step time of each, ratio ours/plain,
    tokens/s, MFU = (6·N + 12·L·d·T)·tokens/s over the GPU's bf16 peak (plan/hardware.py, by the
    device's name), peak memory (`torch.cuda.max_memory_allocated`) against plan/memory.py's
-   prediction for the layout.
+   prediction for the layout; the device's kernel time per step of each (torch.profiler, 3 steps),
+   the step's busiest kernels written to `profile.txt` beside the table.
 4. attention at sequence 8192 (budget 60 s): ring attention on one device (fused kernel, and
    tiles) against `scaled_dot_product_attention`, forward + backward, median time each.
 
@@ -95,17 +96,24 @@ def check_imports(table: Table) -> None:
         table.add("imports", name, "present" if importlib.util.find_spec(name) else "missing (its tests skip)")
 
 
-def run_tests(table: Table) -> None:
+def run_tests(table: Table, log: Path) -> None:
+    """The cuda tests; their whole output goes to `log`, the failures' one-line reasons to the screen."""
     if importlib.util.find_spec("pytest") is None:
         table.add("tests", "cuda tests", "not run: pytest is missing")
         return
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-m", "cuda", "tests/test_cuda.py", "-p", "no:cacheprovider"]
+    log.parent.mkdir(parents=True, exist_ok=True)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TESTS_BUDGET_S)
-        summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
+        log.write_text(done.stdout + done.stderr)
+        lines = done.stdout.strip().splitlines() or ["no output"]
+        summary = lines[-1]
         if done.returncode:
-            print(done.stdout[-6000:], done.stderr[-2000:], sep="\n", flush=True)
-    except subprocess.TimeoutExpired:
+            print(*[line for line in lines if line.startswith(("FAILED", "ERROR"))], sep="\n", flush=True)
+            print(f"gpu-check: the tests' whole output is in {log}", flush=True)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or b""
+        log.write_text(out.decode(errors="replace") if isinstance(out, bytes) else out)
         summary = f"stopped at its budget of {TESTS_BUDGET_S:.0f} s"
     table.add("tests", "pytest -m cuda", summary)
 
@@ -135,8 +143,33 @@ def predicted_bytes(preset: str, batch: int, hardware: str) -> float:
     return memory(spec, layout, Cluster(gpu(hardware), 1, 1), micro_batches=1).total
 
 
-def bench_step(table: Table, s: Settings) -> None:
-    """ndtrain's engine step against a plain PyTorch loop on the same bf16 model."""
+def kernel_time(steps: dict[str, Callable[[], None]], device: str, count: int, log: Path) -> dict[str, float]:
+    """Seconds per step the device spends in its own kernels (torch.profiler over `count` steps of each):
+    against the step's wall time, how far the step is from being bound by the host. Each step's
+    busiest kernels go to `log`. On the CPU (dry run) the profile has no device time: 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    per_step: dict[str, float] = {}
+    reports = []
+    for name, fn in steps.items():
+        with profile(activities=activities) as prof:
+            for _ in range(count):
+                fn()
+            sync(device)
+        averages = prof.key_averages()
+        per_step[name] = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e6 / count
+        order = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+        reports.append(f"## {name}: {count} steps, device kernels {per_step[name] * 1e3:.2f} ms per step\n"
+                       + averages.table(sort_by=order, row_limit=25))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("\n\n".join(reports))
+    return per_step
+
+
+def bench_step(table: Table, s: Settings, profile_log: Path) -> None:
+    """ndtrain's engine step against a plain PyTorch loop on the same bf16 model; where the time goes
+    (`kernel_time`) into `profile_log`."""
     from ndtrain.config import ParallelConfig, config_from_dict
     from ndtrain.dist import mesh
     from ndtrain.engine import Engine
@@ -184,6 +217,10 @@ def bench_step(table: Table, s: Settings) -> None:
     flops_per_token = 6 * n + 12 * model_cfg.n_layers * model_cfg.dim * seq
     table.add(step, "MFU (ours)", "n/a (no known GPU peak)" if peak is None else
               f"{flops_per_token * tokens_per_s / peak[1]:.1%} of {peak[0]}'s {peak[1] / 1e12:.0f} TFLOP/s")
+    busy = kernel_time({"ours": ours_step, "plain": plain_step}, s.device, 3, profile_log)
+    table.add(step, "device kernels per step (ours / plain)", f"n/a on the CPU (profile: {profile_log})"
+              if s.device != "cuda" else
+              f"{busy['ours'] * 1e3:.2f} ms / {busy['plain'] * 1e3:.2f} ms (the rest of the step: host; {profile_log})")
     if s.device == "cuda":
         del plain, plain_opt
         torch.cuda.empty_cache()
@@ -241,12 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     table = Table()
     check_imports(table)
     if s.run_tests:
-        run_tests(table)
-    for bench in (bench_step, bench_attention):
+        run_tests(table, args.out.with_name("pytest.log"))
+    benches: dict[str, Callable[[], None]] = {
+        "bench_step": lambda: bench_step(table, s, args.out.with_name("profile.txt")),
+        "bench_attention": lambda: bench_attention(table, s),
+    }
+    for name, bench in benches.items():
         try:
-            bench(table, s)
+            bench()
         except Exception as e:  # one failing bench leaves the others' figures
-            table.add(bench.__name__, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            table.add(name, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
     device = torch.cuda.get_device_name() if s.device == "cuda" else "CPU (dry run: no GPU figure)"
     header = (f"# gpu-check on {device}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
               f"{time.strftime('%Y-%m-%d')}, {time.monotonic() - started:.0f} s")

@@ -25,8 +25,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -114,7 +112,11 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 def dump_toml(cfg: TrainConfig) -> str:
     """The resolved config as TOML that `load_config` reads back to an equal config. TOML has no null:
-    a key whose value is None is left out, and reads back as its default (None)."""
+    a key whose value is None is left out, and reads back as its default (None). tomli_w is imported
+    here, by the one function that writes TOML: `make gpu-check` runs from the tree on a machine whose
+    Python has torch but not tomli_w, and needs no run directory."""
+    import tomli_w
+
     return tomli_w.dumps(_without_none(cfg.to_dict()))
 
 
