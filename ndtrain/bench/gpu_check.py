@@ -122,10 +122,9 @@ def peak_flops(device: str) -> tuple[str, float] | None:
     """The planner's GPU and its bf16 peak for this device's name (None: not one it knows)."""
     if device != "cuda":
         return None
-    from ndtrain.plan.hardware import GPUS
+    from ndtrain.plan.hardware import GPUS, gpu_for_device
 
-    name = torch.cuda.get_device_name().lower()
-    key = "h200" if "h200" in name else "h100-sxm" if "h100" in name else "a100-80gb" if "a100" in name else None
+    key = gpu_for_device(torch.cuda.get_device_name())
     return None if key is None else (key, GPUS[key].peak_flops)
 
 

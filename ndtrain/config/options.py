@@ -39,6 +39,7 @@ TpStyle = Literal["colwise", "rowwise", "vocab", "replicate", "colwise_gather_ou
 LrScaling = Literal["none", "linear", "sqrt"]  # optim.lr relative to optim.reference_batch
 DigitsNet = Literal["cnn", "bn_cnn"]  # the digits task's model: models/digits.py, models/digits_cnn.py
 Attention = Literal["auto", "sdpa", "eager"]  # an hf: model's attention implementation (models/hf.py)
+LayoutMode = Literal["manual", "auto"]  # the layout flags as given, or the planner's choice (cli/layout_auto.py)
 
 
 def values(option: Any) -> tuple[Any, ...]:

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 
 from ndtrain.config.checks import check_choices, positive
 from ndtrain.config.options import (
-    ZERO_STAGES, Backend, CommDtype, Device, DpMode, PipelineBalance, PipelineSchedule, Precision, PsMode,
-    RecomputeMode, ZeroStage,
+    ZERO_STAGES, Backend, CommDtype, Device, DpMode, LayoutMode, PipelineBalance, PipelineSchedule, Precision,
+    PsMode, RecomputeMode, ZeroStage,
 )
 from ndtrain.errors import UserError
 
 MAX_TIMEOUT_S = 1e9  # timedelta stops near 8.6e13 s
 PHASE_DEADLINES = ("startup_s", "eval_s", "save_s", "save_mb_s")
+DEFAULT_LAYOUT_PROFILE = "plan-profile.json"  # what `ndtrain plan --calibrate` writes and --layout auto reads
 
 
 @dataclass
@@ -26,6 +27,10 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     zero: ZeroStage = 0
+    # manual: the axes above as given; auto: the launcher asks the planner for the fastest layout that fits
+    # (explicitly given axes stay fixed) and writes it into them (cli/layout_auto.py)
+    layout: LayoutMode = "manual"
+    layout_profile: str = DEFAULT_LAYOUT_PROFILE  # the calibrated CPU profile --layout auto plans with on CPU
     backend: Backend = "auto"
     device: Device = "auto"
     bucket_mb: float = 25.0
@@ -95,6 +100,9 @@ class ParallelConfig:
                 "parallel.precision=fp16 needs loss scaling (fp16 gradients underflow without it): "
                 "set parallel.loss_scaling=true or use precision=bf16"
             )
+        if not self.layout_profile.strip():
+            raise UserError("parallel.layout_profile (--profile) is empty: give the CPU profile `ndtrain plan "
+                            f"--calibrate` wrote (default {DEFAULT_LAYOUT_PROFILE})")
         if not [p for p in self.fsdp_wrap.split(",") if p.strip()]:
             raise UserError("parallel.fsdp_wrap is empty: give module-name patterns such as 'layers.*'")
         self._check_combination()

@@ -29,12 +29,13 @@ from ndtrain.cli.flags import BOOL_METAVAR, parse_bool
 from ndtrain.config import MODEL_PRESETS
 from ndtrain.errors import UserError
 from ndtrain.config.options import PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
+from ndtrain.config.parallel import DEFAULT_LAYOUT_PROFILE
 from ndtrain.plan import ablation, arch, calibrate, fit, kernels, loso, report, validate
 from ndtrain.plan.cpu_profile import load_profile
 from ndtrain.plan.hardware import GPUS, Cluster, gpu
 from ndtrain.plan.search import Fixed, search
 
-DEFAULT_PROFILE = Path("plan-profile.json")
+DEFAULT_PROFILE = Path(DEFAULT_LAYOUT_PROFILE)  # also what `ndtrain train --layout auto` reads
 LOSO = Path()  # `--validate` with no file: the published runs' leave-one-source-out check
 
 

@@ -108,6 +108,12 @@ GPUS: dict[str, Hardware] = {
 }
 
 
+def gpu_for_device(device_name: str) -> str | None:
+    """The `GPUS` key of a CUDA device by its name (`torch.cuda.get_device_name()`), None for one not listed."""
+    name = device_name.lower()
+    return "h200" if "h200" in name else "h100-sxm" if "h100" in name else "a100-80gb" if "a100" in name else None
+
+
 @dataclass(frozen=True)
 class Cluster:
     hardware: Hardware
