@@ -38,6 +38,10 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--sp": ("parallel.sequence_parallel", parse_bool, "sequence parallelism with tp"),
     "--schedule": ("parallel.pp_schedule", str, "pipeline schedule"),
     "--vpp": ("parallel.pp_virtual", int, "virtual pipeline stages per rank (interleaved)"),
+    "--layout": ("parallel.layout", str, "manual: the layout flags as given; auto: the planner's fastest layout that "
+                 "fits this machine (given layout flags stay fixed; docs/planner.md)"),
+    "--profile": ("parallel.layout_profile", str, "the calibrated CPU profile --layout auto plans with "
+                  "(`ndtrain plan --calibrate --model PRESET --out PATH`)"),
     "--dp-mode": ("parallel.dp_mode", str, "ddp (processes) or single-process (classic DataParallel over replicas)"),
     "--ps.servers": ("ps.servers", int, "parameter-server ranks, 0 = off"),
     "--ps.mode": ("ps.mode", str, "parameter-server consistency"),
@@ -122,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
+    overrides = train_overrides(args)
+    cfg = resolve_config(args.config, overrides)
+    from ndtrain.launch import speaks_for_the_run
+
+    warning = cli_flags.preset_override_warning(args.config, overrides)
+    if warning is not None and speaks_for_the_run():  # once, from the launching process (or rank 0)
+        print(f"ndtrain: warning: {warning}", file=sys.stderr, flush=True)
+    return cfg
+
+
+def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config keys the command line sets (flags, then `--set`), over the config file's."""
     overrides: dict[str, Any] = {}
     for flag, (key, _, _) in TRAIN_FLAGS.items():
         value = getattr(args, cli_flags.flag_dest(flag))
@@ -132,13 +148,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.overwrite:
         overrides["checkpoint.overwrite"] = True
     overrides.update(parse_override(item) for item in args.set)
-    cfg = resolve_config(args.config, overrides)
-    from ndtrain.launch import speaks_for_the_run
-
-    warning = cli_flags.preset_override_warning(args.config, overrides)
-    if warning is not None and speaks_for_the_run():  # once, from the launching process (or rank 0)
-        print(f"ndtrain: warning: {warning}", file=sys.stderr, flush=True)
-    return cfg
+    return overrides
 
 
 def version_line() -> str:
@@ -151,6 +161,7 @@ def version_line() -> str:
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from ndtrain.cli import layout_auto
     from ndtrain.cli.prepare import prepare_run
     from ndtrain.dist.launchers import detect
     from ndtrain.launch import in_worker, launch_local
@@ -159,19 +170,33 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     if launch.external:  # mpirun or srun started this process and its peers
         from ndtrain.cli.external import join_external
 
-        status, store, joined = join_external(lambda: train_config(args), args.check, launch, nproc_given(args))
+        status, store, joined = join_external(
+            lambda: layout_auto.refuse_outside_launcher(train_config(args), launch.launcher), args.check, launch,
+            nproc_given(args))
         if status is not None or joined is None:
             return 2 if status is None else status
         return train_worker(joined, store=store)
     cfg = train_config(args)
-    if in_worker():
-        return train_worker(cfg)
+    if in_worker():  # our launcher hands its workers the chosen layout (layout_auto.worker_argv)
+        return train_worker(layout_auto.refuse_outside_launcher(cfg, "torchrun"))
+    choice = None
+    if cfg.parallel.layout == "auto":
+        given = layout_auto.given_layout_keys(args.config, train_overrides(args))
+        cfg, choice = layout_auto.plan_run(cfg, given, args.check)
+        argv = layout_auto.worker_argv(argv, choice)
     prepare_run(cfg, args.check, cfg.launch.nproc)
     if args.check:
         return 0
+    run_dir = Path(cfg.log.out)
+    if choice is not None:
+        layout_auto.write_prediction(run_dir, choice)
     if cfg.launch.nproc == 1:
-        return train_worker(cfg)
-    return launch_local(argv, cfg.launch.nproc, cfg.launch.max_restarts, Path(cfg.log.out))
+        status = train_worker(cfg)
+    else:
+        status = launch_local(argv, cfg.launch.nproc, cfg.launch.max_restarts, run_dir)
+    if choice is not None and status == 0:
+        layout_auto.report_measured(run_dir, choice)
+    return status
 
 
 def nproc_given(args: argparse.Namespace) -> bool:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # What a run writes into its directory (trainer.py) and the kind each must be.
 MAX_PROCS_PER_CORE = 8  # CPU workers per core a local launch accepts
 RUN_FILES = {"checkpoints": "folder", "config.toml": "file", "metrics.jsonl": "file", "summary.json": "file",
-             "loss.png": "file", "timeline.json": "file", "logs": "folder"}
+             "loss.png": "file", "timeline.json": "file", "logs": "folder", "layout-auto.json": "file"}
 
 
 def prepare_run(cfg: TrainConfig, check: bool, local_nproc: int, local_rank: int = 0) -> None:
