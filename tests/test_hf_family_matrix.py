@@ -57,12 +57,7 @@ FAST: set[tuple[str, str]] = set()  # all slow: the single axes of these familie
 
 
 SWEEP_LAYOUTS = ("tp2_sp", "pp2", "cp2")
-KNOWN = {  # open defects, each failing as stated (strict: a fix makes the cell fail until this entry goes)
-    ("kolibri1", "tp2_sp"): pytest.mark.xfail(strict=True, reason=(
-        "Kolibri1 under tp2+sp ends 2e-4 to 3e-3 away (relative) in experts.down_proj, its router and shared "
-        "experts, although tp2 without sp is within 1e-8 and the losses agree; its router computes in float32 "
-        "(suspected: fp32 rounding of routing weights amplified by AdamW; not yet shown)")),
-}
+KNOWN: dict[tuple[str, str], Any] = {}  # open defects, each a strict xfail stating its failure (none now)
 
 
 def _cells() -> list[Any]:

@@ -74,4 +74,30 @@ def zoo_model(family: str, layers: int = 2, dtype: torch.dtype = torch.float64, 
         hf = transformers.AutoModelForCausalLM.from_config(config)
     if dtype == torch.float64 and getattr(config, "_experts_implementation", None) not in (None, "eager"):
         hf.set_experts_implementation("eager")  # grouped_mm takes no float64
+    if dtype == torch.float64 and family in WIDE_ROUTERS:
+        router_class, forward = WIDE_ROUTERS[family]
+        for module in hf.modules():
+            if type(module).__name__ == router_class:
+                module.forward = forward.__get__(module)
     return CausalLM(hf).to(dtype)
+
+
+def _kolibri1_router_in_model_dtype(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """transformers' Kolibri1TopKRouter.forward, its product in the model's dtype instead of float32."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    router_indices = torch.topk(router_logits + self.e_score_correction_bias, self.top_k, dim=-1)[1]
+    router_scores = router_logits.gather(1, router_indices).sigmoid()
+    if self.norm_topk_prob:
+        router_scores = router_scores / router_scores.sum(dim=-1, keepdim=True)
+    return router_logits, router_scores, router_indices
+
+
+# Routers that multiply in float32 whatever the model's dtype, replaced (float64 models only) by the
+# same forward in the model's dtype: family -> (transformers' router class name, forward). Under
+# sequence parallelism each rank's router multiplies its own token shard, and a float32 product of
+# N/2 rows rounds differently from one of N rows (≈1e-7), which AdamW's first steps amplify:
+# Kolibri1 under tp2+sp ended 2e-4 to 3e-3 away from one process, under tp2 without sp (N rows on
+# every rank) within 1e-8; with its router in float64, tp2+sp is within 3.5e-14 (2026-11-28). The
+# float64 parity tests compare ndtrain's arithmetic, not float32's rounding of a shape.
+WIDE_ROUTERS: dict[str, tuple[str, Any]] = {"kolibri1": ("Kolibri1TopKRouter", _kolibri1_router_in_model_dtype)}
