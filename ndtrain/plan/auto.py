@@ -26,7 +26,7 @@ from ndtrain.config import MODEL_PRESETS, TrainConfig, is_hf_preset
 from ndtrain.errors import UserError
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.cpu_profile import load_profile
-from ndtrain.plan.hardware import GPUS, Cluster, Hardware, gpu, gpu_for_device
+from ndtrain.plan.hardware import Cluster, Hardware, gpu, gpu_for_device
 from ndtrain.plan.layout import Layout
 from ndtrain.plan.search import Candidate, Fixed, search
 
@@ -95,12 +95,13 @@ def machine(device_type: str, device_name: str, profile: Path, nproc: int, prese
     if device_type == "cuda":
         key = gpu_for_device(device_name)
         if key is None:
-            raise UserError(f"--layout auto knows the GPUs {', '.join(GPUS)}, not {device_name!r}: pass the layout "
-                            f"flags ({LAYOUT_FLAGS}), e.g. as `ndtrain plan --gpu NAME` recommends")
+            raise UserError(f"--layout auto has no datasheet for the GPU {device_name!r}: pass the layout flags "
+                            f"({LAYOUT_FLAGS}), e.g. what `ndtrain plan --gpu NAME --gpus N ...` recommends")
         return gpu(key), key
     if not profile.is_file():
-        raise UserError(f"--layout auto on CPU plans with a calibrated profile and {str(profile)!r} is not one: write it "
-                        f"with `ndtrain plan --calibrate --model {preset} --out {profile}` (≈5 min), or give --profile PATH")
+        raise UserError(f"--layout auto on CPU plans with a calibrated profile and {str(profile)!r} is not a file: "
+                        f"write it with `ndtrain plan --calibrate --model {preset} --out {profile}` (≈5 min), or give "
+                        "--profile PATH")
     return load_profile(profile, nproc), f"CPU profile {profile}"
 
 
@@ -133,9 +134,10 @@ def layout_overrides(layout: Layout) -> dict[str, Any]:
     """The chosen layout as dotted config keys, `parallel.layout = "manual"` among them: a run given these
     keys trains the same layout without planning."""
     keys: dict[str, Any] = {
-        "parallel.layout": "manual", "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.dp": layout.dp,
-        "parallel.cp": layout.cp, "parallel.zero": layout.zero, "parallel.recompute": layout.recompute,
-        "parallel.sequence_parallel": layout.sp, "parallel.pp_virtual": layout.vpp, "schedule.micro_batch": layout.mbs,
+        "parallel.layout": "manual", "parallel.tp": layout.tp, "parallel.pp": layout.pp,
+        "parallel.dp": layout.dp, "parallel.cp": layout.cp, "parallel.zero": layout.zero,
+        "parallel.recompute": layout.recompute, "parallel.sequence_parallel": layout.sp,
+        "parallel.pp_virtual": layout.vpp, "schedule.micro_batch": layout.mbs,
     }
     if layout.pp > 1:
         keys["parallel.pp_schedule"] = layout.schedule
