@@ -9,6 +9,7 @@ Modules, bottom up (formulas and sources in each docstring and in docs/planner.m
     collectives α–β ring costs;  schedules  pipeline bubbles and in-flight micro-batches
     memory      bytes per rank;  gpu_compute  a micro-batch's compute;  timing  seconds per step
     search      enumerate, reject, rank;  report  table and JSON
+    auto        `ndtrain train --layout auto`: the first-ranked layout for a run's config, as config keys
     published   published runs (published_run: what a row states; published_pytorch, published_megatron:
                 the rows, by source);  fit  refits the GPU constants on them
     loso        leave-one-source-out and held-out validation;  ablation  one term out, judged by it
