@@ -2,7 +2,7 @@
 
 Every family: hidden 64, 2 decoder layers, 4 query heads of 16, 2 kv heads where the family has
 grouped kv heads, vocab 256, 64 positions, no dropout, pad/bos/eos id 0 (inside the vocabulary);
-MoE families: 4 experts, 2 per token. Families with sliding-window or soft-capped attention keep
+MoE families: 4 experts, 2 per token, 32-wide (the sweep's families too: `_TINY_MOE`). Families with sliding-window or soft-capped attention keep
 them as their config defines (the window is wider than the tests' 32 tokens unless a test narrows it).
 """
 
@@ -51,11 +51,38 @@ _SPECIFIC: dict[str, dict[str, Any]] = {
 }
 
 
+# A family with no specific entry keeps its config's defaults beyond _COMMON, and for a mixture of
+# experts those are the full model's (up to 384 experts of width 3072, 300 M+ parameters at hidden 64):
+# each of these keys its config has is set to the tiny value. One MoE layer at least (two layers, the
+# first dense where the family asks for dense layers first); a single expert group.
+_TINY_MOE: dict[str, Any] = {
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "vocab_size_per_layer_input": VOCAB,  # Gemma4's per-layer embeddings (262,144 rows by default)
+}
+# Phi-4-multimodal's image and audio towers (870 M parameters at their defaults) take no part in text
+# training but would hold float64 weights in every process: the smallest towers its config accepts.
+_TINY_TOWERS: dict[str, dict[str, Any]] = {
+    "phi4_multimodal": dict(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, crop_size=28, patch_size=14),
+        audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
+                          ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32)),
+}
+_FULL_SIZE_KEPT = ("doge",)  # its 'experts' are a product-key memory of n² keys: its own sizes hold together
+
+
 def zoo_config(family: str, layers: int = 2, **changes: Any) -> Any:
     """The family's tiny config with `layers` decoder layers (and any other `changes`); a family with no
-    specific entry gets the common sizes, with 16-wide heads where its config takes a head_dim."""
+    specific entry gets the common sizes, with 16-wide heads where its config takes a head_dim, and tiny
+    mixture-of-experts sizes (`_TINY_MOE`) where its config has those keys."""
     kwargs = dict(_SPECIFIC.get(family, _COMMON))
     kwargs["n_layer" if family == "gpt2" else "num_hidden_layers"] = layers
+    if family not in _SPECIFIC and family not in _FULL_SIZE_KEPT:
+        defaults = transformers.AutoConfig.for_model(family)
+        kwargs.update({key: value for key, value in _TINY_MOE.items() if hasattr(defaults, key)})
+        kwargs.update(_TINY_TOWERS.get(family, {}))
     try:
         config = transformers.AutoConfig.for_model(family, **{**kwargs, "head_dim": 16, **changes}) \
             if family not in _SPECIFIC else transformers.AutoConfig.for_model(family, **{**kwargs, **changes})
