@@ -1,9 +1,10 @@
 """Tiny configs of the Hugging Face families the family-matrix tests name (no downloads, seeded weights).
 
 Every family: hidden 64, 2 decoder layers, 4 query heads of 16, 2 kv heads where the family has
-grouped kv heads, vocab 256, 64 positions, no dropout, pad/bos/eos id 0 (inside the vocabulary);
-MoE families: 4 experts, 2 per token, 32-wide (the sweep's families too: `_TINY_MOE`). Families with sliding-window or soft-capped attention keep
-them as their config defines (the window is wider than the tests' 32 tokens unless a test narrows it).
+grouped kv heads, vocab 256, 64 positions, no dropout (a swept family's every dropout key 0), pad/bos/eos
+id 0 (inside the vocabulary); MoE families: 4 experts, 2 per token, 32 wide (swept ones: `_TINY_MOE`).
+Families with sliding-window or soft-capped attention keep them as their config defines (the window is
+wider than the tests' 32 tokens unless a test narrows it).
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ _TINY_MOE: dict[str, Any] = {
     "vocab_size_per_layer_input": VOCAB,  # Gemma4's per-layer embeddings (262,144 rows by default)
 }
 # Phi-4-multimodal's image and audio towers (870 M parameters at their defaults) take no part in text
-# training but would hold float64 weights in every process: the smallest towers its config accepts.
+# training but would hold float64 weights in every process: the smallest towers its config accepts,
+# frozen (`zoo_model`), as a text fine-tune leaves them (trainable, ndtrain refuses parameters that
+# receive no gradient unless parallel.allow_unused_params is set).
 _TINY_TOWERS: dict[str, dict[str, Any]] = {
     "phi4_multimodal": dict(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -82,6 +85,8 @@ def zoo_config(family: str, layers: int = 2, **changes: Any) -> Any:
     if family not in _SPECIFIC and family not in _FULL_SIZE_KEPT:
         defaults = transformers.AutoConfig.for_model(family)
         kwargs.update({key: value for key, value in _TINY_MOE.items() if hasattr(defaults, key)})
+        kwargs.update({key: 0.0 for key, value in defaults.to_dict().items()  # Seed-OSS: 0.1 by default
+                       if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0})
         kwargs.update(_TINY_TOWERS.get(family, {}))
     try:
         config = transformers.AutoConfig.for_model(family, **{**kwargs, "head_dim": 16, **changes}) \
@@ -101,30 +106,54 @@ def zoo_model(family: str, layers: int = 2, dtype: torch.dtype = torch.float64, 
         hf = transformers.AutoModelForCausalLM.from_config(config)
     if dtype == torch.float64 and getattr(config, "_experts_implementation", None) not in (None, "eager"):
         hf.set_experts_implementation("eager")  # grouped_mm takes no float64
-    if dtype == torch.float64 and family in WIDE_ROUTERS:
-        router_class, forward = WIDE_ROUTERS[family]
-        for module in hf.modules():
-            if type(module).__name__ == router_class:
-                module.forward = forward.__get__(module)
+    if family in _TINY_TOWERS:
+        hf.model.embed_tokens_extend.requires_grad_(False)
+    if dtype == torch.float64 and family in FLOAT32_ISLANDS:
+        keep_float64(hf)
     return CausalLM(hf).to(dtype)
 
 
-def _kolibri1_router_in_model_dtype(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """transformers' Kolibri1TopKRouter.forward, its product in the model's dtype instead of float32."""
-    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
-    router_indices = torch.topk(router_logits + self.e_score_correction_bias, self.top_k, dim=-1)[1]
-    router_scores = router_logits.gather(1, router_indices).sigmoid()
-    if self.norm_topk_prob:
-        router_scores = router_scores / router_scores.sum(dim=-1, keepdim=True)
-    return router_logits, router_scores, router_indices
+# Families whose modules compute parts in float32 whatever the model's dtype, and whose float64
+# parity cells differ at the 1e-5 bound because of it: each rank of a split layout runs those float32
+# products on its own shard (N/2 tokens, its heads, its sequence chunk), which float32 rounds
+# differently from the whole (≈1e-7), and AdamW's first steps amplify that. Kolibri1's router
+# multiplies in float32 (tp2+sp: 2e-4..3e-3 away, within 1e-8 without sp; with the product in float64,
+# 3.5e-14); Gemma4 casts q, k and v to float32 (tp2+sp and cp2: 4.5e-4 and 3.8e-4 on the per-layer
+# embeddings; Gemma4-unified cp2 1.0e-5). Their float64 test models keep float64 throughout
+# (`keep_float64`): the parity tests compare ndtrain's arithmetic, not float32's rounding of a shape.
+FLOAT32_ISLANDS = ("kolibri1", "gemma4_text", "gemma4_unified_text")
 
 
-# Routers that multiply in float32 whatever the model's dtype, replaced (float64 models only) by the
-# same forward in the model's dtype: family -> (transformers' router class name, forward). Under
-# sequence parallelism each rank's router multiplies its own token shard, and a float32 product of
-# N/2 rows rounds differently from one of N rows (≈1e-7), which AdamW's first steps amplify:
-# Kolibri1 under tp2+sp ended 2e-4 to 3e-3 away from one process, under tp2 without sp (N rows on
-# every rank) within 1e-8; with its router in float64, tp2+sp is within 3.5e-14 (2026-11-28). The
-# float64 parity tests compare ndtrain's arithmetic, not float32's rounding of a shape.
-WIDE_ROUTERS: dict[str, tuple[str, Any]] = {"kolibri1": ("Kolibri1TopKRouter", _kolibri1_router_in_model_dtype)}
+class _KeepFloat64(torch.overrides.TorchFunctionMode):
+    """While active: a cast of a float64 tensor to float32 (`.float()`, a float32 dtype given to `.to`,
+    `.type`, softmax or a matmul's out_dtype) keeps float64."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            if func is torch.Tensor.float:
+                return args[0]
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def keep_float64(model: torch.nn.Module) -> None:
+    """Run every forward of `model`'s modules (a decoder layer called alone by a pipeline stage too)
+    under `_KeepFloat64`; the backward follows the forward's dtypes. The closing hook runs when a forward
+    raises too (ndtrain's meta-device probes do): the mode must not outlive the call in the process."""
+    mode, depth = _KeepFloat64(), [0]
+
+    def enter(*_: Any) -> None:
+        if depth[0] == 0:
+            mode.__enter__()
+        depth[0] += 1
+
+    def leave(*_: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            mode.__exit__(None, None, None)
+
+    for module in model.modules():
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
