@@ -144,7 +144,7 @@ def default_plan(model: nn.Module) -> Mapping[str, str]:
     what = spec.name if spec is not None else type(model).__name__
     raise UserError(
         f"tensor parallel needs a plan, and there is no built-in tp plan for {what}: pass a plan, "
-        "Engine(..., tp_plan={{module pattern: style}}) "
+        "Engine(..., tp_plan={module pattern: style}) "
         f"with styles {', '.join(STYLES)}")
 
 
