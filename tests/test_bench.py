@@ -230,6 +230,7 @@ def test_a_memory_run_builds_only_its_contestant_once() -> None:
                     reference="torch", facts={})
 
 
+@pytest.mark.slow  # 16 s of fresh launches; what a memory run builds is checked in CI (test_a_memory_run_builds_only_its_contestant_once)
 def test_bench_measures_each_contestants_memory_in_fresh_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`ndtrain bench zero3`: after the contest, one launch per contestant adds its fresh-process peaks per
     rank to the JSON summary and prints them."""

@@ -109,6 +109,8 @@ def _worker(out_dir: str) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.slow  # 30 s of sleeps; the schedules' parity runs in CI (test_pipeline_parity.py, test_pipeline_schedules.py)
+# and so does the pipeline timeline of a real run (test_report.py)
 def test_bubble_and_live_activations_follow_theory(tmp_path: Path) -> None:
     results = run_distributed(_worker, P, str(tmp_path))
     print({s: (round(results[0][s][0], 3), round(theory(s, P, M, v), 3)) for s, v in CASES})
