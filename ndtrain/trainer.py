@@ -13,7 +13,6 @@ The data sets, the model and any evaluation beyond the loss come from the config
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from functools import cached_property
@@ -41,20 +40,13 @@ from ndtrain.models.build import model_label
 from ndtrain.run.data_identity import data_start_after_resume
 from ndtrain.run.directory import nothing_to_resume
 from ndtrain.run.preemption import Preempted, StopRequest
+from ndtrain.run.optimizers import describe as describe_optimizer, lr_lambda, optimizer_factory
 from ndtrain.run.progress import Progress
 from ndtrain.run.info import environment, utc_now
 from ndtrain.run.timeline import TimelineRecorder
 from ndtrain.run.tasks import build_task
 from ndtrain.run.trackers import Trackers, flat_config
 from ndtrain.parallel.data.sync_batchnorm import describe_batchnorm
-
-
-def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup over `warmup` steps, then cosine decay to `min_ratio` at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def wrap_parts(head: str, parts: list[str], width: int = 160) -> list[str]:
@@ -90,18 +82,14 @@ def seeded(model_fn: ModelFn, seed: int) -> ModelFn:
 
 def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | None = None,
                  loss_fn: LossFn | None = None) -> TrainingEngine:
-    """AdamW (weight decay on matrices only: the engine's default parameter groups) at the peak learning rate
-    `optim.scaled_lr` (`optim.lr`, scaled to the global batch by `optim.lr_scaling`), warmup + cosine,
-    in the engine kind of the config (run/engine_kinds.py: `Engine`, or `PSEngine` when ps.servers > 0).
+    """`optim.name`'s torch optimizer (weight decay on matrices only: the engine's default parameter groups) at
+    the peak learning rate `optim.scaled_lr` (`optim.lr`, scaled to the global batch by `optim.lr_scaling`),
+    warmup + `schedule.lr_scheduler` (run/optimizers.py), in the engine kind of the config
+    (run/engine_kinds.py: `Engine`, or `PSEngine` when ps.servers > 0).
     The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
-    o, s = cfg.optim, cfg.schedule
     return engine_kind(cfg, ctx).build(
         seeded(model_fn, cfg.seed) if model_fn is not None else lambda: build_run_model(cfg.model, cfg.seed),
-        lambda groups: torch.optim.AdamW(
-            groups, lr=o.scaled_lr(s.global_batch), betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-        ),
-        lambda step: lr_multiplier(step, s.warmup_steps, s.steps, s.min_lr_ratio),
-        loss_fn,
+        optimizer_factory(cfg), lr_lambda(cfg), loss_fn,
     )
 
 
@@ -213,6 +201,10 @@ class Trainer:
         if saved_batch != self.cfg.schedule.global_batch:
             raise UserError(f"checkpoint {str(path)!r} was trained with schedule.global_batch = {saved_batch}, this run "
                             f"has {self.cfg.schedule.global_batch}: resume with the same global batch (any layout)")
+        saved_optimizer = progress.get("optimizer", "adamw")  # written before optim.name existed: AdamW's
+        if saved_optimizer != self.cfg.optim.name:
+            raise UserError(f"checkpoint {str(path)!r} holds the state of optim.name = {saved_optimizer}, this run "
+                            f"uses {self.cfg.optim.name}: resume with the same optimizer, or use a fresh --out directory")
         self.tokens_total = int(progress.get("tokens", 0))
         step = int(progress["step"])
         self.data_start, warning = data_start_after_resume(progress, path, step, self.data_fingerprint,
@@ -224,7 +216,7 @@ class Trainer:
     def save(self, step: int) -> None:
         self.engine.save(self.checkpoints, step=step, keep=self.cfg.checkpoint.keep,
                          progress={"tokens": self.tokens_total, "unit": self.task.unit,
-                                   "global_batch": self.cfg.schedule.global_batch,
+                                   "global_batch": self.cfg.schedule.global_batch, "optimizer": self.cfg.optim.name,
                                    "data": self.data_fingerprint, "data_start": self.data_start})
 
     def run(self) -> dict[str, Any]:
@@ -347,6 +339,7 @@ class Trainer:
             f"{cfg.schedule.global_batch} = {self.kind.data_split()} × micro {cfg.schedule.micro_batch} × accumulation "
             f"{self.accumulation}",
             f"ndtrain: {cfg.optim.describe_lr(cfg.schedule.global_batch)}",
+            f"ndtrain: {describe_optimizer(cfg)}",
             *([f"ndtrain: {batchnorm}"] if batchnorm else []),
             f"ndtrain: run dir {self.run_dir}",
         ])

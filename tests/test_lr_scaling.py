@@ -17,7 +17,8 @@ from ndtrain.config import OptimConfig, load_config
 from ndtrain.console import log
 from ndtrain.dist.mesh import init
 from ndtrain.errors import UserError
-from ndtrain.trainer import Trainer, lr_multiplier
+from ndtrain.run.optimizers import lr_multiplier
+from ndtrain.trainer import Trainer
 
 STEPS, BATCH, REFERENCE, LR = 3, 16, 4, 1e-3
 

@@ -2,15 +2,18 @@
 
 Keys (one DCP tensor each, with the unsharded model's global shape, stored as chunks):
     model.<name>                      the parameter (the fp32 master under bf16/fp16 compute)
-    optim.state.<name>.<key>          the optimizer's state of it: AdamW's exp_avg and exp_avg_sq
-                                      (the parameter's shape) and step (a scalar)
+    optim.state.<name>.<key>          the optimizer's state of it: element-wise state of the parameter's
+                                      shape (AdamW's exp_avg and exp_avg_sq, SGD's momentum_buffer),
+                                      stored in the same boxes, so any layout loads it; scalars (step);
+                                      other shapes (Adafactor's factored row_var and col_var) whole, as
+                                      one chunk, from and into a rank that holds the whole parameter
 `<name>` is `Placement.name`, the parameter's name in the whole model (a tied weight under its
 first name). Each rank offers the boxes of its runs (slices.py: what its data-parallel strategy
 holds); DCP's deduplication keeps one copy of a box offered by several replicas, so every element
 is written once and no tensor is ever gathered; DCP's coordinator checks that the chunks of each
 tensor tile it exactly (no gap, no overlap). Loading asks DCP for the boxes this rank holds under
 its own layout; DCP reads each from the saved chunks that overlap it. Checkpoint
-size: Ψ·(4 + 8) bytes for fp32 AdamW, whatever the layout; each rank writes and reads only its
+size: Ψ·(4 + 8) bytes for fp32 AdamW (Ψ·(4 + 4) for SGD with momentum), whatever the layout; each rank writes and reads only its
 share (replicas read the same boxes).
 
 `SliceSavePlanner` / `SliceLoadPlanner` are DCP's default planners with the state dict replaced
@@ -64,15 +67,25 @@ def save_pieces(engine: Any) -> list[Piece]:
         for key, value in owner_state.items():
             if not isinstance(value, torch.Tensor):
                 raise UserError(f"optimizer state {key!r} is a {type(value).__name__}: checkpoints hold tensor state "
-                                "only (AdamW, Adam, SGD); use one of those optimizers")
-            if value.ndim == 0:
-                pieces.append(Piece(f"{OPTIM}{run.name}.{key}", (), (), (), value))
+                                "only (AdamW, Adam, SGD, Adafactor); use one of those optimizers")
+            if value.ndim == 0 or value.shape != run.owner.shape:
+                pieces.append(_whole(run, f"{OPTIM}{run.name}.{key}", tuple(value.shape), value))
         for box in boxes(run):
             pieces.append(Piece(MODEL + run.name, run.shape, box.offsets, box.sizes, box.view(run.owner)))
             for key, value in owner_state.items():
-                if value.ndim > 0:
+                if value.ndim > 0 and value.shape == run.owner.shape:
                     pieces.append(Piece(f"{OPTIM}{run.name}.{key}", run.shape, box.offsets, box.sizes, box.view(value)))
     return pieces
+
+
+def _whole(run: Run, key: str, size: tuple[int, ...], tensor: torch.Tensor) -> Piece:
+    """`tensor`, optimizer state not of the parameter's shape (a scalar, a factored moment), as one piece:
+    only a rank holding the whole parameter has all of it."""
+    if size and (run.tp is not None or run.start != 0 or run.end != run.owner.numel()):
+        raise UserError(f"the optimizer state {key[len(OPTIM):]!r} of shape {list(size)} is not element-wise (a factored "
+                        "moment such as Adafactor's): it is saved and loaded only where each rank holds whole "
+                        "parameters (zero=0, tp=1); use that layout, or an element-wise optimizer (adamw, sgd)")
+    return Piece(key, size, (0,) * len(size), size, tensor)
 
 
 def problems(engine: Any, metadata: Metadata, path: str) -> str | None:
@@ -88,7 +101,7 @@ def problems(engine: Any, metadata: Metadata, path: str) -> str | None:
             return (f"checkpoint {path!r} holds {run.name!r} with shape {list(found.size)}, this model's is "
                     f"{list(run.shape)}: it was written for another model; {fix}")
         state = [v for k, v in saved.items() if k.startswith(f"{OPTIM}{run.name}.") and isinstance(v, TensorStorageMetadata)
-                 and len(v.size) > 0]
+                 and tuple(v.size) == run.shape]  # element-wise state; a whole one is read whole (_whole)
         for key, tensor in [(run.name, found)] + [(f"the optimizer state of {run.name}", v) for v in state]:
             missing = sum(_uncovered(tensor, box.offsets, box.sizes) for box in boxes(run))
             if missing:
@@ -120,15 +133,16 @@ def load_pieces(engine: Any, metadata: Metadata) -> list[Piece]:
         for item in wanted:
             md = saved[f"{OPTIM}{run.name}.{item}"]
             assert isinstance(md, TensorStorageMetadata)
-            if item not in owner_state:
-                owner_state[item] = (torch.zeros((), dtype=md.properties.dtype) if len(md.size) == 0
-                                     else torch.zeros_like(run.owner, dtype=md.properties.dtype))
-            if len(md.size) == 0:
-                pieces.append(Piece(f"{OPTIM}{run.name}.{item}", (), (), (), owner_state[item]))
+            size = tuple(md.size)
+            if item not in owner_state or (size != run.shape and tuple(owner_state[item].shape) != size):
+                owner_state[item] = (torch.zeros_like(run.owner, dtype=md.properties.dtype) if size == run.shape
+                                     else torch.zeros(size, dtype=md.properties.dtype, device=run.owner.device))
+            if size != run.shape:
+                pieces.append(_whole(run, f"{OPTIM}{run.name}.{item}", size, owner_state[item]))
         for box in boxes(run):
             pieces.append(Piece(MODEL + run.name, run.shape, box.offsets, box.sizes, box.view(run.owner)))
             for item in wanted:
-                if len(saved[f"{OPTIM}{run.name}.{item}"].size) > 0:
+                if tuple(saved[f"{OPTIM}{run.name}.{item}"].size) == run.shape:
                     view = box.view(owner_state[item])
                     pieces.append(Piece(f"{OPTIM}{run.name}.{item}", run.shape, box.offsets, box.sizes, view))
     for whole in compute_copies(engine):

@@ -53,7 +53,13 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--steps": ("schedule.steps", int, "optimizer steps"),
     "--global-batch": ("schedule.global_batch", int, "sequences per optimizer step, over all dp ranks"),
     "--micro-batch": ("schedule.micro_batch", int, "sequences per micro-batch (accumulation covers the rest)"),
-    "--lr": ("optim.lr", float, "peak learning rate (after warmup, before cosine decay)"),
+    "--lr": ("optim.lr", float, "peak learning rate (after warmup, before the decay)"),
+    "--optim": ("optim.name", str, "optimizer (torch.optim; adafactor needs zero=0 and tp=1)"),
+    "--lr-scheduler": ("schedule.lr_scheduler", str, "learning rate after the warmup: cosine or linear decay to "
+                       "schedule.min_lr_ratio·lr, constant, or wsd (stable, then linear decay over the last "
+                       "schedule.decay_fraction of the steps)"),
+    "--warmup-steps": ("schedule.warmup_steps", int, "linear warmup steps, below --steps; none = 30 (a task preset's "
+                       "own), capped at steps // 10 with a warning when the run is not longer"),
     "--eval-every": ("log.eval_every", int, "validate every N steps, 0 = only at the end"),
     "--out": ("log.out", str, "run directory"),
     "--seed": ("seed", int, "seed of init and data order"),
@@ -130,9 +136,10 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     cfg = resolve_config(args.config, overrides)
     from ndtrain.launch import speaks_for_the_run
 
-    warning = cli_flags.preset_override_warning(args.config, overrides)
-    if warning is not None and speaks_for_the_run():  # once, from the launching process (or rank 0)
-        print(f"ndtrain: warning: {warning}", file=sys.stderr, flush=True)
+    warnings = (cli_flags.preset_override_warning(args.config, overrides), cfg.warmup_warning())
+    for warning in warnings:
+        if warning is not None and speaks_for_the_run():  # once, from the launching process (or rank 0)
+            print(f"ndtrain: warning: {warning}", file=sys.stderr, flush=True)
     return cfg
 
 

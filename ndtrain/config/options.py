@@ -37,6 +37,8 @@ DataFormat = Literal["auto", "text", "jsonl", "parquet", "disk", "csv", "json", 
 TpStyle = Literal["colwise", "rowwise", "vocab", "replicate", "colwise_gather_output", "rowwise_split_input",
                   "qkv_colwise", "packed_colwise", "moe_tp_experts", "replicate_grad_sum"]
 LrScaling = Literal["none", "linear", "sqrt"]  # optim.lr relative to optim.reference_batch
+OptimName = Literal["adamw", "sgd", "adafactor"]  # optim.name: the torch.optim class (run/optimizers.py)
+LrScheduler = Literal["cosine", "linear", "constant", "wsd"]  # schedule.lr_scheduler after warmup (run/optimizers.py)
 DigitsNet = Literal["cnn", "bn_cnn"]  # the digits task's model: models/digits.py, models/digits_cnn.py
 Attention = Literal["auto", "sdpa", "eager"]  # an hf: model's attention implementation (models/hf.py)
 LayoutMode = Literal["manual", "auto"]  # the layout flags as given, or the planner's choice (cli/layout_auto.py)

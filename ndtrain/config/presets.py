@@ -2,7 +2,8 @@
 
 - `MODEL_PRESETS`: sizes of the built-in Llama-style model.
 - `TASK_PRESETS`: the tasks other than the language model (run/tasks.py), with the defaults they bring
-  to any section.
+  to any section. A preset's `schedule.warmup_steps` is its default warmup (`default_warmup_steps`),
+  not a value the user gave: it is capped like the general default when the run is not longer.
 - `hf:PATH`: a Hugging Face model; its sizes come from PATH/config.json, which the run layer reads
   (`ndtrain/run/config_checks.py`) before the config is built. Here its model table is taken as given.
 """
@@ -15,6 +16,7 @@ from ndtrain.errors import UserError
 
 HF_PREFIX = "hf:"  # `model.preset = "hf:PATH"`: a folder holding a transformers config.json
 DEFAULT_PRESET = "small"
+DEFAULT_WARMUP_STEPS = 30  # schedule.warmup_steps when neither the user nor a task preset gives one
 
 # Named model sizes. `tiny` keeps tests fast, `small` is the default run (≈3 M parameters),
 # `bench` (≈13 M parameters) is what `ndtrain bench` measures.
@@ -62,5 +64,12 @@ def apply_presets(raw: dict[str, Any]) -> dict[str, Any]:
     raw["model"] = {**MODEL_PRESETS.get(preset, {}), **model_raw, "preset": preset}
     for section, defaults in TASK_PRESETS.get(preset, {}).items():
         given = raw.get(section, {})
+        if section == "schedule":  # the preset's warmup is a default: default_warmup_steps
+            defaults = {k: v for k, v in defaults.items() if k != "warmup_steps"}
         raw[section] = {**defaults, **given} if isinstance(given, dict) else given
     return raw
+
+
+def default_warmup_steps(preset: str) -> int:
+    """The warmup of a run of `preset` that does not give schedule.warmup_steps (before any cap)."""
+    return int(TASK_PRESETS.get(preset, {}).get("schedule", {}).get("warmup_steps", DEFAULT_WARMUP_STEPS))

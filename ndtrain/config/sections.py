@@ -2,7 +2,7 @@
 table, each with the defaults of a run and a `validate` that checks its own values (checks.py).
 
 model (sizes of the built-in Llama, or an `hf:PATH` model), data (corpus, tokenizer, token cache),
-optim (AdamW, clipping), schedule (steps, batch, learning rate), checkpoint (cadence, resume),
+optim (AdamW, SGD or Adafactor, clipping), schedule (steps, batch, learning-rate schedule), checkpoint (cadence, resume),
 log (run directory, evaluation, progress, trackers), launch (local processes).
 """
 
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from ndtrain.config.checks import check_choices, exists, positive
-from ndtrain.config.options import Attention, DataFormat, DigitsNet, LrScaling, ProgressMode
+from ndtrain.config.options import Attention, DataFormat, DigitsNet, LrScaling, LrScheduler, OptimName, ProgressMode
 from ndtrain.config.presets import DEFAULT_PRESET, is_hf_preset
 from ndtrain.errors import UserError
 
@@ -106,7 +106,11 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with global-norm gradient clipping (`grad_clip=0` disables clipping).
+    """The optimizer (`name`: torch.optim's AdamW, SGD or Adafactor) with global-norm gradient clipping
+    (`grad_clip=0` disables clipping). AdamW reads beta1, beta2 and eps; SGD `momentum` (its
+    `weight_decay` is torch's L2 term); Adafactor keeps torch's own beta2_decay and eps. Every one decays
+    matrices only (the engine's default parameter groups). Adafactor's second moments of a matrix are
+    factored (a row and a column vector), so it needs whole parameters on each rank (`TrainConfig.validate`).
 
     A NaN/inf loss or gradient norm (fp32/bf16) stops the run naming the step; `skip_nonfinite`
     skips such steps instead (fp16 always skips them through its loss scaler).
@@ -115,7 +119,9 @@ class OptimConfig:
     learning rate is `lr` × G/`reference_batch` (linear) or × √(G/`reference_batch`) (sqrt), G the
     run's `schedule.global_batch` (`scaled_lr`)."""
 
+    name: OptimName = "adamw"
     lr: float = 3e-3
+    momentum: float = 0.9  # sgd only
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -134,7 +140,7 @@ class OptimConfig:
             raise UserError(f"optim.lr_scaling={self.lr_scaling!r} needs optim.reference_batch: the global batch optim.lr was tuned for")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise UserError("optim.weight_decay and optim.grad_clip must be >= 0")
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
 
@@ -159,7 +165,12 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    """Steps, batch and learning-rate schedule (linear warmup, cosine decay to min_lr_ratio·lr).
+    """Steps, batch and learning-rate schedule: linear warmup over `warmup_steps`, then `lr_scheduler`
+    (run/optimizers.py): cosine or linear decay to min_lr_ratio·lr, constant, or wsd (stable, then a linear
+    decay to min_lr_ratio·lr over the last `decay_fraction` of the steps).
+
+    `warmup_steps` not given (None): the default, 30 (a task preset's own), capped at steps // 10 with a
+    warning when the run is not longer (`TrainConfig.warmup_steps`); given, it must be below `steps`.
 
     `global_batch` sequences per optimizer step are split over the dp ranks and then into
     micro-batches of `micro_batch` sequences; gradient accumulation covers the rest.
@@ -168,15 +179,20 @@ class ScheduleConfig:
     steps: int = 200
     global_batch: int = 32
     micro_batch: int = 16
-    warmup_steps: int = 30
+    warmup_steps: int | None = None  # None: the default (see above)
+    lr_scheduler: LrScheduler = "cosine"
     min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # wsd only
 
     def validate(self) -> None:
         positive(self, "steps", "global_batch", "micro_batch")
-        if self.warmup_steps < 0:
-            raise UserError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise UserError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        check_choices(self)
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
+            raise UserError(f"schedule.warmup_steps={self.warmup_steps} must be >= 0 and below schedule.steps="
+                            f"{self.steps}: give fewer warmup steps (--warmup-steps), or leave it out for the default")
+        for name in ("min_lr_ratio", "decay_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise UserError(f"schedule.{name} must be in [0, 1], got {getattr(self, name)}")
 
     def accumulation_steps(self, dp: int) -> int:
         """Micro-steps per optimizer step on each rank; the batch must split evenly."""

@@ -15,7 +15,7 @@ from typing import Any
 from ndtrain.config.checks import check_vocab_size
 from ndtrain.config.options import literal_in, values
 from ndtrain.config.parallel import ParallelConfig, PSConfig
-from ndtrain.config.presets import TASK_PRESETS
+from ndtrain.config.presets import TASK_PRESETS, default_warmup_steps
 from ndtrain.config.sections import (
     CheckpointConfig, DataConfig, LaunchConfig, LogConfig, ModelConfig, OptimConfig, ScheduleConfig,
 )
@@ -64,6 +64,38 @@ class TrainConfig:
             )
         if self.data.tokenizer == "bytes":
             check_vocab_size(self.model.vocab_size, self.data.tokenizer, BYTE_VOCAB)
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        """Refuse the layouts an optimizer does not give the single-process result under, in one line."""
+        p, name = self.parallel, self.optim.name
+        if name == "adafactor" and (p.zero > 0 or p.tp > 1):
+            where = f"parallel.zero={p.zero} splits them into flat shards" if p.zero > 0 else f"parallel.tp={p.tp} splits matrices"
+            raise UserError(f"optim.name=adafactor keeps factored (row and column) second moments of whole matrices, but "
+                            f"{where}: use zero=0 and tp=1 (dp, pp, cp and the parameter server keep parameters whole), "
+                            "or optim.name=adamw or sgd")
+        levers = [f"parallel.{lever}=true" for lever in ("flat_adamw", "overlap_optimizer") if getattr(p, lever)]
+        if name != "adamw" and levers:
+            raise UserError(f"{levers[0]} replaces AdamW's update and does nothing with optim.name={name}: "
+                            "set it false, or optim.name=adamw")
+
+    def warmup_steps(self) -> int:
+        """The run's warmup: `schedule.warmup_steps` when given, else the default (`default_warmup_steps`),
+        capped at steps // 10 when it is not below `schedule.steps` (`warmup_warning` says so)."""
+        s = self.schedule
+        if s.warmup_steps is not None:
+            return s.warmup_steps
+        default = default_warmup_steps(self.model.preset)
+        return default if default < s.steps else s.steps // 10
+
+    def warmup_warning(self) -> str | None:
+        """The one line saying the default warmup was capped (None: it was not)."""
+        s = self.schedule
+        default = default_warmup_steps(self.model.preset)
+        if s.warmup_steps is not None or default < s.steps:
+            return None
+        return (f"the default warmup of {default} steps is not below schedule.steps={s.steps}: warming up over "
+                f"{self.warmup_steps()} steps (steps // 10) instead; give --warmup-steps N (< {s.steps}) to choose")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
