@@ -9,6 +9,7 @@ constant, wsd) with warmup, from the config (run/optimizers.py).
   each case saves at step 2 and resumes bit-identically; SGD's checkpoint (momentum) written under
   ZeRO-1 loads into one process and continues the reference run; Adafactor's factored moments are
   refused in one line where parameters are sharded (config, checkpoint).
+- The parameter server (whole tensors on its servers) runs SGD and Adafactor like one process.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import pytest
 import torch
 
 from ndtrain.cli.commands import build_parser, main, train_config
-from ndtrain.config import ParallelConfig, TrainConfig, load_config
+from ndtrain.config import ParallelConfig, PSConfig, TrainConfig, load_config
 from ndtrain.dist.mesh import init
 from ndtrain.engine import Engine
 from ndtrain.errors import UserError
 from ndtrain.models.llama import build_model
+from ndtrain.ps.engine import PSEngine, check_ps_config
 from ndtrain.run.optimizers import lr_lambda, lr_multiplier, optimizer_factory
 from tests.helpers.layouts import DTYPE, MAX_NORM, MODEL, State, batch
 from tests.helpers.models import shard
@@ -108,14 +110,14 @@ def make_engine(cfg: TrainConfig, ctx: Any, parallel: ParallelConfig) -> Engine:
                   scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)), grad_clip=MAX_NORM)
 
 
-def reference(name: str, steps: range = range(STEPS), model: torch.nn.Module | None = None) -> State:
+def reference(name: str, dtype: torch.dtype = DTYPE) -> State:
     """Single process, whole global batch: torch's optimizer of `name` under the config's schedule."""
     cfg = run_config(name)
-    model = build_model(MODEL, seed=0).to(DTYPE) if model is None else model
+    model = build_model(MODEL, seed=0).to(dtype)
     optimizer = optimizer_factory(cfg)(decay_groups(model))
     assert type(optimizer) is {"sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}[name]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    return train_reference(model, optimizer, map(batch, steps), clip=MAX_NORM, scheduler=scheduler).state
+    return train_reference(model, optimizer, map(batch, range(STEPS)), clip=MAX_NORM, scheduler=scheduler).state
 
 
 def _case(root: str, case: str) -> dict[str, Any]:
@@ -200,3 +202,35 @@ def test_sgd_checkpoint_of_zero1_continues_in_one_process(runs: tuple[Path, list
         fresh.train_step([batch(s)])
     with pytest.raises(AssertionError):
         assert_params_close(fresh.full_state_dict(), references["sgd"], 1e-9, "no momentum")
+
+
+# ------------------------------------------------------------------------------------ parameter server
+def ps_config(name: str) -> TrainConfig:
+    cfg = run_config(name)
+    cfg.ps = PSConfig(servers=1, mode="sync")
+    return cfg
+
+
+def ps_batches(worker: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return shard(batch(step), worker, 2, 2)
+
+
+def _ps(name: str) -> State:
+    """2 workers and 1 server (sync, fp32: the parameter server's only precision): the server keeps whole
+    tensors, so Adafactor is the single-process one."""
+    cfg = ps_config(name)
+    ctx = init(init_method=init_method())
+    engine = PSEngine(lambda: build_model(MODEL, seed=0), optimizer_factory(cfg), ctx, cfg,
+                      lr_lambda=lr_lambda(cfg))
+    for s in range(STEPS):
+        engine.train_step([] if engine.is_server else ps_batches(ctx.rank, s))
+    return {k: v.detach().clone() for k, v in engine.model.named_parameters()}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", list(LR))
+def test_parameter_server_runs_the_optimizer_like_one_process(name: str) -> None:
+    check_ps_config(ps_config(name), 3)  # neither optimizer is refused there
+    workers, expected = run_distributed(_ps, 3, name)[:2], reference(name, torch.float32)
+    for params in workers:
+        assert_params_close(params, expected, 1e-5, f"ps {name}")
