@@ -13,6 +13,16 @@ Parameters (exact, as the reference implementations build them):
           per layer  h·(a+2k)·d + a·d·h  [attention]  +  3·h·f  [w1, w2, w3]  +  2h  [norms]
           total  l·(per layer) + 2·V·h + h
 
+Beyond the two families (all optional, so a spec without them counts exactly as above):
+    head_size   d when it is not h/a (Gemma, Qwen3: the attention's width a·d differs from h)
+    tied        the output head is the embedding (None: the family's practice, gpt tied, llama not)
+    extra_layer_params   per-layer parameters neither formula has (attention biases of Qwen2, Q/K
+                norms of Qwen3), counted in memory, not in FLOPs
+    moe         a mixture-of-experts MLP (`moe.py`): parameters held (every expert: weights, gradients,
+                optimizer state) differ from those a token uses (k experts + shared: FLOPs); per-layer
+                figures of a model whose layers differ (dense layers first) are means over its layers,
+                the stage sums (`layers_params`) are exact
+
 Dropout, by arch unless `dropout` says otherwise: gpt has it (Megatron's GPT practice, 0.1 on the
 hidden states and the attention probabilities), llama has none; it decides the element-wise work of
 a kernel profile (`kernels.py`: the masks' bytes), not the FLOPs.
@@ -41,6 +51,7 @@ from functools import cached_property
 
 from ndtrain.config import MODEL_PRESETS
 from ndtrain.errors import UserError
+from ndtrain.plan.moe import Experts
 
 ARCHS = ("gpt", "llama")
 
@@ -58,6 +69,10 @@ class ModelSpec:
     seq: int
     flash: bool | None = None  # attention kernel: None = the family's practice (see above)
     dropout: bool | None = None  # dropout layers: None = the family's practice (see above)
+    head_size: int | None = None  # d: None = h/a
+    tied: bool | None = None  # output head = embedding: None = the family's practice (gpt tied)
+    extra_layer_params: int = 0  # per-layer parameters the family's formula lacks (biases, Q/K norms)
+    moe: Experts | None = None  # a mixture-of-experts MLP (None: dense, width ffn)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -65,14 +80,22 @@ class ModelSpec:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
             if getattr(self, field) <= 0:
                 raise UserError(f"model {field}={getattr(self, field)} must be > 0")
-        if self.hidden % self.heads:
+        if self.moe is not None and self.arch != "llama":
+            raise UserError(f"{self.name}: mixtures of experts are modelled with gated (llama-style) MLPs only")
+        if self.head_size is not None and self.head_size <= 0:
+            raise UserError(f"model head_size={self.head_size} must be > 0")
+        if self.head_size is None and self.hidden % self.heads:
             raise UserError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}: change one of them")
         if self.heads % self.kv_heads:
             raise UserError(f"--heads {self.heads} is not divisible by --kv-heads {self.kv_heads}: change one of them")
 
     @cached_property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.hidden // self.heads if self.head_size is None else self.head_size
+
+    @cached_property
+    def tied_embeddings(self) -> bool:
+        return self.arch == "gpt" if self.tied is None else self.tied
 
     @cached_property
     def kv_ratio(self) -> float:
@@ -80,20 +103,69 @@ class ModelSpec:
         return self.kv_heads / self.heads
 
     @cached_property
-    def layer_matrix_weights(self) -> int:
-        """W: weights of one layer's matrices (the FLOP-carrying parameters)."""
+    def attention_weights(self) -> int:
         h, d = self.hidden, self.head_dim
-        attention = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
-        mlp = (2 if self.arch == "gpt" else 3) * h * self.ffn
-        return attention + mlp
+        return h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
 
     @cached_property
-    def layer_params(self) -> int:
+    def layer_matrix_weights(self) -> int | float:
+        """W: weights of one layer's matrices a token multiplies by (the FLOP-carrying parameters);
+        with experts, the mean over the layers of the attention + the k experts, shared ones and router."""
+        if self.moe is None:
+            return self.attention_weights + (2 if self.arch == "gpt" else 3) * self.hidden * self.ffn
+        dense = self.layers - self.moe.moe_layers(self.layers)
+        mlp = dense * 3 * self.hidden * self.ffn + self.moe.moe_layers(self.layers) * self.moe.active_params(self.hidden)
+        return self.attention_weights + mlp / self.layers
+
+    def params_of_layer(self, index: int) -> int:
+        """Parameters layer `index` holds (every expert of a MoE layer)."""
         h, d = self.hidden, self.head_dim
         if self.arch == "gpt":
             biases = (self.heads + 2 * self.kv_heads) * d + h + self.ffn + h
-            return self.layer_matrix_weights + biases + 4 * h
-        return self.layer_matrix_weights + 2 * h
+            return self.attention_weights + 2 * h * self.ffn + biases + 4 * h + self.extra_layer_params
+        if self.moe is None or self.moe.is_dense(index):
+            mlp = 3 * h * self.ffn
+        else:
+            mlp = self.moe.held_params(h)
+        return self.attention_weights + mlp + 2 * h + self.extra_layer_params
+
+    @cached_property
+    def layer_params(self) -> int | float:
+        """Parameters of one layer; with experts, the mean over the layers (sums: `layers_params`)."""
+        if self.moe is None:
+            return self.params_of_layer(0)
+        return self.layers_params(0, self.layers) / self.layers
+
+    def layers_params(self, start: int, count: int) -> int:
+        """Parameters of the `count` layers from `start` (a pipeline stage's)."""
+        if self.moe is None:
+            return count * self.params_of_layer(0)
+        return sum(self.params_of_layer(i) for i in range(start, start + count))
+
+    @cached_property
+    def largest_layer_params(self) -> int:
+        return max(self.params_of_layer(i) for i in range(self.layers)) if self.moe else self.params_of_layer(0)
+
+    @cached_property
+    def token_ffn(self) -> int | float:
+        """The MLP width one token's activations span: f dense; k·f_e + f_s with experts (mean over layers)."""
+        if self.moe is None:
+            return self.ffn
+        moe_layers = self.moe.moe_layers(self.layers)
+        return ((self.layers - moe_layers) * self.ffn + moe_layers * self.moe.token_width) / self.layers
+
+    @cached_property
+    def expert_params(self) -> int:
+        """The routed experts' parameters over all layers (0 for a dense model)."""
+        return self.moe.moe_layers(self.layers) * self.moe.routed_params(self.hidden) if self.moe else 0
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters one token uses: all but the experts it is not routed to."""
+        if self.moe is None:
+            return self.total_params
+        unused = (self.moe.count - self.moe.top_k) * 3 * self.hidden * self.moe.ffn
+        return self.total_params - self.moe.moe_layers(self.layers) * unused
 
     @cached_property
     def embedding_params(self) -> int:
@@ -103,22 +175,21 @@ class ModelSpec:
 
     @cached_property
     def head_params(self) -> int:
-        """Output side: final norm (+ the untied output matrix for llama)."""
-        if self.arch == "gpt":
-            return 2 * self.hidden
-        return self.hidden + self.vocab * self.hidden
+        """Output side: final norm (+ the output matrix unless tied to the embedding)."""
+        norm = 2 * self.hidden if self.arch == "gpt" else self.hidden
+        return norm if self.tied_embeddings else norm + self.vocab * self.hidden
 
     @cached_property
     def output_matrix_params(self) -> int:
-        """V·h: the output projection, a copy of the embedding on the last stage when tied (gpt)."""
+        """V·h: the output projection, a copy of the embedding on the last stage when tied."""
         return self.vocab * self.hidden
 
     @cached_property
     def total_params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params + self.head_params
+        return self.layers_params(0, self.layers) + self.embedding_params + self.head_params
 
     @cached_property
-    def layer_forward_flops_per_token(self) -> int:
+    def layer_forward_flops_per_token(self) -> int | float:
         return 2 * self.layer_matrix_weights + self.attention_forward_flops_per_token
 
     @cached_property

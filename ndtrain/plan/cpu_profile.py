@@ -43,7 +43,12 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 def model_key(model: ModelSpec) -> str:
     """The shapes a layer profile is valid for (the name does not matter, the sizes do)."""
-    return f"{model.arch} h{model.hidden} a{model.heads} k{model.kv_heads} f{model.ffn} V{model.vocab} s{model.seq}"
+    key = f"{model.arch} h{model.hidden} a{model.heads} k{model.kv_heads} f{model.ffn} V{model.vocab} s{model.seq}"
+    if model.head_size is not None and model.head_size != model.hidden // model.heads:
+        key += f" d{model.head_size}"
+    if model.moe is not None:
+        key += f" E{model.moe.count} top{model.moe.top_k} fe{model.moe.ffn} fs{model.moe.shared_ffn}"
+    return key
 
 
 def shard_key(tp: int, mbs: int) -> str:
@@ -69,6 +74,9 @@ def profiled_tps(model: ModelSpec, max_processes: int) -> list[int]:
     if model.arch != "llama":
         raise UserError(f"--calibrate --model profiles llama models (ndtrain's family); {model.name} is "
                         f"{model.arch}: calibrate without --model (its compute is then estimated from FLOPs)")
+    if model.moe is not None or model.head_size not in (None, model.hidden // model.heads):
+        raise UserError(f"--calibrate --model profiles ndtrain's Llama block; {model.name} has experts or a head size "
+                        "other than hidden/heads: calibrate without --model (its compute is then estimated from FLOPs)")
     return [t for t in range(1, max_processes + 1) if max_processes % t == 0 and model.heads % t == 0]
 
 

@@ -117,7 +117,7 @@ def element_bytes(model: ModelSpec, layout: Layout, hw: Hardware) -> tuple[float
     k, t = hw.kernels, layout.tp
     hidden = model.hidden / (t if layout.sp else 1)
     d = model.head_dim
-    per_token = k.layer_bytes_per_token(model.arch, hidden, model.ffn / t, (model.heads + model.kv_heads) * d / t,
+    per_token = k.layer_bytes_per_token(model.arch, hidden, model.token_ffn / t, (model.heads + model.kv_heads) * d / t,
                                         model.heads * d / t, model.has_dropout)
     scores = 0.0 if model.flash_attention else k.score_bytes(model.has_dropout) * model.heads * model.seq / t
     tokens, scale = layout.mbs * model.seq / layout.cp, hw.precision.activation_bytes / 2
@@ -138,11 +138,13 @@ def layer_terms(model: ModelSpec, layout: Layout, hw: Hardware) -> LayerTerms:
 
 
 def layer_gemm_shapes(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
-    """(K, N) of the layer's four products on one tp rank: QKV, attention output, MLP in, MLP out."""
+    """(K, N) of the layer's four products on one tp rank: QKV, attention output, MLP in, MLP out; with
+    experts the MLP's are one product of the width a token spans (k·f_e + f_s: the same FLOPs, not the
+    per-expert products' wave quantization)."""
     h, d = model.hidden, model.head_dim
     inputs = 2 if model.arch == "llama" else 1  # SwiGLU's gate and up projections
     return [(h, (model.heads + 2 * model.kv_heads) * d / tp), (model.heads * d / tp, h),
-            (h, inputs * model.ffn / tp), (model.ffn / tp, h)]
+            (h, inputs * model.token_ffn / tp), (model.token_ffn / tp, h)]
 
 
 def compute(model: ModelSpec, layout: Layout, hw: Hardware) -> GpuCompute:

@@ -8,7 +8,8 @@ per-parameter bytes 2 + 2 + K with K = 12 (bf16 weights, bf16 gradients, fp32 ma
     stage 2   2Ψ + 2Ψ/N + KΨ/N
     stage 3   (2 + 2 + K)Ψ/N  +  the gathered working set of two layers (current + prefetch)
 Ψ of the first stage includes the embedding, of the last the output head (a second copy of
-the tied embedding for gpt when pp > 1).
+a tied embedding when pp > 1). With experts Ψ counts every expert (held, not active, parameters),
+and ZeRO-3's working set is two of the largest layers.
 
 Activations of one layer for one micro-batch of b sequences, s' = s/cp local tokens, in
 bytes with value size β (Korthikanti 2022 §4, eq. 1–2, for β = 2 and gpt: 34·s·b·h + 5·a·s²·b):
@@ -19,6 +20,8 @@ intermediates) and Z (the score matrix: softmax output, dropout mask and output)
     gpt     R = 4β + 2,   S = β·(2 + 2k/a + 2f/h),   Z = 2β + 1     (34 and 5 for k=a, f=4h, β=2)
     llama   R = 4β,       S = β·(2 + 2k/a + 3f/h)                   (no dropout; fused SwiGLU keeps
                                                                       w1·x, w3·x and the product)
+With experts (moe.py) f is what a token spans, k·f_e + f_s, and R gains β·(2k + 2E/h) on MoE
+layers (the token copies sent to the experts, their outputs, the router's logits and probabilities).
 and Z = 0 for flash attention, which stores no scores (llama's default; gpt with `flash`).
 k/a is the GQA adjustment: K and V are k/a the size of Q. Recompute (Korthikanti §5):
     selective  drops the Z term (scores are recomputed in the backward)
@@ -81,22 +84,25 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
 
 def activation_coefficients(model: ModelSpec, beta: int) -> tuple[float, float, float]:
     """(R, S, Z) of the module docstring, in bytes per s·b·h (R, S) and per a·s²·b (Z)."""
-    kv, ffn = model.kv_ratio, model.ffn / model.hidden
+    kv, ffn = model.kv_ratio, model.token_ffn / model.hidden
     scores = 0 if model.flash_attention else 2 * beta + 1
     if model.arch == "gpt":
         return 4 * beta + 2, beta * (2 + 2 * kv + 2 * ffn), scores
+    if model.moe is not None:  # the experts' token copies, outputs and router values (moe.py), mean over layers
+        share = model.moe.moe_layers(model.layers) / model.layers
+        return 4 * beta + share * beta * model.moe.replicated_values(model.hidden), beta * (2 + 2 * kv + 3 * ffn), scores
     return 4 * beta, beta * (2 + 2 * kv + 3 * ffn), scores
 
 
 def stage_params(model: ModelSpec, layout: Layout, stage: str) -> float:
     """Ψ: parameters one rank of this stage holds before ZeRO sharding."""
     layers = model.layers if layout.pp == 1 else layout.stage_layers(model.layers)
-    total = layers * model.layer_params
+    total = model.layers_params(model.layers - layers if stage == "last" else 0, layers)
     if stage in ("first", "only"):
         total += model.embedding_params
     if stage in ("last", "only"):
         total += model.head_params
-        if model.arch == "gpt" and stage == "last":
+        if model.tied_embeddings and stage == "last":
             total += model.output_matrix_params
     return total / layout.tp
 
@@ -112,7 +118,7 @@ def model_states(model: ModelSpec, layout: Layout, precision: Precision, stage: 
         grads /= n
     if layout.zero >= 3:
         params /= n
-        gathered = 2 * model.layer_params / layout.tp  # the layer computing + the one prefetched
+        gathered = 2 * model.largest_layer_params / layout.tp  # the layer computing + the one prefetched
         params += gathered * precision.param_bytes
         grads += gathered * precision.grad_bytes
     return params, grads, optimizer

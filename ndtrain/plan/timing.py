@@ -224,7 +224,7 @@ def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _Micr
     reduce = behind(cost("all_reduce", grads), window_b, cost("all_reduce", bucket))
     if layout.zero == 0:
         return _DataParallel(0.0, 0.0, reduce)
-    first_layer = model.layer_params / layout.tp * precision.param_bytes
+    first_layer = model.params_of_layer(0) / layout.tp * precision.param_bytes
     gather = behind(cost("all_gather", weights), window_f, cost("all_gather", min(bucket, first_layer)))
     scatter = behind(cost("reduce_scatter", grads), window_b, cost("reduce_scatter", bucket))
     if layout.zero == 1:  # ndtrain's ZeRO-1 keeps DDP's all-reduce (zero1_optimizer.py); Megatron reduce-scatters
@@ -234,7 +234,8 @@ def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _Micr
     regathered = weights
     if cluster.hardware.cpu is not None:  # ndtrain's root unit (the stage's ends) is not gathered again
         layers = model.layers if layout.pp == 1 else layout.stage_layers(model.layers)
-        regathered -= (psi - layers * model.layer_params / layout.tp) * precision.param_bytes
+        held = model.layers_params(model.layers - layers if layout.pp > 1 else 0, layers)
+        regathered -= (psi - held / layout.tp) * precision.param_bytes
     backward = cost("all_gather", regathered) + cost("reduce_scatter", grads)
     return _DataParallel(gather, behind(backward, window_b, cost("all_gather", first_layer)), 0.0)
 
