@@ -57,6 +57,7 @@ from ndtrain.checkpoint.store import load_checkpoint, save_checkpoint, select_ch
 from ndtrain.checkpoint.manifest import MANIFEST, verify
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
+from ndtrain.eval.token_metrics import Evaluation, Tally, scoring
 from ndtrain.dist.memory import peak_bytes
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.models.hf_parallel import spec_of
@@ -311,30 +312,39 @@ class Engine:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
-        """Mean loss and token count over every rank's batches, each token counted exactly once.
+    def evaluate(self, batches: Iterable[Batch]) -> Evaluation:
+        """Mean loss, token count and next-token accuracy over every rank's batches, each token counted
+        exactly once (eval/token_metrics.py: the accuracy is measured at the model's `loss_fn` seam,
+        None with the engine's own `loss_fn` or a model without that seam).
 
         Ranks may hold different numbers of batches (uneven evaluation shards). Under ZeRO-3 every
         forward all-gathers parameters over dp×cp, so ranks with fewer batches run padding forwards
         (the lacking count, on a one-row batch, counted zero times) to issue the same collectives;
         that costs one 16-byte all-reduce (batch count, sequence length) per evaluation. With
-        `parallel.broadcast_buffers`, rank 0's buffers are broadcast first (parallel/data/buffers.py)."""
+        `parallel.broadcast_buffers`, rank 0's buffers are broadcast first (parallel/data/buffers.py).
+        The loss and the tally travel in one 32-byte all-reduce over dp×cp; under pipeline
+        parallelism the tally (counted on the last stage) is first summed over pp (16 bytes)."""
         self.model.eval()
         self.buffers.sync()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)  # Σ loss·count, count, correct, counted
         batches = list(batches)
         padding = self._eval_padding(batches)
-        for (x, y), weight in [*((batch, 1) for batch in batches), *((batch, 0) for batch in padding)]:
-            if self.pipeline:
-                loss, count = eval_pipeline(self.dp.chunks, [self._model_inputs(x, y)], self.ctx)
-            else:
-                inputs = self._model_inputs(x, y)
-                loss, count = self._loss(inputs), inputs[1].numel()
-            totals[0] += loss.double() * count * weight
-            totals[1] += count * weight
+        with scoring(self.model) if self.loss_fn is None else contextlib.nullcontext(Tally()) as tally:
+            for (x, y), weight in [*((batch, 1) for batch in batches), *((batch, 0) for batch in padding)]:
+                if self.pipeline:
+                    loss, count = eval_pipeline(self.dp.chunks, [self._model_inputs(x, y)], self.ctx)
+                else:
+                    inputs = self._model_inputs(x, y)
+                    loss, count = self._loss(inputs), inputs[1].numel()
+                totals[0] += loss.double() * count * weight
+                totals[1] += count * weight
+                totals[2:] += tally.take(self.ctx.device) * weight
+        if self.pipeline:
+            self.ctx.comm.all_reduce(totals[2:], self.ctx.group("pp"))
         self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))
-        tokens = int(totals[1].item())
-        return (totals[0].item() / tokens if tokens else float("nan")), tokens
+        loss_sum, tokens, correct, counted = totals.tolist()
+        return Evaluation(loss=loss_sum / tokens if tokens else float("nan"), tokens=int(tokens),
+                          accuracy=correct / counted if counted else None)
 
     def _eval_padding(self, batches: list[Batch]) -> list[Batch]:
         """The batches this rank forwards only to match the others' collectives (ZeRO-3's all-gathers;

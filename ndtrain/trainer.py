@@ -5,7 +5,9 @@ global step s trains on its windows [s·G, (s+1)·G) (G = global batch), dealt r
 ranks, so the data order is a pure function of (seed, epoch, step) and resuming needs only the
 step (counted from `data_start`, which is 0 unless a resume changed the data: run/data_identity.py). Each rank splits its G/dp windows into micro-batches (gradient accumulation).
 Evaluation: a fixed, evenly spaced subset of validation windows, split into uneven contiguous
-shards (no padding), loss and token counts summed with one all-reduce.
+shards (no padding), loss and token counts summed with one all-reduce; a language model's records
+add val_ppl (exp of the mean loss per target token) and val_accuracy (next-token accuracy:
+eval/token_metrics.py).
 The data sets, the model and any evaluation beyond the loss come from the config's `Task`
 (run/tasks.py): the byte-level language model above by default, e.g. digits retrieval by preset.
 """
@@ -252,7 +254,8 @@ class Trainer:
         progress = Progress(cfg.log.progress, cfg.log.every, cfg.schedule.steps, start, main, console_stream(),
                             unit=self.task.unit)
         started = time.perf_counter()
-        tokens_seen, last_val, step_peak, result, task_metrics = 0, float("nan"), 0, None, {}
+        tokens_seen, step_peak, result, task_metrics = 0, 0, None, {}
+        val_fields: dict[str, float] = {"val_loss": float("nan")}  # the last evaluation's (token_metrics.py)
         stop = cfg.schedule.steps
         if cfg.checkpoint.exit_after:
             stop = min(stop, start + cfg.checkpoint.exit_after)
@@ -275,18 +278,19 @@ class Trainer:
                 or done == cfg.schedule.steps
             if evaluate_now:
                 with ctx.phases.evaluation(done, len(self.eval_indices), elapsed / self.rank_batch):
-                    last_val, _ = self.engine.evaluate(self.eval_batches())
+                    val_fields = self.engine.evaluate(self.eval_batches()).record()
                     task_metrics = self.task.evaluate(self.engine) if self.task.evaluate else {}
                     if done == cfg.schedule.steps and self.task.test:
                         task_metrics.update(self.task.test(self.engine))
-                record.update(step=done, val_loss=last_val, **task_metrics)
+                record.update(step=done, **val_fields, **task_metrics)
             stop_signal = stop_request.agreed(ctx.comm, ctx.group("world"), ctx.device) if self.kind.checkpoints else 0
             save_now = (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == stop or stop_signal
             if save_now and self.kind.checkpoints:
                 self.save(done)
             if metrics and record:
                 metrics.write(record)
-            progress.update(done, loss=result.loss, tokens=result.tokens, val=last_val if evaluate_now else None,
+            progress.update(done, loss=result.loss, tokens=result.tokens,
+                            val=val_fields["val_loss"] if evaluate_now else None,
                             lr=result.lr, grad_norm=result.grad_norm, mem_bytes=rank_peak)
             if stop_signal and done < stop:
                 progress.close()
@@ -296,7 +300,7 @@ class Trainer:
         peak = torch.tensor(float(step_peak), device=ctx.device)
         ctx.comm.all_reduce(peak, ctx.group("world"), op=torch.distributed.ReduceOp.MAX)
         summary = {
-            "steps": stop, "resumed_from": start, "final_loss": result.loss, "val_loss": last_val,
+            "steps": stop, "resumed_from": start, "final_loss": result.loss, **val_fields,
             "tokens": tokens_seen, "seconds": wall, "tokens_per_s": tokens_seen / wall,
             "comm_bytes_per_step": result.comm_bytes, "peak_memory_bytes_max_rank": int(peak.item()),
             "world_size": ctx.world_size, "parameters": self.engine.parameter_count,
@@ -354,6 +358,8 @@ class Trainer:
             ("model", self.model_label),
             ("final train loss", f"{s['final_loss']:.4f} {self.task.loss_unit}"),
             ("validation loss", f"{s['val_loss']:.4f} {self.task.loss_unit}"),
+            *((("validation perplexity", f"{s['val_ppl']:.4g}"), ("next-token accuracy", f"{s['val_accuracy']:.2%}"))
+              if "val_accuracy" in s else ()),
             *((name, f"{s[name]:.4f}") for name in self.task.metrics if name in s),
             (self.task.unit, f"{s['tokens']:,}"),
             ("wall time", f"{s['seconds']:.1f} s"),

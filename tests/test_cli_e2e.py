@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+import pytest
 
 from tests.helpers.runs import TINY_4_STEPS as TINY, corpus_file, ndtrain
 
@@ -19,8 +22,12 @@ def test_train_with_nproc_then_generate(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["comm_bytes_per_step"] > 0 and "val_loss" in records[-1]
+    assert records[-1]["val_ppl"] == pytest.approx(math.exp(records[-1]["val_loss"]))
+    assert 0 <= records[-1]["val_accuracy"] <= 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["tokens"] == 4 * 8 * 32
+    assert summary["val_accuracy"] == records[-1]["val_accuracy"]
+    assert "validation perplexity" in proc.stdout and "next-token accuracy" in proc.stdout
 
     gen = ndtrain("generate", str(out), "--prompt", "import ", "--max-new-tokens", "20")
     assert gen.returncode == 0, gen.stderr

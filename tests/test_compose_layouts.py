@@ -72,7 +72,8 @@ def _train(name: str, layout: dict[str, Any], accumulation: int) -> dict[str, An
         losses.append(result.loss)
         norms.append(result.grad_norm)
     x, y = batch(STEPS)
-    val, tokens = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
+    evaluation = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
+    val, tokens = evaluation.loss, evaluation.tokens
     return {"losses": losses, "norms": norms, "val": val, "tokens": tokens, "state": engine.full_state_dict(),
             "units": len(getattr(engine.wrapped, "units", None) or getattr(engine.wrapped, "buckets", ())),
             "reduce_scatters": _reduce_scatters(ctx) - before}  # in the last step

@@ -116,7 +116,8 @@ def _train(name: str, layout: dict[str, Any], accumulation: int) -> dict[str, An
         norms.append(result.grad_norm)
     dp, rank = ctx.size("dp"), ctx.coord("dp")
     x, y = batch(STEPS)
-    val, tokens = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
+    evaluation = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
+    val, tokens = evaluation.loss, evaluation.tokens
     sharded = engine.dp.sharded_model
     return {"losses": losses, "norms": norms, "val": val, "tokens": tokens, "state": engine.full_state_dict(),
             "chunks": len(engine.dp.chunks), "stage": ctx.coord("pp"), "weight_passes": weight_passes,

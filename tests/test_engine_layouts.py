@@ -60,7 +60,8 @@ def _train(name: str) -> dict[str, Any]:
     engine = Engine(lambda: build_model(MODEL, seed=0).to(dtype), adamw, ctx, parallel, group_fn=no_decay_for_vectors, grad_clip=MAX_NORM)
     dp, rank = ctx.size("dp"), ctx.coord("dp")
     losses = [engine.train_step(shard(batch(step), rank, dp, accumulation)).loss for step in range(STEPS)]
-    val, tokens = engine.evaluate(shard(batch(STEPS), rank, dp))
+    evaluation = engine.evaluate(shard(batch(STEPS), rank, dp))
+    val, tokens = evaluation.loss, evaluation.tokens
     return {"losses": losses, "val": val, "tokens": tokens, "state": engine.full_state_dict()}
 
 

@@ -165,7 +165,7 @@ def _train(ctx: ParallelContext, base: ParallelConfig, family: str, case: str) -
         x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
         losses.append(engine.train_step(list(zip(x.chunk(micro), y.chunk(micro)))).loss)
     ops = {op for op, v in ctx.comm.stats.snapshot().items() if v != before.get(op)}
-    evaluation = engine.evaluate([tuple(t.chunk(dp)[rank] for t in batch(STEPS))])[0]
+    evaluation = engine.evaluate([tuple(t.chunk(dp)[rank] for t in batch(STEPS))]).loss
     return {"params": engine.full_state_dict(), "losses": losses, "ops": ops, "eval": evaluation}
 
 

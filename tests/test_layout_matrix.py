@@ -161,7 +161,8 @@ def _train(contexts: Callable[[tuple[int, ...]], ParallelContext], case: Case, d
         losses.append(result.loss)
         norms.append(result.grad_norm)
     x, y = _batch(case.world, STEPS)
-    val, tokens = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
+    evaluation = engine.evaluate([(x.chunk(dp)[rank], y.chunk(dp)[rank])])
+    val, tokens = evaluation.loss, evaluation.tokens
     return {"losses": losses, "norms": norms, "val": val, "tokens": tokens, "state": engine.full_state_dict()}
 
 

@@ -345,6 +345,7 @@ def test_cli_async_end_to_end(tmp_path: Path) -> None:
     assert summary["tokens"] == 4 * 8 * 32 and summary["val_loss"] < 6.0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4] and "val_loss" in records[-1]
+    assert 0 <= records[-1]["val_accuracy"] <= 1 and summary["val_ppl"] > 1  # the workers' tallies, summed
     # The Trainer's step record (as every other run's), plus worker 0's pushes/s and pulled version.
     for r in records:
         assert set(r) >= {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "comm_bytes_per_step",

@@ -31,6 +31,7 @@ from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.runs import corpus_file, tiny_config
 
 CURVES = {"loss", "throughput", "step_time", "memory", "comm", "lr", "grad_norm"}
+VALIDATED = CURVES | {"val_accuracy"}  # a language-model run with validation records
 
 # Appended to a copy of the page: at load (images loaded), list each <img> drawn whole: decoded, every pixel
 # opaque and some ink (a PNG cut short decodes partly, leaving transparent rows). The report has no script of its own.
@@ -137,15 +138,15 @@ def test_pipeline_run_report_renders_every_plot(tmp_path: Path, capsys: pytest.C
     page = run_dir / "report.html"
     assert capsys.readouterr().out == f"ndtrain: report written to {page}\n"
     html = page.read_text(encoding="utf-8")
-    assert sorted(static_plots(html)) == sorted(CURVES | {"timeline"})
+    assert sorted(static_plots(html)) == sorted(VALIDATED | {"timeline"})
     assert "pipeline schedule 1f1b" in html and 'preset = &quot;tiny&quot;' in html  # layout and resolved config
     total, names = rendered(page, tmp_path)
-    assert total == len(CURVES) + 1 and sorted(names) == sorted(CURVES | {"timeline"})
+    assert total == len(VALIDATED) + 1 and sorted(names) == sorted(VALIDATED | {"timeline"})
 
     damaged = tmp_path / "damaged.html"  # the check can fail: one image's PNG cut short is not decoded
     damaged.write_text(re.sub(r'(data-plot="loss"[^>]*base64,)([^"]{200})[^"]*"', r'\1\2"', html), encoding="utf-8")
     total, names = rendered(damaged, tmp_path)
-    assert total == len(CURVES) + 1 and sorted(names) == sorted(CURVES - {"loss"} | {"timeline"})
+    assert total == len(VALIDATED) + 1 and sorted(names) == sorted(VALIDATED - {"loss"} | {"timeline"})
 
 
 def test_run_without_validation_records_renders(tmp_path: Path) -> None:

@@ -59,27 +59,30 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
     ]
 
 
-def _eval_worker(data: str, out: str, samples: int, zero: int) -> tuple[float, int, int]:
+def _eval_worker(data: str, out: str, samples: int, zero: int) -> tuple[float, int, float | None, int]:
     cfg = tiny_config(data, out, **{"data.eval_samples": samples, "schedule.global_batch": 12,
                                     "schedule.micro_batch": 2, "parallel.zero": zero})
     trainer = Trainer(cfg, init(cfg.parallel, init_method=init_method()))
-    return (*trainer.engine.evaluate(trainer.eval_batches()), len(list(trainer.eval_batches())))
+    evaluation = trainer.engine.evaluate(trainer.eval_batches())
+    return evaluation.loss, evaluation.tokens, evaluation.accuracy, len(list(trainer.eval_batches()))
 
 
 @pytest.mark.parametrize("zero", [0, 3])
 def test_distributed_eval_counts_every_token_once(tmp_path: Path, zero: int) -> None:
     """7 windows over 3 ranks: shards of 3/2/2 windows, 2/1/1 micro-batches of 2. ZeRO-3 all-gathers
-    parameters in every forward, so the ranks with fewer batches must pad (a hang before the fix)."""
+    parameters in every forward, so the ranks with fewer batches must pad (a hang before the fix); the
+    padding forwards count toward neither the loss nor the next-token accuracy."""
     data = corpus_file(tmp_path)
     cfg = tiny_config(data, str(tmp_path / "one"), **{"data.eval_samples": 7, "parallel.dp": 1})
     trainer = Trainer(cfg, init(cfg.parallel))
     reference = trainer.engine.evaluate(trainer.eval_batches())
-    assert reference[1] == 7 * cfg.model.seq_len
+    assert reference.tokens == 7 * cfg.model.seq_len and reference.accuracy is not None
     results = run_distributed(_eval_worker, 3, data, str(tmp_path / "three"), 7, zero)
-    assert sorted(batches for _, _, batches in results) == [1, 1, 2]
-    for loss, tokens, _ in results:
-        assert tokens == reference[1]
-        assert loss == pytest.approx(reference[0], rel=1e-6)
+    assert sorted(batches for *_, batches in results) == [1, 1, 2]
+    for loss, tokens, accuracy, _ in results:
+        assert tokens == reference.tokens
+        assert loss == pytest.approx(reference.loss, rel=1e-6)
+        assert accuracy == pytest.approx(reference.accuracy, abs=1e-12)
 
 
 def test_resume_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

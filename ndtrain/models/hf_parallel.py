@@ -50,7 +50,7 @@ from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, SequenceCu
 from ndtrain.parallel.model.tensor import (
     ColumnParallelLinear, GatherLastDim, GatherSequence, ReplicatedHeadsLinear, SplitSequence,
 )
-from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy
+from ndtrain.parallel.model.vocab import VocabParallelCrossEntropy
 
 
 class HFParallel(ModelParallel):
@@ -125,9 +125,8 @@ class HFParallel(ModelParallel):
         if head.sequence_parallel and head.communicate_input and family.final_norm:
             head.communicate_input = False  # the final norm's output arrives gathered instead
             model.get_submodule(family.final_norm).register_forward_hook(_GatherOutput(ctx))
-        model.loss_fn = functools.partial(  # type: ignore[method-assign]
-            vocab_parallel_cross_entropy, start=head.out_start, vocab_size=head.out_features,
-            comm=ctx.comm, group=ctx.group("tp"))
+        model.loss_fn = VocabParallelCrossEntropy(  # type: ignore[method-assign]
+            head.out_start, head.out_features, ctx.comm, ctx.group("tp"))
         model.full_logits = functools.partial(_gather_vocab, head, ctx)  # type: ignore[method-assign]
 
     def _check_attention_split(self, tp: int) -> None:

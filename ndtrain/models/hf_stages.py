@@ -182,7 +182,7 @@ class HFStage(nn.Module):
         self._options = {"output_router_logits": False} if getattr(self.config, "output_router_logits", False) else {}
         if last:
             self._engine_loss = loss_fn
-            self._loss_fn = getattr(model, "loss_fn", None)        # the adapter's (tp may have replaced it)
+            self.loss_fn = getattr(model, "loss_fn", None)  # the adapter's seam (tp may have replaced it)
             self._full_logits = getattr(model, "full_logits", None)
             self._adapter = hf_model(model) is not model
         self.tied = None  # set by split_model: the name of this stage's copy of a tied embedding/head
@@ -237,4 +237,4 @@ class HFStage(nn.Module):
 
                 output = CausalLMOutputWithPast(logits=output)
             return output if targets is None else self._engine_loss(output, targets)
-        return self._loss_fn(logits, targets)
+        return self.loss_fn(logits, targets)

@@ -49,7 +49,7 @@ from ndtrain.config.options import RecomputeMode
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.errors import UserError
 from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim
-from ndtrain.parallel.model.vocab import vocab_parallel_cross_entropy
+from ndtrain.parallel.model.vocab import VocabParallelCrossEntropy
 from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, Timer
 
 if TYPE_CHECKING:
@@ -88,9 +88,8 @@ class LlamaParallel(ModelParallel):
         model, output = self.model, self.model.output
         if not isinstance(output, ColumnParallelLinear):
             raise UserError("tp plan for Llama must make 'output' vocab-parallel (the loss is computed on vocab shards)")
-        model.loss_fn = functools.partial(  # type: ignore[method-assign]
-            vocab_parallel_cross_entropy, start=output.out_start, vocab_size=output.out_features,
-            comm=ctx.comm, group=ctx.group("tp"))
+        model.loss_fn = VocabParallelCrossEntropy(  # type: ignore[method-assign]
+            output.out_start, output.out_features, ctx.comm, ctx.group("tp"))
         model.head = functools.partial(_vocab_parallel_head, model, ctx)  # type: ignore[method-assign]
 
     def pipeline_blocks(self, loss_fn: LossFn | None, balance: str) -> list[nn.Module]:

@@ -8,7 +8,7 @@ bytes this rank sent). Server ranks (the last S): `train_step` is given no batch
 step's worth of pushes (sync: one round; async/ssp: the next W pushes, whoever sends them), so the
 `Trainer` runs the same loop on every rank. Evaluation: workers evaluate their shard of the
 validation batches with the parameters they hold (after the last step: the final ones); servers
-add zeros to the one world all-reduce of loss and token count.
+add zeros to the one world all-reduce of loss, token count and accuracy tally.
 Not supported (one-line `UserError`): checkpoints (`save`/`load`: the optimizer state is split
 by whole tensors over the servers, and async workers never hold one consistent version), zero,
 single-process dp, tp/pp/cp, mixed precision; async/ssp on NCCL (no receive from any source).
@@ -19,6 +19,7 @@ staleness histogram (one entry per gradient applied, summed over servers), the l
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -28,6 +29,7 @@ from torch import nn
 from ndtrain.config import TrainConfig
 from ndtrain.engine import Batch, StepResult
 from ndtrain.errors import UserError
+from ndtrain.eval.token_metrics import Evaluation, Tally, scoring
 from ndtrain.dist.memory import optimizer_state_bytes, peak_bytes, tensor_bytes
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.pipeline import Timeline
@@ -116,19 +118,23 @@ class PSEngine:
         return self.server.skipped if self.server else self.worker.report.skipped
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
-        """Mean loss and token count over the workers' batches (servers read none); collective over the world."""
-        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+    def evaluate(self, batches: Iterable[Batch]) -> Evaluation:
+        """Mean loss, token count and next-token accuracy (eval/token_metrics.py) over the workers' batches
+        (servers read none); one 32-byte all-reduce over the world."""
+        totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)  # Σ loss·count, count, correct, counted
         if self.worker is not None:
             self.model.eval()
-            for x, y in batches:
-                x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-                loss = self.model(x, y) if self.loss_fn is None else self.loss_fn(self.model(x), y)
-                totals[0] += loss.double() * y.numel()
-                totals[1] += y.numel()
+            with scoring(self.model) if self.loss_fn is None else contextlib.nullcontext(Tally()) as tally:
+                for x, y in batches:
+                    x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+                    loss = self.model(x, y) if self.loss_fn is None else self.loss_fn(self.model(x), y)
+                    totals[0] += loss.double() * y.numel()
+                    totals[1] += y.numel()
+                totals[2:] += tally.take(self.ctx.device)
         self.ctx.comm.all_reduce(totals, self.ctx.group("world"))
-        tokens = int(totals[1].item())
-        return (totals[0].item() / tokens if tokens else float("nan")), tokens
+        loss_sum, tokens, correct, counted = totals.tolist()
+        return Evaluation(loss=loss_sum / tokens if tokens else float("nan"), tokens=int(tokens),
+                          accuracy=correct / counted if counted else None)
 
     # ----------------------------------------------------------------------------- inspection
     def model_state_bytes(self) -> dict[str, int]:

@@ -37,6 +37,7 @@ _MIB = 2**20
 # the loss's y label is the run's unit (`run_loss_unit`).
 RUN_PLOTS: dict[str, tuple[str, str, list[tuple[str, str]], float, bool]] = {
     "loss": ("Loss", "loss", [("loss", "train"), ("val_loss", "validation")], 1.0, False),
+    "val_accuracy": ("Validation next-token accuracy", "accuracy", [("val_accuracy", "validation")], 1.0, False),
     "throughput": ("Throughput", "tokens/s", [("tokens_per_s", "tokens/s")], 1.0, False),
     "step_time": ("Step time", "seconds", [("step_time_s", "step time")], 1.0, False),
     "memory": ("Peak memory (rank 0)", "MiB", [("peak_memory_bytes", "peak")], 1 / _MIB, False),

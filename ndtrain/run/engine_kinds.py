@@ -27,6 +27,7 @@ from torch import nn
 
 from ndtrain.config import TrainConfig
 from ndtrain.engine import Batch, Engine, StepResult
+from ndtrain.eval.token_metrics import Evaluation
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.pipeline import Timeline
 from ndtrain.ps.messages import LossFn, OptimizerFn
@@ -48,8 +49,8 @@ class TrainingEngine(Protocol):
         """One optimizer step over this rank's micro-batches (collective)."""
         ...
 
-    def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
-        """Mean loss and token count over every rank's `batches` (collective)."""
+    def evaluate(self, batches: Iterable[Batch]) -> Evaluation:
+        """Mean loss, token count and next-token accuracy over every rank's `batches` (collective)."""
         ...
 
     def save(self, path: str | Path, *, keep: int = 2, progress: dict[str, Any] | None = None,

@@ -19,6 +19,10 @@ What is communicated, and when (b·s tokens of width d on each rank):
   all-reduce (sum) of 2·b·s numbers (Σ exp and the target's logit, from the rank owning it);
   backward communicates nothing (softmax − one-hot on the local columns). The full b·s·V logits
   never exist on one rank: each holds b·s·V'/n of them.
+- `VocabParallelCrossEntropy.correct` (evaluation's next-token accuracy, eval/token_metrics.py): the
+  argmax over the whole vocabulary from the shards: one all-reduce (max) of the b·s local maxima, one
+  all-reduce (min) of the b·s global indices holding that maximum (ties go to the lowest index, as
+  `torch.argmax` on the whole logits).
 """
 
 from __future__ import annotations
@@ -121,6 +125,33 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
         grad_logits.mul_(grad / softmax.shape[0])
         return grad_logits.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None, None
+
+
+class VocabParallelCrossEntropy:
+    """The loss seam of a vocab-parallel head (`model.loss_fn`): this rank holds logit columns
+    [start, start + v) of the padded vocabulary; columns ≥ `vocab_size` are padding."""
+
+    def __init__(self, start: int, vocab_size: int, comm: Communicator, group: Group) -> None:
+        self.start, self.vocab_size, self.comm, self.group = start, vocab_size, comm, group
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.start, self.vocab_size, self.comm, self.group)
+
+    def correct(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """How many targets ≠ −100 equal the argmax over the whole vocabulary (ties: the lowest index);
+        the same count on every tp rank."""
+        logits = at_least_fp32(logits.detach().flatten(0, -2))
+        real = self.vocab_size - self.start
+        if real < logits.shape[-1]:
+            logits = logits.clone()
+            logits[:, max(real, 0):] = float("-inf")
+        best, index = logits.max(dim=-1)  # the first of equal maxima: the lowest local index
+        top = best.clone()
+        self.comm.all_reduce(top, self.group, op=dist.ReduceOp.MAX)
+        winner = torch.where(best == top, index + self.start, torch.iinfo(torch.int64).max)
+        self.comm.all_reduce(winner, self.group, op=dist.ReduceOp.MIN)
+        targets = targets.flatten()
+        return ((winner == targets) & (targets != -100)).sum()  # -100: IGNORE_INDEX, eval/token_metrics.py
 
 
 def vocab_parallel_cross_entropy(
