@@ -221,8 +221,11 @@ def ndtrain_train(out: Path, data: str, steps: int, *more: str) -> tuple[int, st
     return status, err.getvalue()
 
 
+# a warmup of 1 and a constant lr: the 2-step run resumed to 4 steps has the 4-step run's schedule (the default
+# warmup, 30, capped at steps // 10 below a short run, and a decay over `steps` would differ between them)
 CLI_TINY = ["--model", "tiny", "--set", "schedule.global_batch=8", "--set", "schedule.micro_batch=4",
-            "--set", "log.progress=false", "--set", "data.eval_samples=8", "--set", "log.eval_every=0"]
+            "--set", "log.progress=false", "--set", "data.eval_samples=8", "--set", "log.eval_every=0",
+            "--warmup-steps", "1", "--lr-scheduler", "constant"]
 
 
 def files(directory: Path) -> dict[Path, bytes]:
@@ -245,7 +248,8 @@ def test_train_resumes_under_another_layout_and_refuses_bad_input_in_one_line(tm
 
     before = files(resumed / "checkpoints")
     for more, fragment in [(["--set", "schedule.global_batch=4"], "schedule.global_batch = 8, this run has 4"),
-                           (["--set", "model.dim=48"], "it was written for another model")]:
+                           (["--set", "model.dim=48"], "it was written for another model"),
+                           (["--optim", "sgd"], "holds the state of optim.name = adamw, this run uses sgd")]:
         status, err = ndtrain_train(resumed, data, 6, *more)
         lines = err.strip().splitlines()
         assert status == 2 and len(lines) == 1 and lines[0].startswith("ndtrain: error: "), err

@@ -76,6 +76,8 @@ def tiny_config(data: str, out: str, **overrides: object) -> TrainConfig:
         "schedule.warmup_steps": 2, "data.eval_samples": 16, "log.eval_every": 0, "log.log_every": 1,
     }
     base.update(overrides)
+    if "schedule.warmup_steps" not in overrides:  # a warmup must be below the run's steps (1 for a 2-step run)
+        base["schedule.warmup_steps"] = min(2, int(base["schedule.steps"]) - 1)  # type: ignore[call-overload]
     return resolve_config(None, base)
 
 
