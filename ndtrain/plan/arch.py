@@ -16,6 +16,7 @@ Parameters (exact, as the reference implementations build them):
 Beyond the two families (all optional, so a spec without them counts exactly as above):
     head_size   d when it is not h/a (Gemma, Qwen3: the attention's width a·d differs from h)
     tied        the output head is the embedding (None: the family's practice, gpt tied, llama not)
+    learned_positions   an s×h position table (None: the family's practice, gpt has one)
     extra_layer_params   per-layer parameters neither formula has (attention biases of Qwen2, Q/K
                 norms of Qwen3), counted in memory, not in FLOPs
     moe         a mixture-of-experts MLP (`moe.py`): parameters held (every expert: weights, gradients,
@@ -73,6 +74,7 @@ class ModelSpec:
     tied: bool | None = None  # output head = embedding: None = the family's practice (gpt tied)
     extra_layer_params: int = 0  # per-layer parameters the family's formula lacks (biases, Q/K norms)
     moe: Experts | None = None  # a mixture-of-experts MLP (None: dense, width ffn)
+    learned_positions: bool | None = None  # an s×h position table: None = the family's practice (gpt)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -169,8 +171,9 @@ class ModelSpec:
 
     @cached_property
     def embedding_params(self) -> int:
-        """Input side: token embedding (+ learned positions for gpt)."""
-        positions = self.seq * self.hidden if self.arch == "gpt" else 0
+        """Input side: token embedding (+ learned positions: gpt unless told otherwise)."""
+        learned = self.arch == "gpt" if self.learned_positions is None else self.learned_positions
+        positions = self.seq * self.hidden if learned else 0
         return self.vocab * self.hidden + positions
 
     @cached_property
@@ -226,6 +229,10 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, v
     return ModelSpec(name, "llama", layers, hidden, heads, kv, ffn, vocab, seq)
 
 
+def _mixtral(name: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int) -> ModelSpec:
+    return ModelSpec(name, "llama", layers, hidden, heads, 8, ffn, vocab, 4096, moe=Experts(8, 2, ffn))
+
+
 def _ndtrain(name: str) -> ModelSpec:
     p = MODEL_PRESETS[name]
     return _llama(f"ndtrain-{name}", p["n_layers"], p["dim"], p["n_heads"], p["n_kv_heads"], p["ffn_dim"], 256,
@@ -235,6 +242,9 @@ def _ndtrain(name: str) -> ModelSpec:
 # GPT-3 sizes: Brown et al. 2020, Table 2.1, with two of its inconsistencies resolved by head size 128:
 # 1.3B lists 24 heads for d = 2048 (16 heads of 128), 13B lists d = 5140 (5120 = 40 heads of 128).
 # Llama 2: Touvron et al. 2023 and the released configs; Llama 3: Llama Team 2024, Table 3.
+# Mixtral: Jiang et al. 2024 ("Mixtral of Experts", Table 1: 8 experts, 2 per token, 8 kv heads; 46.7 B
+# parameters, 12.9 B active) and the released mistralai/Mixtral-8x7B-v0.1 and -8x22B-v0.1 config.json
+# files; trained at 4096 tokens here (Megatron-Core's Mixtral 8x7B training recipe), not their 32k/64k windows.
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -252,6 +262,8 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
         _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+        _mixtral("mixtral-8x7b", 32, 4096, 32, 14336, 32000),
+        _mixtral("mixtral-8x22b", 56, 6144, 48, 16384, 32768),
         *(_ndtrain(name) for name in MODEL_PRESETS),
     )
 }

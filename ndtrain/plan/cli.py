@@ -1,6 +1,7 @@
 """`ndtrain plan`: predict memory and step time of every layout of a model on a cluster; recommend one.
 
     ndtrain plan --model llama3-70b --gpus 64 --gpu h100-sxm --global-batch 512
+    ndtrain plan --model hf:DIR [--seq N] ...    a Hugging Face folder's config.json (hf_config.py)
     ndtrain plan --arch gpt --layers 48 --hidden 6144 --heads 48 --vocab 51200 --seq-len 2048 ...
     ndtrain plan ... --tp 8 --pp 4 --dp 2 --cp 1 --zero 1 --micro-batch 1 --recompute selective --sp true
                  --schedule 1f1b      (every layout flag given: that one layout is evaluated)
@@ -30,7 +31,7 @@ from ndtrain.config import MODEL_PRESETS
 from ndtrain.errors import UserError
 from ndtrain.config.options import PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
 from ndtrain.config.parallel import DEFAULT_LAYOUT_PROFILE
-from ndtrain.plan import ablation, arch, calibrate, fit, kernels, loso, report, validate
+from ndtrain.plan import ablation, arch, calibrate, fit, hf_config, kernels, loso, report, validate
 from ndtrain.plan.cpu_profile import load_profile
 from ndtrain.plan.hardware import GPUS, Cluster, gpu
 from ndtrain.plan.search import Fixed, search
@@ -51,10 +52,18 @@ def model_name(text: str) -> str:
     return rest if text.startswith(OLD_PREFIX) and rest in MODEL_PRESETS else text
 
 
+class ModelChoices(tuple[str, ...]):
+    """`--model`'s choices: the names, and any `hf:DIR` (argparse lists the names when refusing)."""
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, str) and value.startswith(hf_config.PREFIX) or super().__contains__(value)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, or --arch and its sizes)")
-    model.add_argument("--model", type=model_name, choices=MODEL_NAMES, metavar="NAME",
-                       help=f"model: {', '.join(MODEL_NAMES)} (default: none; give it or --arch)")
+    model.add_argument("--model", type=model_name, choices=ModelChoices(MODEL_NAMES), metavar="NAME",
+                       help=f"model: {', '.join(MODEL_NAMES)}, or hf:DIR (a Hugging Face folder's config.json) "
+                       "(default: none; give it or --arch)")
     model.add_argument("--arch", choices=arch.ARCHS, help="architecture, with --layers --hidden --heads [--kv-heads] "
                        "[--ffn] --vocab --seq-len (default: none; give it or --model)")
     for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
@@ -154,6 +163,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(report.to_json(result, args.top))
     else:
+        if args.model and args.model.startswith(hf_config.PREFIX):
+            print(hf_config.describe(model))
         print(report.header(model, cluster, args.global_batch))
         print(report.table(result, args.top))
         if args.explain or not fits:
@@ -183,6 +194,8 @@ def _model(args: argparse.Namespace) -> arch.ModelSpec:
             raise UserError(f"--{flag.replace('_', '-')} {value} must be > 0")
     if args.model and args.arch:
         raise UserError("give either --model PRESET or --arch with sizes, not both")
+    if args.model and args.model.startswith(hf_config.PREFIX):
+        return hf_config.read(Path(args.model.removeprefix(hf_config.PREFIX)), args.seq)
     if args.model:
         return arch.preset(OLD_PREFIX + args.model if args.model in MODEL_PRESETS else args.model, args.seq)
     if args.arch:
