@@ -136,10 +136,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     cfg = resolve_config(args.config, overrides)
     from ndtrain.launch import speaks_for_the_run
 
-    warnings = (cli_flags.preset_override_warning(args.config, overrides), cfg.warmup_warning())
-    for warning in warnings:
-        if warning is not None and speaks_for_the_run():  # once, from the launching process (or rank 0)
-            print(f"ndtrain: warning: {warning}", file=sys.stderr, flush=True)
+    warning = cli_flags.preset_override_warning(args.config, overrides)
+    if warning is not None and speaks_for_the_run():  # once, from the launching process (or rank 0)
+        print(f"ndtrain: warning: {warning}", file=sys.stderr, flush=True)
     return cfg
 
 
@@ -192,6 +191,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
         cfg, choice = layout_auto.plan_run(cfg, given, args.check)
         argv = layout_auto.worker_argv(argv, choice)
     prepare_run(cfg, args.check, cfg.launch.nproc)
+    warmup = cfg.warmup_warning()  # once the run is accepted: a refused run's error stays its only line
+    if warmup is not None:
+        print(f"ndtrain: warning: {warmup}", file=sys.stderr, flush=True)
     if args.check:
         return 0
     run_dir = Path(cfg.log.out)
