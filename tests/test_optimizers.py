@@ -72,10 +72,12 @@ def test_cosine_default_is_the_earlier_schedule() -> None:
     assert type(adamw) is torch.optim.AdamW and adamw.defaults["betas"] == (0.9, 0.95)
 
 
-def test_default_warmup_is_capped_with_one_warning_and_a_given_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_default_warmup_is_capped_with_one_warning_and_a_given_one_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = train_config(build_parser().parse_args(["train", "--steps", "3"]))
     assert cfg.warmup_steps() == 0 and lr_lambda(cfg)(0) == 1.0  # `--steps 3` peaks at step 0, not at lr/10
-    err = capsys.readouterr().err.splitlines()
+    assert main(["train", "--steps", "3", "--out", str(tmp_path / "run"), "--check"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(err) == 1 and "default warmup of 30 steps" in err[0] and "schedule.steps=3" in err[0]
     assert load_config(None, {"schedule.steps": 50}).warmup_steps() == 30  # a run longer than the warmup keeps it
     digits = load_config(None, {"model.preset": "digits", "schedule.steps": 7})
