@@ -99,13 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. --set optim.lr=3e-4 (repeatable; default: none)")
 
-    gen = commands.add_parser("generate", help="sample text from a trained run")
+    gen = commands.add_parser("generate", help="sample text from a trained run (KV cache, stops at the tokenizer's EOS)")
     gen.add_argument("run_dir", type=Path, help="a run directory with a checkpoint")
     gen.add_argument("--prompt", default="def ", metavar="TEXT", help="text to continue (default: 'def ')")
-    gen.add_argument("--max-new-tokens", type=int, default=300, metavar="N", help="bytes to sample")
-    gen.add_argument("--temperature", type=float, default=0.8, metavar="T", help="softmax temperature")
-    gen.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K most likely bytes")
+    gen.add_argument("--max-new-tokens", type=int, default=300, metavar="N",
+                     help="tokens to sample at most (fewer when the end-of-sequence token comes first)")
+    gen.add_argument("--temperature", type=float, default=0.8, metavar="T", help="softmax temperature (0: greedy)")
+    gen.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K most likely tokens (0: all)")
     gen.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user message through the run tokenizer's chat template and "
+                          "print only the reply")
 
     export = commands.add_parser("export", help="write a run's model as one safetensors file (config in its metadata) "
                                                 "or, with --format hf, as a Hugging Face save_pretrained folder")
@@ -292,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             from ndtrain.generate import generate_text
 
-            print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+            print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                                chat=args.chat))
             return 0
         if args.command == "export" and args.format == "hf":
             from ndtrain.checkpoint.export_hf import export_hf

@@ -6,6 +6,10 @@
   Nothing is downloaded. Text is encoded without special tokens (no BOS/EOS added); the vocabulary
   size is the largest id + 1, added tokens included. Needs `pip install ndtrain[hf]`.
 
+A transformers tokenizer directory may name an end-of-sequence token and a chat template
+(`eos_token_id`, `chat_template`, `render_chat`: what `ndtrain generate` stops at and `--chat` renders);
+the byte tokenizer and a tokenizer.json have neither.
+
 `identity()` names what the token ids depend on (the spec and a hash of the tokenizer's files; in a
 model folder its weight files are left out), so a token file built with one tokenizer is never read
 with another.
@@ -135,6 +139,25 @@ class HFTokenizer:
         if self._fast is not None:
             return self._fast.decode(values, skip_special_tokens=False)
         return self._transformers.decode(values, skip_special_tokens=False)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """A transformers tokenizer's end-of-sequence id; None for a tokenizer.json (it names none)."""
+        return None if self._transformers is None else self._transformers.eos_token_id
+
+    @property
+    def chat_template(self) -> str | None:
+        """A transformers tokenizer's chat template (Jinja); None without one or for a tokenizer.json."""
+        template = getattr(self._transformers, "chat_template", None)
+        return template if isinstance(template, str) and template else None
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The messages as the chat template writes them, ending with the assistant's turn opened."""
+        try:
+            return self._transformers.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja2's errors and transformers' ValueError: the template is the user's
+            raise UserError(f"the chat template of data.tokenizer={self.spec!r} does not render "
+                            f"({_first_line(e)}): fix it in tokenizer_config.json") from None
 
     def save_pretrained(self, folder: Path) -> None:
         """A transformers tokenizer's own `save_pretrained`; a tokenizer.json wrapped as a fast tokenizer."""
