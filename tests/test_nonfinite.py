@@ -116,7 +116,7 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 def test_huge_lr_stops_naming_the_step_without_a_checkpoint_of_it(tmp_path: Path) -> None:
-    # lr 1e30 (during warmup 1e30/30): step 1 makes the weights huge, step 2's gradient norm is NaN
+    # lr 1e30 (a short run: the default warmup is capped, so the first step is at 1e30): step 1 makes the weights huge, step 2's gradient norm is NaN
     run = _train(tmp_path / "run", "--set", "optim.lr=1e30")
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
