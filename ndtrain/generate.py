@@ -22,6 +22,7 @@ tokenizer without one) is refused in one line.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import Any, Collection
@@ -105,9 +106,7 @@ def hf_model_of(model: nn.Module, cfg: Any) -> nn.Module | None:
     in memory, or None when transformers is not installed (a built-in run then uses `sample`)."""
     if is_hf_model(cfg.model.preset):
         return model.hf
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:
         return None
     from ndtrain.models.llama_hf import builtin_to_hf
 
