@@ -132,7 +132,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_verified(
     damage(checkpoints / "step_00000004")
     proc = train(run, data, 6, "--set", "checkpoint.keep=10")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    warnings = [line for line in proc.stderr.splitlines() if line.startswith("ndtrain: warning:")]
+    warnings = [line for line in proc.stderr.splitlines()  # besides a short run's capped default warmup
+                if line.startswith("ndtrain: warning:") and "default warmup" not in line]
     assert len(warnings) == 1 and "step_00000004' is damaged (" + reason in warnings[0], proc.stderr[-3000:]
     assert "ndtrain: resuming at step 2" in proc.stdout
     # Nothing verified was deleted; the damaged step 4 was rewritten by the resumed run.
