@@ -35,11 +35,11 @@ Cost: reading one small JSON file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ndtrain.errors import UserError
+from ndtrain.models.hf import read_hf_config
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.moe import Experts
 
@@ -57,16 +57,9 @@ QKV_BIAS = ("qwen2", "qwen2_moe")
 
 
 def read(directory: Path, seq: int | None) -> ModelSpec:
-    """The model of `directory`/config.json; `seq` overrides the sequence length."""
-    path = directory / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"--model hf:{directory}: no config.json there: give the folder save_pretrained wrote") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"--model hf:{directory}: config.json cannot be read ({e}): fix or re-save it") from None
-    if not isinstance(config, dict):
-        raise UserError(f"--model hf:{directory}: config.json is not a JSON object: re-save it with save_pretrained")
+    """The model of `directory`/config.json (read as `ndtrain train --model hf:DIR` reads it); `seq`
+    overrides the sequence length."""
+    config = read_hf_config(directory)
     return spec(config, f"hf:{directory.name}", seq)
 
 
