@@ -31,7 +31,9 @@ stage 3 see zero3_parameters.py; `parallel.sync_batchnorm` an all-gather and an 
 and micro-batch (parallel/data/sync_batchnorm.py), `parallel.broadcast_buffers` one broadcast of the
 buffers per step (parallel/data/buffers.py); plus a 4-byte all-reduce of the norm's squares (over dp_cp for
 stages 1–3, over mp under model parallelism, over the world for both), a 4-byte flag
-(fp16) and one 8-byte all-reduce of the loss and token count for reporting.
+(fp16), one 8-byte all-reduce of the step's target count before the first forward (the weights that
+make the loss the mean over the global batch's targets, parallel/target_mean.py) and one 16-byte
+all-reduce of the loss and token count for reporting.
 
 Host synchronisation (what a CUDA step waits for on the host): one device→host read per step, of
 the reduced loss, token count, gradient norm and fp16's overflow flag together, after the
@@ -70,16 +72,17 @@ from ndtrain.parallel.data.strategy import STRATEGIES, ShardedModel, Strategies,
 from ndtrain.parallel.grad_norm import clip_, global_grad_norm
 from ndtrain.parallel.pipeline import Timeline, eval_pipeline, run_pipeline
 from ndtrain.parallel.precision import DTYPES, LossScaler
+from ndtrain.parallel.target_mean import step_weights, target_count
 from ndtrain.parallel.data.param_groups import GroupFn, no_decay_for_vectors
 from ndtrain.parallel.data.buffers import BufferBroadcast
 from ndtrain.parallel.data.sync_batchnorm import synchronise_batchnorm
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both [B, T] int64
+Batch = tuple[torch.Tensor, ...]  # (tokens, targets[, positions]), each [B, T] int64; targets −100: not a target
 
 
 @dataclass
 class StepResult:
-    loss: float          # mean loss over the global batch
+    loss: float          # mean loss over the global batch's targets (parallel/target_mean.py)
     tokens: int          # tokens in the global batch
     grad_norm: float     # global gradient norm before clipping (inf/nan on a skipped step)
     lr: float            # learning rate used for this step
@@ -188,23 +191,25 @@ class Engine:
         self.dp.zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]
         scale = self.scaler.scale if self.scaler else 1.0
-        count = len(micro_batches)
+        batches = [self._model_inputs(*batch) for batch in micro_batches]
+        weights = step_weights([target_count(batch[1]) for batch in batches], self.ctx)  # parallel/target_mean.py
         if self.pipeline:
-            batches = [self._model_inputs(x, y) for x, y in micro_batches]
-            loss_sum, tokens = run_pipeline(
-                self.dp.chunks, batches, self.ctx, self.parallel.pp_schedule, self.timeline, loss_scale=scale,
-                hooks=self.dp.stage_hooks,
+            loss_sum = run_pipeline(
+                self.dp.chunks, batches, self.ctx, self.parallel.pp_schedule, self.timeline, weights=weights,
+                loss_scale=scale, hooks=self.dp.stage_hooks,
             )
         else:
-            loss_sum, tokens = self._forward_backward(micro_batches, scale)
+            loss_sum = self._forward_backward(batches, weights, scale)
+        tokens = sum(batch[1].numel() for batch in batches)
         overflow = self.scaler.unscale(self.dp.optimizer_grads()) if self.scaler else None  # fp16: device flag
         norm = self._clip()
-        totals = torch.stack([loss_sum / count, loss_sum.new_full((), float(tokens))])  # filled on the device: no copy
-        self.ctx.comm.all_reduce(totals, self.ctx.group("dp_cp"))
+        group = self.ctx.group("dp_cp")
+        totals = torch.stack([loss_sum.double() / group.size, loss_sum.new_full((), float(tokens), dtype=torch.float64)])
+        self.ctx.comm.all_reduce(totals, group)  # filled on the device: no copy
         # the step's one device→host read: loss, tokens, norm (and fp16's overflow flag) together
-        figures = [totals.double(), norm.double().reshape(1)] + ([overflow.double()] if overflow is not None else [])
+        figures = [totals, norm.double().reshape(1)] + ([overflow.double()] if overflow is not None else [])
         read = torch.cat(figures).tolist()
-        loss, token_total, grad_norm = read[0] / self.ctx.group("dp_cp").size, int(read[1]), read[2]
+        loss, token_total, grad_norm = read[0], int(read[1]), read[2]
         found_inf = overflow is not None and read[3] > 0
         self._steps += 1
         skip = found_inf or self._nonfinite(loss, grad_norm)
@@ -235,18 +240,19 @@ class Engine:
         """Steps without an optimizer update: fp16 overflows plus non-finite steps skipped by the guard."""
         return (self.scaler.skipped_steps if self.scaler else 0) + self.nonfinite_skips
 
-    def _forward_backward(self, micro_batches: Sequence[Batch], scale: float) -> tuple[torch.Tensor, int]:
-        """Σ of the micro-batch mean losses and the token count; gradients of their mean (× scale)."""
-        count = len(micro_batches)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        tokens = 0
-        for i, (x, y) in enumerate(micro_batches):
+    def _forward_backward(self, batches: Sequence[tuple[torch.Tensor, ...]], weights: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        """Σ_i w_i · loss_i over this rank's micro-batches (on the device, float64); gradients of that sum
+        (× scale) accumulated: with the weights of target_mean.py, the mean over the global batch's targets."""
+        count = len(batches)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for i, inputs in enumerate(batches):
             with self.dp.no_sync() if i < count - 1 else contextlib.nullcontext():
-                loss = self._loss(self._model_inputs(x, y))
-                (loss * (scale / count)).backward()
-            loss_sum += loss.detach().float()
-            tokens += y.numel()
-        return loss_sum, tokens
+                loss = self._loss(inputs)
+                loss = loss * weights[i].to(loss.dtype)
+                (loss * scale).backward()
+            loss_sum += loss.detach().double()
+        return loss_sum
 
     def _loss(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The wrapped model's loss on (tokens, targets[, positions]): its own, or `loss_fn` on its output."""
@@ -330,12 +336,10 @@ class Engine:
         batches = list(batches)
         padding = self._eval_padding(batches)
         with scoring(self.model) if self.loss_fn is None else contextlib.nullcontext(Tally()) as tally:
-            for (x, y), weight in [*((batch, 1) for batch in batches), *((batch, 0) for batch in padding)]:
-                if self.pipeline:
-                    loss, count = eval_pipeline(self.dp.chunks, [self._model_inputs(x, y)], self.ctx)
-                else:
-                    inputs = self._model_inputs(x, y)
-                    loss, count = self._loss(inputs), inputs[1].numel()
+            for batch, weight in [*((batch, 1) for batch in batches), *((batch, 0) for batch in padding)]:
+                inputs = self._model_inputs(*batch)
+                loss = eval_pipeline(self.dp.chunks, [inputs], self.ctx) if self.pipeline else self._loss(inputs)
+                count = target_count(inputs[1])
                 totals[0] += loss.double() * count * weight
                 totals[1] += count * weight
                 totals[2:] += tally.take(self.ctx.device) * weight

@@ -35,7 +35,7 @@ from tests.helpers.runner import init_method, run_distributed
 TOL = 1e-5
 SEED = 7
 HEADS = ((4, 2), (3, 3), (6, 2))  # (query heads, kv heads): GQA, odd, GQA with 3 heads per kv head
-CONSTANT_BYTES = 4  # saved for backward whatever the sequence length: cross-entropy's total weight
+CONSTANT_BYTES = 12  # saved for backward whatever the sequence length: cross-entropy's fp32 total weight and the int64 target count
 TRAIN_STEPS = 4
 LR = 1e-2
 # AdamW's eps well above the smallest gradients keeps its update a smooth function of the gradient.
@@ -268,8 +268,9 @@ def test_attention_work_balanced(cp: int) -> None:
 
 
 def test_saved_activations_per_rank_are_one_over_cp(two: list[dict[str, Any]], four: list[dict[str, Any]]) -> None:
-    """Every saved tensor scales with the local tokens but one: cross-entropy's fp32 total weight,
-    the stated constant of 4 bytes. So per rank, exactly: saved(cp) = (saved(1) − 4) / cp + 4."""
+    """Every saved tensor scales with the local tokens but two: cross-entropy's fp32 total weight and the
+    int64 target count its sum is divided by, the stated constant of 12 bytes. So per rank, exactly:
+    saved(cp) = (saved(1) − 12) / cp + 12."""
     for ranks, cp in ((two, 2), (four, 4)):
         for rank in ranks:
             full, sharded = rank["bytes"]

@@ -145,7 +145,7 @@ def test_zero2_through_slots_matches_one_process_and_gloo(world: int, spawns: Sp
             assert delta["reduce_scatter_shm/dp_cp"] == expected, delta
             assert "reduce_scatter/dp_cp" not in delta and "reduce_scatter_shm/dp_cp" not in gloo_delta
             assert gloo_delta["reduce_scatter/dp_cp"] == expected
-            assert delta["all_reduce/dp_cp"]["calls"] == 2  # the norm and the loss, no gradient
+            assert delta["all_reduce/dp_cp"]["calls"] == 3  # the target count, the norm and the loss, no gradient
         assert run["left"] == [] and other["left"] == []
     assert all(os.listdir(d) == [] for d in directories)  # nothing left behind after the processes ended
 

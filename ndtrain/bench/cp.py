@@ -17,8 +17,8 @@ Facts reported besides the harness's step time, bytes and peak memory per rank:
 - attention work per rank (score entries of one ring-attention forward, `attention_work`),
   balanced layout and, for comparison, the contiguous split: max/min ratios (1 and N);
 - activation bytes saved for backward per rank (`SavedActivations`, deterministic), for cp1 and
-  cpN, from one forward on the first batch; cpN holds (cp1 − 4)/N + 4 bytes (4 bytes of
-  cross-entropy's total weight do not scale with the sequence);
+  cpN, from one forward on the first batch; cpN holds (cp1 − 12)/N + 12 bytes (cross-entropy's
+  fp32 total weight and the int64 target count dividing its sum do not scale with the sequence);
 - wire bytes per step and rank, L layers, B batch, K kv heads, h head size, s = T/N, G gradient
   bytes: K/V ring L·(N−1)·2·B·K·s·h·4 forward + the same in backward, dK/dV L·N·2·B·K·s·h·4,
   plus the gradient all-reduce 2(N−1)/N·G; ours is counted by `ctx.comm`.

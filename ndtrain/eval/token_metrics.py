@@ -30,7 +30,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-IGNORE_INDEX = -100  # a target never counted (F.cross_entropy's default ignore_index)
+from ndtrain.parallel.target_mean import IGNORE_INDEX
+
 LOSS_SEAM = "loss_fn"
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -23,13 +23,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.models.hf_parallel import HFParallel
 from ndtrain.models.hf_router_loss import RoutedParallel, RouterLoss
 from ndtrain.parallel.model_spec import ModelParallel
-from ndtrain.parallel.precision import at_least_fp32
+from ndtrain.parallel.target_mean import mean_cross_entropy
 
 
 class CausalLM(nn.Module):
@@ -70,5 +69,5 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens, computed in fp32 (float64 for a float64 model)."""
-        return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten())
+        """Mean cross-entropy over the targets ≠ −100 (parallel/target_mean.py), in fp32 (float64 for a float64 model)."""
+        return mean_cross_entropy(logits, targets)

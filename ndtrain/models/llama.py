@@ -32,6 +32,7 @@ from torch import nn
 from ndtrain.config import ModelConfig
 from ndtrain.models.llama_parallel import LlamaParallel
 from ndtrain.parallel.precision import at_least_fp32
+from ndtrain.parallel.target_mean import mean_cross_entropy
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
@@ -171,8 +172,8 @@ class Llama(nn.Module):
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens, computed in fp32 (float64 for a float64 model)."""
-        return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten())
+        """Mean cross-entropy over the targets ≠ −100 (parallel/target_mean.py), in fp32 (float64 for a float64 model)."""
+        return mean_cross_entropy(logits, targets)
 
     def parallel_spec(self) -> LlamaParallel:
         """What the parallel strategies need to know to split this model (models/llama_parallel.py)."""

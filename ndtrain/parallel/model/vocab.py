@@ -17,7 +17,8 @@ What is communicated, and when (b·s tokens of width d on each rank):
   reduce-scattered onto sequence shards (ḡ*, all-gather of the gradient in backward).
 - `vocab_parallel_cross_entropy` forward: one all-reduce (max) of b·s logit maxima, one
   all-reduce (sum) of 2·b·s numbers (Σ exp and the target's logit, from the rank owning it);
-  backward communicates nothing (softmax − one-hot on the local columns). The full b·s·V logits
+  backward communicates nothing (softmax − one-hot on the local columns). Targets equal to −100
+  (`IGNORE_INDEX`) add nothing to the loss or its gradient; the mean is over the others. The full b·s·V logits
   never exist on one rank: each holds b·s·V'/n of them.
 - `VocabParallelCrossEntropy.correct` (evaluation's next-token accuracy, eval/token_metrics.py): the
   argmax over the whole vocabulary from the shards: one all-reduce (max) of the b·s local maxima, one
@@ -38,6 +39,7 @@ from ndtrain.dist.comm import Communicator, Group
 from ndtrain.errors import UserError
 from ndtrain.parallel.precision import at_least_fp32
 from ndtrain.parallel.placement import carry_placement
+from ndtrain.parallel.target_mean import IGNORE_INDEX
 from ndtrain.parallel.model.tensor import from_parallel, _slice
 
 
@@ -106,8 +108,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         comm.all_reduce(maxima, group, op=dist.ReduceOp.MAX)
         logits.sub_(maxima.unsqueeze(-1))
         targets = targets.flatten()
+        counted = targets.ne(IGNORE_INDEX)
         local = targets - start
-        mine = (local >= 0) & (local < width)
+        mine = (local >= 0) & (local < width)  # never an ignored target: it is negative
         index = torch.where(mine, local, 0).unsqueeze(-1)
         target_logit = logits.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
         logits.exp_()
@@ -115,15 +118,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         comm.all_reduce(totals, group)
         sum_exp, target_logit = totals
         logits.div_(sum_exp.unsqueeze(-1))  # now this shard's softmax
-        ctx.save_for_backward(logits, index, mine)
-        return (sum_exp.log() - target_logit).mean()
+        weight = counted.to(logits.dtype) / counted.sum().clamp(min=1)  # 1/n on each target, 0 elsewhere
+        ctx.save_for_backward(logits, index, mine, weight)
+        return ((sum_exp.log() - target_logit) * weight).sum()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        softmax, index, mine = ctx.saved_tensors
+        softmax, index, mine, weight = ctx.saved_tensors
         grad_logits = softmax.clone()
         grad_logits.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
-        grad_logits.mul_(grad / softmax.shape[0])
+        grad_logits.mul_((grad * weight).unsqueeze(-1))
         return grad_logits.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None, None
 
 
@@ -151,12 +155,12 @@ class VocabParallelCrossEntropy:
         winner = torch.where(best == top, index + self.start, torch.iinfo(torch.int64).max)
         self.comm.all_reduce(winner, self.group, op=dist.ReduceOp.MIN)
         targets = targets.flatten()
-        return ((winner == targets) & (targets != -100)).sum()  # -100: IGNORE_INDEX, eval/token_metrics.py
+        return ((winner == targets) & targets.ne(IGNORE_INDEX)).sum()
 
 
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, start: int, vocab_size: int, comm: Communicator, group: Group,
 ) -> torch.Tensor:
-    """Mean cross-entropy (fp32) over all tokens of `targets` [...] given this rank's logit columns
+    """Mean cross-entropy (fp32) over the targets ≠ IGNORE_INDEX of `targets` [...] (0 when there are none) given this rank's logit columns
     [start, start + v) of the padded vocabulary (`logits` [..., v]); columns ≥ `vocab_size` are padding."""
     return _VocabParallelCrossEntropy.apply(logits, targets, start, vocab_size, comm, group)

@@ -23,10 +23,11 @@ positions (`shard_sequence`), which every stage passes to its rotary tables; act
 boundary are [b, T/cp, d], and each stage's attention runs its ring over the cp group (all members
 of a cp group hold the same stage and run the same action list, so their ring exchanges match).
 
-Loss and gradients: micro-batch i's loss is scaled by 1/m (and by fp16's loss scale S: applied on
-the last stage, it reaches every stage through the gradients sent back) before its backward, so
-the gradients accumulated into `.grad` (never zeroed here) are those of the mean loss over micro-batches, as in
-single-process gradient accumulation. A micro-batch's activations are dropped at its backward
+Loss and gradients: micro-batch i's loss is scaled by the engine's weight w_i (its share of the
+global batch's targets, parallel/target_mean.py; 1/m without weights) and by fp16's loss scale S
+(applied on the last stage, it reaches every stage through the gradients sent back) before its
+backward, so the gradients accumulated into `.grad` (never zeroed here) are those of the weighted
+sum, as in single-process gradient accumulation. A micro-batch's activations are dropped at its backward
 (its weight pass W under zb), so the live count follows the schedule: m for gpipe, ≤ p for 1f1b.
 
 Split backward (zb): I computes the stage input's gradient only, W the weight gradients from the
@@ -84,10 +85,11 @@ class _Step:
 
     def __init__(self, stages: list[nn.Module], micro_batches: list[MicroBatch],
                  ctx: ParallelContext, plans: list[list[Action]], timeline: Timeline | None,
-                 forward_only: bool = False, loss_scale: float = 1.0, hooks: list[StageHooks] | None = None) -> None:
+                 forward_only: bool = False, loss_scale: float = 1.0, hooks: list[StageHooks] | None = None,
+                 weights: torch.Tensor | None = None) -> None:
         self.stages, self.micro_batches, self.ctx, self.timeline = stages, micro_batches, ctx, timeline
         self.hooks = hooks if hooks is not None else [StageHooks() for _ in stages]
-        self.loss_scale = loss_scale
+        self.loss_scale, self.weights = loss_scale, weights
         self.group = ctx.group("pp")
         self.p, self.rank, self.v, self.m = self.group.size, self.group.rank, len(stages), len(micro_batches)
         self.last = self.p * self.v - 1
@@ -109,7 +111,7 @@ class _Step:
         self.weight_passes: dict[tuple[int, int], WeightPasses] = {}
         self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         self.sends: list[tuple[Pending, list[torch.Tensor]]] = []
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         self.live = 0
 
     # ------------------------------------------------------------------ message order
@@ -193,8 +195,9 @@ class _Step:
         x = tokens if s == 0 else self._receive("F", mb, chunk).requires_grad_()
         out = self.stages[chunk](x, targets, *positions)
         if s == self.last:
-            self.loss_sum += out.detach().float()
-            out = out * self.loss_scale / self.m
+            out = out * (self.weights[mb].to(out.dtype) if self.weights is not None else 1.0 / self.m)
+            self.loss_sum += out.detach().double()
+            out = out * self.loss_scale
         else:
             self.out_meta[chunk] = (out.dtype, out.shape)
             self._hand_over("F", mb, chunk, out.detach())
@@ -280,22 +283,23 @@ def _tied_weight(stages: list[nn.Module]) -> nn.Parameter | None:
 def run_pipeline(
     stages: list[nn.Module], micro_batches: list[MicroBatch], ctx: ParallelContext,
     schedule: str, timeline: Timeline | None = None, loss_scale: float = 1.0,
-    hooks: Sequence[StageHooks] | None = None,
-) -> tuple[torch.Tensor, int]:
+    hooks: Sequence[StageHooks] | None = None, weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Forward and backward of all micro-batches `(inputs, targets[, positions])` (the same list on
     every pp rank; under context parallel this cp rank's sequence shards and their global positions)
     through this rank's `stages` (from `split_model`, optionally each in a data-parallel wrapper whose
     synchronisation `hooks` gives, one per stage; None: bare stages).
 
-    Returns (Σ over micro-batches of the micro-batch mean loss, on every pp rank; target count).
-    Gradients of the mean loss over micro-batches, times `loss_scale` (fp16: applied on the last
-    stage, so every stage's gradients carry it), are accumulated into `.grad`."""
+    Returns Σ_i w_i · loss_i (float64, on every pp rank), w_i = `weights[i]` (the engine's, from
+    parallel/target_mean.py; None: 1/m each, the mean over micro-batches). Its gradients, times
+    `loss_scale` (fp16: applied on the last stage, so every stage's gradients carry it), are
+    accumulated into `.grad`."""
     p = ctx.group("pp").size
     plans = build(schedule, p, len(micro_batches), len(stages))  # validates (p, m, v) first
     if hooks is not None and len(hooks) != len(stages):
         raise ValueError(f"{len(hooks)} stage hooks for {len(stages)} stage chunks: give one per chunk")
     step = _Step(stages, micro_batches, ctx, plans, timeline, loss_scale=loss_scale,
-                 hooks=None if hooks is None else list(hooks))
+                 hooks=None if hooks is None else list(hooks), weights=weights)
     tied = _tied_weight(stages) if step.p > 1 else None
     sharded = [s for s, h in zip(stages, step.hooks) if h.gradients_sharded]
     tied_grads = tied_shards(sharded, tied) if tied is not None and sharded else None
@@ -323,18 +327,16 @@ def run_pipeline(
             piece.add_(kept)
     loss = step.loss_sum
     ctx.comm.broadcast(loss, step.group, src=place(step.last, step.p)[0])
-    return loss, sum(int(batch[1].numel()) for batch in micro_batches)
+    return loss
 
 
 @torch.no_grad()
-def eval_pipeline(
-    stages: list[nn.Module], micro_batches: list[MicroBatch], ctx: ParallelContext,
-) -> tuple[torch.Tensor, int]:
-    """Forward only (GPipe's forward order, nothing kept for backward): (Σ over micro-batches of the
-    micro-batch mean loss, on every pp rank; target count)."""
+def eval_pipeline(stages: list[nn.Module], micro_batches: list[MicroBatch], ctx: ParallelContext) -> torch.Tensor:
+    """Forward only (GPipe's forward order, nothing kept for backward): the mean over micro-batches of
+    their mean losses (float64), on every pp rank."""
     p, m, v = ctx.group("pp").size, len(micro_batches), len(stages)
     step = _Step(stages, micro_batches, ctx, with_communication(forward_actions(p, m, v), p, v), None, forward_only=True)
     step.run()
     loss = step.loss_sum
     ctx.comm.broadcast(loss, step.group, src=place(step.last, step.p)[0])
-    return loss, sum(int(batch[1].numel()) for batch in micro_batches)
+    return loss
