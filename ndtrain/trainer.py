@@ -37,7 +37,7 @@ from ndtrain.errors import UserError
 from ndtrain.dist.memory import peak_bytes, reset_peak
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.run.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
-from ndtrain.checkpoint.run_model import build_run_model
+from ndtrain.checkpoint.run_model import build_run_model, with_lora
 from ndtrain.models.build import model_label
 from ndtrain.run.data_identity import data_start_after_resume
 from ndtrain.run.directory import nothing_to_resume
@@ -88,9 +88,11 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | Non
     the peak learning rate `optim.scaled_lr` (`optim.lr`, scaled to the global batch by `optim.lr_scaling`),
     warmup + `schedule.lr_scheduler` (run/optimizers.py), in the engine kind of the config
     (run/engine_kinds.py: `Engine`, or `PSEngine` when ps.servers > 0).
-    The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
+    The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from), with
+    the config's LoRA adapters."""
     return engine_kind(cfg, ctx).build(
-        seeded(model_fn, cfg.seed) if model_fn is not None else lambda: build_run_model(cfg.model, cfg.seed),
+        (lambda: with_lora(seeded(model_fn, cfg.seed)(), cfg.lora, cfg.seed)) if model_fn is not None
+        else lambda: build_run_model(cfg.model, cfg.seed, cfg.lora),
         optimizer_factory(cfg), lr_lambda(cfg), loss_fn,
     )
 

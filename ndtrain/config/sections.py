@@ -300,3 +300,27 @@ class LaunchConfig:
             raise UserError(f"launch.max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.threads <= MAX_THREADS:
             raise UserError(f"launch.threads must be in [0, {MAX_THREADS}] (0 = cores / nproc), got {self.threads}")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (parallel/model/lora.py): `r` > 0 adds trainable rank-r matrices to every linear
+    layer whose module name ends in one of `targets` (e.g. ["wq", "wv"] for the built-in Llama,
+    ["q_proj", "v_proj"] for a Hugging Face one) and freezes the rest of the model; their output is
+    scaled by `alpha`/r and their input goes through dropout `dropout`. r = 0: no LoRA."""
+
+    r: int = 0
+    alpha: float = 16.0
+    targets: list[str] = field(default_factory=list)
+    dropout: float = 0.0
+
+    def validate(self) -> None:
+        if self.r < 0:
+            raise UserError(f"lora.r must be >= 0 (0 = no LoRA), got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.r and not [t for t in self.targets if t.strip()]:
+            raise UserError(f"lora.r={self.r} needs lora.targets: name the linear layers to adapt, e.g. "
+                            '--lora-targets wq,wv (q_proj,v_proj for a Hugging Face model)')
+        if self.r and self.alpha <= 0:
+            raise UserError(f"lora.alpha must be > 0, got {self.alpha}")
