@@ -77,7 +77,7 @@ def show_default(key: str) -> str:
         return f"the preset's: {per_preset}"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if value is None or value == "" or value == []:
+    if value is None or value == "":
         return "none"
     return str(value)
 
