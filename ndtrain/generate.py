@@ -92,7 +92,7 @@ def cached_generate(
 
 
 def eos_ids(tokenizer: Any, hf_model: nn.Module | None) -> set[int]:
-    """The end-of-sequence ids: the tokenizer's, else the HF model's generation config or config (none for bytes)."""
+    """The end-of-sequence ids: the tokenizer's, else the HF model's generation config or config (byte 0 for bytes)."""
     ids = getattr(tokenizer, "eos_token_id", None)
     if ids is None and hf_model is not None:
         ids = getattr(hf_model.generation_config, "eos_token_id", None) or getattr(hf_model.config, "eos_token_id", None)

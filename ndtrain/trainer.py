@@ -1,6 +1,7 @@
 """The training loop: data order, LR schedule, evaluation, checkpoints, metrics and progress.
 
-Data: the corpus is cut into windows of seq_len+1 bytes; each epoch is a seeded permutation and
+Data: the corpus is cut into samples (x, y, positions: data/corpus.py), stacked field by field into
+batches; each epoch is a seeded permutation and
 global step s trains on its windows [s·G, (s+1)·G) (G = global batch), dealt round-robin to the dp
 ranks, so the data order is a pure function of (seed, epoch, step) and resuming needs only the
 step (counted from `data_start`, which is 0 unless a resume changed the data: run/data_identity.py). Each rank splits its G/dp windows into micro-batches (gradient accumulation).
@@ -37,7 +38,7 @@ from ndtrain.errors import UserError
 from ndtrain.dist.memory import peak_bytes, reset_peak
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.run.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
-from ndtrain.checkpoint.run_model import build_run_model
+from ndtrain.checkpoint.run_model import build_run_model, with_lora
 from ndtrain.models.build import model_label
 from ndtrain.run.data_identity import data_start_after_resume
 from ndtrain.run.directory import nothing_to_resume
@@ -64,6 +65,12 @@ def wrap_parts(head: str, parts: list[str], width: int = 160) -> list[str]:
     return lines
 
 
+def stack(items: list[tuple[torch.Tensor, ...]]) -> Batch:
+    """Samples of equal arity stacked field by field: a language model's (x, y, positions) → [B, T] each,
+    the digits task's (image, label) → [B, ...] each."""
+    return tuple(torch.stack(field) for field in zip(*items))
+
+
 def elastic_restarts() -> int:
     """How often torchrun's agent has restarted this worker group (0 outside torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -88,9 +95,11 @@ def build_engine(cfg: TrainConfig, ctx: ParallelContext, model_fn: ModelFn | Non
     the peak learning rate `optim.scaled_lr` (`optim.lr`, scaled to the global batch by `optim.lr_scaling`),
     warmup + `schedule.lr_scheduler` (run/optimizers.py), in the engine kind of the config
     (run/engine_kinds.py: `Engine`, or `PSEngine` when ps.servers > 0).
-    The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from)."""
+    The model: `model_fn`'s (seeded), else the config's (built-in preset or hf:PATH, model.init_from), with
+    the config's LoRA adapters."""
     return engine_kind(cfg, ctx).build(
-        seeded(model_fn, cfg.seed) if model_fn is not None else lambda: build_run_model(cfg.model, cfg.seed),
+        (lambda: with_lora(seeded(model_fn, cfg.seed)(), cfg.lora, cfg.seed)) if model_fn is not None
+        else lambda: build_run_model(cfg.model, cfg.seed, cfg.lora),
         optimizer_factory(cfg), lr_lambda(cfg), loss_fn,
     )
 
@@ -151,12 +160,11 @@ class Trainer:
         """This rank's micro-batches for global step `step` (0-based)."""
         epoch, position = divmod(step - self.data_start, self.steps_per_epoch)
         indices = self._epoch_indices(epoch)[position * self.rank_batch : (position + 1) * self.rank_batch]
-        xs, ys = zip(*(self.train_set[i] for i in indices))
-        x, y = torch.stack(xs), torch.stack(ys)
+        batch = stack([self.train_set[i] for i in indices])
         if self.ctx.device.type == "cuda":  # page-locked: the engine's non-blocking copies overlap compute
-            x, y = x.pin_memory(), y.pin_memory()
+            batch = tuple(t.pin_memory() for t in batch)
         size = self.cfg.schedule.micro_batch
-        return [(x[i : i + size], y[i : i + size]) for i in range(0, len(indices), size)]
+        return [tuple(t[i : i + size] for t in batch) for i in range(0, len(indices), size)]
 
     @cached_property
     def eval_indices(self) -> list[int]:
@@ -170,8 +178,7 @@ class Trainer:
     def eval_batches(self) -> Iterator[Batch]:
         size = self.cfg.schedule.micro_batch
         for start in range(0, len(self.eval_indices), size):
-            xs, ys = zip(*(self.val_set[i] for i in self.eval_indices[start : start + size]))
-            yield torch.stack(xs), torch.stack(ys)
+            yield stack([self.val_set[i] for i in self.eval_indices[start : start + size]])
 
     # ---- loop -------------------------------------------------------------------------------
     def resume(self) -> int:

@@ -21,6 +21,11 @@ def text(tensor: torch.Tensor) -> str:
     return ByteTokenizer().decode(tensor)
 
 
+def ended(documents: list[str]) -> str:
+    """Documents as a token file holds them: each followed by the byte tokenizer's EOS, NUL."""
+    return "".join(f"{d}\0" for d in documents)
+
+
 # ---- tokenizer ------------------------------------------------------------------------------
 def test_tokenizer_round_trip() -> None:
     tok = ByteTokenizer()
@@ -44,8 +49,8 @@ def test_jsonl_split_follows_crc_of_line_names(tmp_path: Path) -> None:
     val = [t for i, t in enumerate(texts) if in_val(f"line {i + 1}", 0.3)]
     train = [t for i, t in enumerate(texts) if not in_val(f"line {i + 1}", 0.3)]
     assert 0 < len(val) < 60  # the rule itself decided, not the fallback
-    assert text(corpus.val) == "\n".join(val)
-    assert text(corpus.train) == "\n".join(train)
+    assert text(corpus.val) == ended(val)
+    assert text(corpus.train) == ended(train)
     assert (corpus.train_documents, corpus.val_documents) == (len(train), len(val))
     assert corpus.train.dtype == torch.uint8 and corpus.train.ndim == 1
 
@@ -54,7 +59,7 @@ def test_jsonl_skips_blank_lines_and_keeps_line_numbers(tmp_path: Path) -> None:
     (tmp_path / "d.jsonl").write_text('{"text": "a"}\n\n{"text": "b"}\n')
     corpus = load_corpus(str(tmp_path / "d.jsonl"), 0.5)
     assert corpus.train_documents + corpus.val_documents == 2
-    assert sorted(text(corpus.train) + text(corpus.val)) == ["a", "b"]
+    assert sorted(text(corpus.train) + text(corpus.val)) == ["\0", "\0", "a", "b"]
 
 
 @pytest.mark.parametrize(
@@ -86,8 +91,8 @@ def test_folder_documents_hidden_and_binary_files(tmp_path: Path) -> None:
     val = [files[n] for n in sorted(files) if in_val(n, 0.25)]
     train = [files[n] for n in sorted(files) if not in_val(n, 0.25)]
     assert 0 < len(val) < len(files)
-    assert text(corpus.val) == "\n".join(val)
-    assert text(corpus.train) == "\n".join(train)
+    assert text(corpus.val) == ended(val)
+    assert text(corpus.train) == ended(train)
     assert "HIDDEN" not in text(corpus.train) + text(corpus.val)
     assert "40 files, 1 skipped" in corpus.description
 
@@ -113,7 +118,7 @@ def test_fallback_puts_last_document_in_val(tmp_path: Path) -> None:
     for name in names:
         (tmp_path / name).write_text(name.upper())
     corpus = load_corpus(str(tmp_path), 0.01)  # no name hashes below 0.01: val would be empty
-    assert text(corpus.val) == sorted(names)[-1].upper()
+    assert text(corpus.val) == ended([sorted(names)[-1].upper()])
     assert (corpus.train_documents, corpus.val_documents) == (2, 1)
 
 
@@ -121,14 +126,14 @@ def test_fallback_keeps_train_non_empty(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "d.jsonl", ["x", "y"])
     assert all(in_val(f"line {i}", 0.99) for i in (1, 2))
     corpus = load_corpus(str(tmp_path / "d.jsonl"), 0.99)
-    assert (text(corpus.train), text(corpus.val)) == ("x", "y")
+    assert (text(corpus.train), text(corpus.val)) == ("x\0", "y\0")
 
 
 def test_single_text_file_splits_by_position(tmp_path: Path) -> None:
     content = "".join(f"line {i}: é\n" for i in range(100))
     (tmp_path / "book.txt").write_text(content)
     corpus = load_corpus(str(tmp_path / "book.txt"), 0.1)
-    data = content.encode()
+    data = content.encode() + b"\0"  # one document, ended by EOS, cut by position
     assert len(corpus.val) == round(len(data) * 0.1)
     assert bytes(corpus.train.tolist()) + bytes(corpus.val.tolist()) == data
     assert (corpus.train_documents, corpus.val_documents) == (1, 1)
@@ -163,9 +168,10 @@ def test_token_windows() -> None:
     data = torch.arange(23, dtype=torch.uint8)
     windows = TokenWindows(data, 5)
     assert len(windows) == 4  # (23 - 1) // 5
-    x, y = windows[3]
-    assert x.dtype == y.dtype == torch.int64
+    x, y, positions = windows[3]
+    assert x.dtype == y.dtype == positions.dtype == torch.int64
     assert x.tolist() == [15, 16, 17, 18, 19] and y.tolist() == [16, 17, 18, 19, 20]
+    assert positions.tolist() == [15, 16, 17, 18, 19]  # one document: the window continues its positions
     assert windows[0][0].tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(IndexError):
         windows[4]

@@ -18,7 +18,7 @@ from ndtrain.run.config_checks import resolve_config
 from ndtrain.data import load_tokenizer, prepare_data
 from ndtrain.data.tokenizer import HFTokenizer
 from ndtrain.errors import UserError
-from tests.helpers.runs import WORDS, texts, train_tokenizer, write_jsonl
+from tests.helpers.runs import WORDS, texts, train_tokenizer, with_eos, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def tokens(data_path: Path, cache: Path, **kw: object) -> tuple[torch.Tensor, to
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
 def test_same_records_in_every_format_give_identical_tokens_and_windows(tmp_path: Path, tokenizer: str) -> None:
     docs = texts()
-    spec = "bytes" if tokenizer == "bytes" else f"hf:{train_tokenizer(tmp_path / 'tok.json', docs)}"
+    spec = "bytes" if tokenizer == "bytes" else f"hf:{with_eos(train_tokenizer(tmp_path / 'tok.json', docs))}"
     sources = {
         "jsonl": (write_jsonl(tmp_path / "d.jsonl", docs), {}),
         "text_field": (write_jsonl(tmp_path / "body.jsonl", docs, field="body"), {"text_field": "body"}),
@@ -75,13 +75,13 @@ def test_same_records_in_every_format_give_identical_tokens_and_windows(tmp_path
     assert 0 < sum(in_val) < len(docs)
     joined = lambda side: tok.decode(train if side == 0 else val)  # noqa: E731
     if tokenizer == "bytes":
-        assert joined(1) == "\n".join(d for d, v in zip(docs, in_val) if v)
-        assert joined(0) == "\n".join(d for d, v in zip(docs, in_val) if not v)
+        assert joined(1) == "".join(f"{d}\0" for d, v in zip(docs, in_val) if v)  # each ended by NUL, the EOS
+        assert joined(0) == "".join(f"{d}\0" for d, v in zip(docs, in_val) if not v)
     else:
         assert train.dtype == torch.uint16 and len(train) < len("".join(docs))  # merges happened
     for name, (t, v, w) in results.items():
         assert torch.equal(t, train) and torch.equal(v, val), name
-        assert len(w) == len(windows) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(w, windows)), name
+        assert len(w) == len(windows) and all(all(map(torch.equal, a, b)) for a, b in zip(w, windows)), name
 
 
 def test_source_errors_are_one_line(tmp_path: Path) -> None:
@@ -114,7 +114,7 @@ def test_transformers_directory_tokenizer_matches_its_tokenizer_json(tmp_path: P
 def test_vocab_size_comes_from_the_tokenizer_and_a_smaller_one_is_refused(tmp_path: Path) -> None:
     spec = f"hf:{train_tokenizer(tmp_path / 'tok.json', texts(), kind='wordlevel')}"
     vocab = load_tokenizer(spec).vocab_size
-    assert vocab == len(WORDS) + 2  # the words, "." and [UNK]
+    assert vocab == len(WORDS) + 3  # the words, "." , [UNK] and </s>
     cfg = resolve_config(overrides={"model.preset": "tiny", "data.tokenizer": spec})
     assert cfg.model.vocab_size == vocab
     assert resolve_config(overrides={"data.tokenizer": spec, "model.vocab_size": 500}).model.vocab_size == 500
@@ -150,7 +150,7 @@ def ndtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_hf_tokenizer_trains_end_to_end_and_generate_decodes_with_it(tmp_path: Path) -> None:
     docs = texts(300)
-    spec = f"hf:{train_tokenizer(tmp_path / 'tok.json', docs, kind='wordlevel')}"
+    spec = f"hf:{with_eos(train_tokenizer(tmp_path / 'tok.json', docs, kind='wordlevel'))}"
     write_jsonl(tmp_path / "d.jsonl", docs)
     common = ["--model", "tiny", "--data", "d.jsonl", "--set", f"data.tokenizer={spec}", "--set", "log.progress=false",
               "--set", "data.eval_samples=4", "--set", "schedule.global_batch=4", "--set", "schedule.micro_batch=2"]

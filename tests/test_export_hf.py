@@ -23,7 +23,7 @@ from ndtrain.checkpoint.run_model import build_run_model
 from ndtrain.models.llama import build_model
 from ndtrain.trainer import Trainer
 from tests.helpers.hf import hf_dir, hf_run_config, transformers
-from tests.helpers.runs import corpus_file, ndtrain, texts, tiny_config, train_tokenizer, write_jsonl
+from tests.helpers.runs import corpus_file, ndtrain, texts, tiny_config, train_tokenizer, with_eos, write_jsonl
 
 TOL = 1e-5
 TOKENS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -130,7 +130,7 @@ def test_export_writes_the_runs_hf_tokenizer(tmp_path: Path) -> None:
 
 def test_hf_model_with_hf_tokenizer_trains_through_the_cli_and_exports_both(tmp_path: Path) -> None:
     docs = texts(300)
-    tokenizer_file = train_tokenizer(tmp_path / "tok.json", docs)  # byte-level BPE, 300 tokens
+    tokenizer_file = with_eos(train_tokenizer(tmp_path / "tok.json", docs))  # byte-level BPE, 300 tokens
     write_jsonl(tmp_path / "d.jsonl", docs)
     model_dir = tmp_path / "llama320"
     transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

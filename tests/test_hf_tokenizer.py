@@ -53,7 +53,8 @@ def bpe(docs: list[str], vocab: int) -> object:
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.train_from_iterator(docs, tokenizers.trainers.BpeTrainer(vocab_size=vocab, show_progress=False))
+    tok.train_from_iterator(docs, tokenizers.trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"],
+                                                                 show_progress=False))
     return tok
 
 
@@ -69,7 +70,7 @@ def pretrained(path: Path, tokenizer: object | None, vocab: int = 256) -> Path:
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(llama(vocab)).save_pretrained(str(path))
     if tokenizer is not None:
-        transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(str(path))
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>").save_pretrained(str(path))
     return path.resolve()
 
 

@@ -33,12 +33,15 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
 
 
 def wordlevel(path: Path, words: list[str]) -> str:
-    """A WordLevel tokenizer.json over `words` (id = position + 1, [UNK] = 0): any vocabulary size, no training."""
+    """A WordLevel tokenizer folder over `words` (id = position + 1, [UNK] = 0, its end-of-sequence token
+    "</s>" the last id): any vocabulary size, no training."""
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}, "</s>": len(words) + 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(str(path))
     return f"hf:{path}"
 
 
@@ -69,8 +72,8 @@ def test_built_once_then_reused_and_equal_to_the_in_memory_corpus(tmp_path: Path
 @pytest.mark.parametrize("vocab, code, dtype", [(256, "B", torch.uint8), (300, "H", torch.uint16),
                                                 (70_000, "I", torch.uint32)])
 def test_token_dtype_follows_the_vocabulary(tmp_path: Path, vocab: int, code: str, dtype: torch.dtype) -> None:
-    extra = [f"w{i}" for i in range(vocab - 1 - len(WORDS) - 1)]  # vocab = [UNK] + words + "." + extra
-    spec = "bytes" if vocab == 256 else wordlevel(tmp_path / "tok.json", [*extra, *WORDS, "."])
+    extra = [f"w{i}" for i in range(vocab - 1 - len(WORDS) - 2)]  # vocab = [UNK] + extra + words + "." + </s>
+    spec = "bytes" if vocab == 256 else wordlevel(tmp_path / "tok", [*extra, *WORDS, "."])
     tokenizer = load_tokenizer(spec)
     assert tokenizer.vocab_size == vocab and token_format(vocab) == code
     data_path = write_jsonl(tmp_path / "d.jsonl", texts(40))
@@ -78,8 +81,10 @@ def test_token_dtype_follows_the_vocabulary(tmp_path: Path, vocab: int, code: st
     train = data.file.reader("train")[:]
     assert data.file.meta["dtype"] == code and train.dtype == dtype
     assert (tmp_path / "cache" / "train.bin").stat().st_size == len(train) * train.element_size()
+    eos = tokenizer.eos_token_id
+    assert int((train == eos).sum()) == data.file.meta["train_documents"]  # every document ends with EOS
     if vocab > 256:
-        assert set(tokenizer.decode(train).split()) == {*WORDS, "."}
+        assert set(tokenizer.decode(train).split()) == {*WORDS, ".", "</s>"}
     if vocab > 65536:
         assert int(train.long().max()) > 65535  # the words sit above the extra ids: uint16 could not hold them
 
@@ -99,6 +104,12 @@ def corrupt_meta(folder: Path, data_path: Path) -> None:
     (folder / "meta.json").write_text("{not json")
 
 
+def flip_docs(folder: Path, data_path: Path) -> None:
+    raw = bytearray((folder / "train.docs").read_bytes())
+    raw[9] ^= 0xFF  # the second document's start
+    (folder / "train.docs").write_bytes(bytes(raw))
+
+
 def delete_val(folder: Path, data_path: Path) -> None:
     (folder / "val.bin").unlink()
 
@@ -108,7 +119,8 @@ def change_source(folder: Path, data_path: Path) -> None:
     os.utime(data_path, ns=(1, 1))
 
 
-@pytest.mark.parametrize("damage", [corrupt_truncate, corrupt_flip, corrupt_meta, delete_val, change_source])
+@pytest.mark.parametrize("damage", [corrupt_truncate, corrupt_flip, flip_docs, corrupt_meta, delete_val,
+                                    change_source])
 def test_a_stale_or_corrupt_cache_is_rebuilt(tmp_path: Path, damage) -> None:  # type: ignore[no-untyped-def]
     data_path = write_jsonl(tmp_path / "d.jsonl", texts(60))
     folder = tmp_path / "cache"
@@ -127,7 +139,7 @@ def test_another_tokenizer_or_split_rebuilds(tmp_path: Path) -> None:
     data_path = write_jsonl(tmp_path / "d.jsonl", texts(60))
     folder = tmp_path / "cache"
     prepare_data(cfg(data_path, folder), 16, tmp_path)
-    spec = wordlevel(tmp_path / "tok.json", [*WORDS, "."])
+    spec = wordlevel(tmp_path / "tok", [*WORDS, "."])
     assert prepare_data(cfg(data_path, folder, tokenizer=spec), 4, tmp_path).file.built
     assert prepare_data(DataConfig(path=str(data_path), val_fraction=0.3, cache=str(folder), tokenizer=spec), 4,
                         tmp_path).file.built
@@ -138,20 +150,21 @@ def test_text_file_streams_in_chunks_and_splits_by_token_position(tmp_path: Path
     (tmp_path / "book.txt").write_text(content)
     monkeypatch.setattr(sources_module, "CHUNK_BYTES", 100)  # many pieces, each cut after a newline
     monkeypatch.setattr(token_file_module, "BATCH_PIECES", 3)  # many encode batches
-    spec = wordlevel(tmp_path / "tok.json", [*WORDS, ".", "no", "newline", "at", "end"])
+    spec = wordlevel(tmp_path / "tok", [*WORDS, ".", "no", "newline", "at", "end"])
     data = prepare_data(cfg(tmp_path / "book.txt", tmp_path / "cache", tokenizer=spec), 8, tmp_path)
-    whole = load_tokenizer(spec).encode(content)
+    tok = load_tokenizer(spec)
+    whole = torch.cat([tok.encode(content), torch.tensor([tok.eos_token_id])])  # one document, ended by EOS
     train, val = data.file.reader("train")[:].long(), data.file.reader("val")[:].long()
     assert len(val) == round(len(whole) * 0.2) and torch.equal(torch.cat([train, val]), whole)
     assert (data.file.meta["train_documents"], data.file.meta["val_documents"]) == (1, 1)
     byte_data = prepare_data(cfg(tmp_path / "book.txt", tmp_path / "cache-bytes"), 8, tmp_path).file
-    assert bytes(torch.cat([byte_data.reader("train")[:], byte_data.reader("val")[:]]).tolist()) == content.encode()
+    assert bytes(torch.cat([byte_data.reader("train")[:], byte_data.reader("val")[:]]).tolist()) == content.encode() + b"\0"
 
 
 def test_fallback_split_with_a_multi_byte_dtype(tmp_path: Path) -> None:
     docs = texts(3)
     data_path = write_jsonl(tmp_path / "d.jsonl", docs)
-    spec = wordlevel(tmp_path / "tok.json", [f"w{i}" for i in range(300)] + [*WORDS, "."])  # uint16
+    spec = wordlevel(tmp_path / "tok", [f"w{i}" for i in range(300)] + [*WORDS, "."])  # uint16
     data = prepare_data(DataConfig(path=str(data_path), val_fraction=0.99, cache=str(tmp_path / "c"), tokenizer=spec),
                         2, tmp_path)
     assert all(token_file_module.in_val(f"line {i}", 0.99) for i in (1, 2, 3))  # so the fallback decides
@@ -159,8 +172,10 @@ def test_fallback_split_with_a_multi_byte_dtype(tmp_path: Path) -> None:
     assert data.file.meta["dtype"] == "H"
     # round(3 · 0.99) = 3 clipped to n - 1 = 2: the last two documents are val
     assert (data.file.meta["train_documents"], data.file.meta["val_documents"]) == (1, 2)
-    assert torch.equal(data.file.reader("train")[:].long(), tok.encode(docs[0]))
-    assert torch.equal(data.file.reader("val")[:].long(), tok.encode(docs[1] + " " + docs[2]))
+    eos = torch.tensor([tok.eos_token_id])
+    assert torch.equal(data.file.reader("train")[:].long(), torch.cat([tok.encode(docs[0]), eos]))
+    assert torch.equal(data.file.reader("val")[:].long(), torch.cat([tok.encode(docs[1]), eos, tok.encode(docs[2]), eos]))
+    assert data.file.split("val").docs[:].tolist() == [0, len(tok.encode(docs[1])) + 1]
 
 
 def test_resume_reads_the_same_windows_after_reopening(tmp_path: Path) -> None:
@@ -180,7 +195,7 @@ def test_resume_reads_the_same_windows_after_reopening(tmp_path: Path) -> None:
         sampler = DistributedSampler(len(reopened.train), 2, rank, seed=7)
         sampler.load_state_dict(state)
         after = [reopened.train[i] for _, i in zip(range(10), sampler)]
-        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before[rank], after))
+        assert all(all(map(torch.equal, a, b)) for a, b in zip(before[rank], after))
 
 
 # ---- memory --------------------------------------------------------------------------------
@@ -209,8 +224,8 @@ def _read_windows(cache: str, data_path: str, steps: int, global_batch: int, seq
     checksum = 0
     per_rank = global_batch // world
     for step in range(steps):
-        x, y = zip(*(data.train[i] for i in order[step * per_rank : (step + 1) * per_rank]))
-        checksum += int(torch.stack(x).sum()) + int(torch.stack(y).sum())
+        x, y, positions = zip(*(data.train[i] for i in order[step * per_rank : (step + 1) * per_rank]))
+        checksum += int(torch.stack(x).sum()) + int(torch.stack(y).sum()) + int(torch.stack(positions).sum())
     return {"start": start, "ordered": ordered, "after": _memory_kib(), "windows": len(data.train),
             "checksum": checksum, "built": data.file.built}
 

@@ -150,7 +150,7 @@ def _one_run(ctx: ParallelContext, ps: PSConfig, model_cfg: Any, windows: TokenW
             if step == options.warmup:
                 start, busy = time.perf_counter(), worker.report.seconds
             index = torch.randint(0, len(windows), (options.micro_batch,), generator=generator).tolist()
-            x, y = (torch.stack(t) for t in zip(*(windows[i] for i in index)))
+            x, y, _ = (torch.stack(t) for t in zip(*(windows[i] for i in index)))
             loss = worker.train_step([(x, y)])
             if step >= options.warmup and ctx.rank == 0:
                 i = step - options.warmup

@@ -10,6 +10,8 @@ maps text to the same ids, ids 0..255 = the UTF-8 bytes (`byte_level_tokenizer`)
 - An `hf:PATH` run saves its own transformers model (the `CausalLM` wrapper's `hf.` prefix is gone).
 - A built-in Llama run is written as `LlamaForCausalLM`: the same architecture, so the conversion is
   a renaming with no permutation of q/k rows (models/llama_hf.py); tests compare logits.
+- A LoRA run's adapters are merged into their base weights (W + B A · alpha/r, lora.py `merge_lora`);
+  `--format peft` (export_peft.py) writes them apart instead.
 
 The model comes from the newest verified checkpoint (`run_model.load_run`, any layout). Written into
 `OUT.partial` and renamed, so a failed export leaves nothing at OUT.
@@ -28,6 +30,7 @@ from ndtrain.data.tokenizer import load_tokenizer
 from ndtrain.errors import UserError
 from ndtrain.models.hf import is_hf_model, require_transformers
 from ndtrain.models.llama_hf import builtin_to_hf
+from ndtrain.parallel.model.lora import merge_lora
 
 
 def export_hf(run_dir: Path, out: Path) -> tuple[Path, list[str]]:
@@ -42,6 +45,7 @@ def export_hf(run_dir: Path, out: Path) -> tuple[Path, list[str]]:
         raise UserError(f"--format hf holds language models; {str(run_dir)!r} trained --model {cfg.model.preset}: "
                         "export it with --format safetensors")
     require_transformers().utils.logging.disable_progress_bar()  # this process only writes the export
+    model = merge_lora(model)  # a LoRA run's adapters folded into the base weights
     hf_model = model.hf if is_hf_model(cfg.model.preset) else builtin_to_hf(model, cfg.model)
     tokenizer = load_tokenizer(cfg.data.tokenizer)  # refused here, before OUT.partial, if it is gone
     tmp = out.with_name(out.name + PARTIAL)

@@ -64,6 +64,11 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--out": ("log.out", str, "run directory"),
     "--seed": ("seed", int, "seed of init and data order"),
     "--save-every": ("checkpoint.save_every", int, "checkpoint every N steps, 0 = only at the end"),
+    "--lora-r": ("lora.r", int, "LoRA rank: trainable rank-r adapters on --lora-targets, the rest frozen; 0 = no LoRA"),
+    "--lora-alpha": ("lora.alpha", float, "LoRA scale numerator: the adapters' output is scaled by alpha/r"),
+    "--lora-targets": ("lora.targets", cli_flags.parse_names, "comma-separated ends of the linear layers' names to adapt "
+                       "(wq,wv for the built-in Llama, q_proj,v_proj for a Hugging Face one)"),
+    "--lora-dropout": ("lora.dropout", float, "dropout on the LoRA adapters' input"),
     "--data": ("data.path", str, "text file, folder of text files, or .jsonl with a 'text' field; none = the "
                "standard library's source"),
 }
@@ -114,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a run's model as one safetensors file (config in its metadata) "
                                                 "or, with --format hf, as a Hugging Face save_pretrained folder")
     export.add_argument("run_dir", type=Path, help="a run directory with a checkpoint")
-    export.add_argument("out", type=Path, metavar="OUT", help="OUT.safetensors, or a new folder with --format hf")
-    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="safetensors: one file; hf: config.json + model.safetensors (+ tokenizer)")
+    export.add_argument("out", type=Path, metavar="OUT", help="OUT.safetensors, or a new folder with --format hf or peft")
+    export.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
+                        help="safetensors: one file; hf: config.json + model.safetensors (+ tokenizer), LoRA adapters "
+                             "merged; peft: a LoRA run's adapters as a peft adapter folder")
 
     inspect = commands.add_parser("inspect", help="a run's model, layout, step, tokens and newest checkpoint's tensors")
     inspect.add_argument("run_dir", type=Path, help="a run directory")
@@ -298,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                                 chat=args.chat))
+            return 0
+        if args.command == "export" and args.format == "peft":
+            from ndtrain.checkpoint.export_peft import export_peft
+
+            checkpoint, files = export_peft(args.run_dir, args.out)
+            print(f"ndtrain: exported the LoRA adapters of {checkpoint} to {args.out} ({', '.join(files)})")
             return 0
         if args.command == "export" and args.format == "hf":
             from ndtrain.checkpoint.export_hf import export_hf

@@ -31,6 +31,11 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def parse_names(text: str) -> list[str]:
+    """A comma-separated list of names (`wq,wv`), blanks dropped."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 MODEL_METAVAR = "{" + ",".join(PRESET_NAMES) + ",hf:PATH}"
 
 
@@ -47,6 +52,8 @@ def value_options(key: str, kind: Callable[[str], Any]) -> dict[str, Any]:
         return {"type": parse_model, "metavar": MODEL_METAVAR}
     if kind is parse_bool:
         return {"type": parse_bool, "metavar": BOOL_METAVAR}
+    if kind is parse_names:
+        return {"type": parse_names, "metavar": "NAME[,NAME...]"}
     choices = allowed_values(key)
     if choices is None and kind in NUMBER_METAVARS:
         return {"type": kind, "metavar": NUMBER_METAVARS[kind]}

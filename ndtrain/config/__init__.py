@@ -20,13 +20,13 @@ from ndtrain.config.loading import config_from_dict, dump_toml, load_config, par
 from ndtrain.config.parallel import ParallelConfig, PSConfig
 from ndtrain.config.presets import HF_PREFIX, MODEL_PRESETS, PRESET_NAMES, TASK_PRESETS, is_hf_preset
 from ndtrain.config.sections import (
-    CheckpointConfig, DataConfig, LaunchConfig, LogConfig, ModelConfig, OptimConfig, ScheduleConfig,
+    CheckpointConfig, DataConfig, LaunchConfig, LogConfig, LoRAConfig, ModelConfig, OptimConfig, ScheduleConfig,
 )
 from ndtrain.config.train import BYTE_VOCAB, TrainConfig, allowed_values
 
 __all__ = [
     "BYTE_VOCAB", "HF_PREFIX", "MODEL_PRESETS", "PRESET_NAMES", "TASK_PRESETS", "CheckpointConfig", "DataConfig",
-    "LaunchConfig", "LogConfig", "ModelConfig", "OptimConfig", "PSConfig", "ParallelConfig", "ScheduleConfig",
+    "LaunchConfig", "LogConfig", "LoRAConfig", "ModelConfig", "OptimConfig", "PSConfig", "ParallelConfig", "ScheduleConfig",
     "TrainConfig", "allowed_values", "check_vocab_size", "config_from_dict", "dump_toml", "is_hf_preset",
     "load_config", "parse_override", "raw_config", "read_toml",
 ]

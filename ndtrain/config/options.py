@@ -34,6 +34,9 @@ ZeroStage = Literal[0, 1, 2, 3]
 PsMode = Literal["sync", "async", "ssp"]
 ProgressMode = Literal["auto", "bar", "lines", "off"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet", "disk", "csv", "json", "arrow"]
+DataKind = Literal["auto", "text", "chat", "instruction", "completion"]  # what a record is (data/sft.py)
+LossOn = Literal["assistant", "completion", "all"]  # the tokens a fine-tuning example trains on (data/sft.py)
+Overlong = Literal["truncate", "drop"]  # an example longer than data.max_length (data/token_file.py)
 TpStyle = Literal["colwise", "rowwise", "vocab", "replicate", "colwise_gather_output", "rowwise_split_input",
                   "qkv_colwise", "packed_colwise", "moe_tp_experts", "replicate_grad_sum"]
 LrScaling = Literal["none", "linear", "sqrt"]  # optim.lr relative to optim.reference_batch

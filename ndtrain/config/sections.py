@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 from ndtrain.config.checks import check_choices, exists, positive
-from ndtrain.config.options import Attention, DataFormat, DigitsNet, LrScaling, LrScheduler, OptimName, ProgressMode
+from ndtrain.config.options import (Attention, DataFormat, DataKind, DigitsNet, LossOn, LrScaling, LrScheduler,
+                                     OptimName, Overlong, ProgressMode)
 from ndtrain.config.presets import DEFAULT_PRESET, is_hf_preset
 from ndtrain.errors import UserError
 
@@ -76,6 +77,11 @@ class DataConfig:
     """Where the text comes from (`path=None` is the Python standard library's own source), how it
     is read and tokenized, and where its token file is cached (None: RUN_DIR/data). See ndtrain/data.
 
+    Fine-tuning (data/sft.py): `kind` says what a record is (auto: detected from the first record),
+    `loss_on` which tokens are targets, `max_length` (None: model.seq_len + 1) the longest example kept
+    whole, `overlong` whether a longer one is truncated or dropped; `packing` packs documents into
+    windows, else each sample is one document, padded (data/corpus.py).
+
     A checkpoint records which data it was trained on (data/identity.py); resuming it on other data is
     refused unless `allow_change`, which restarts the data order at the new data's first batch."""
 
@@ -83,10 +89,15 @@ class DataConfig:
     val_fraction: float = 0.02
     eval_samples: int = 256
     tokenizer: str = "bytes"          # bytes | hf:PATH (a tokenizer.json or a tokenizer directory)
-    format: DataFormat = "auto"
+    format: DataFormat = "auto"       # the file format
     text_field: str = "text"          # the text field/column of JSONL, Parquet and datasets records
     cache: str | None = None          # token-file folder (default RUN_DIR/data)
     allow_change: bool = False        # resume a checkpoint on other data, restarting the data order
+    kind: DataKind = "auto"           # text | chat | instruction | completion records
+    loss_on: LossOn = "assistant"     # fine-tuning targets: assistant turns, the completion only, or all
+    max_length: int | None = None     # tokens of the longest example, its EOS counted (None: seq_len + 1)
+    overlong: Overlong = "truncate"   # an example above max_length: truncate or drop
+    packing: bool = True              # pack documents into windows (false: one padded example a sample)
 
     def validate(self) -> None:
         check_choices(self)
@@ -102,6 +113,16 @@ class DataConfig:
             raise UserError('data.text_field is empty: name the field that holds the text (default "text")')
         if self.cache is not None and not self.cache.strip():
             raise UserError("data.cache is empty: leave it out for RUN_DIR/data, or give a folder")
+        if self.max_length is not None and self.max_length < 2:
+            raise UserError(f"data.max_length must be >= 2 (a token and its target), got {self.max_length}")
+
+    def length_limit(self, seq_len: int) -> int:
+        """The longest fine-tuning example or unpacked document kept whole: data.max_length, by default
+        seq_len + 1 tokens (one sample); never more."""
+        if self.max_length is not None and self.max_length > seq_len + 1:
+            raise UserError(f"data.max_length={self.max_length} is longer than a sample of model.seq_len={seq_len} + 1 "
+                            f"tokens: give at most {seq_len + 1}, or raise model.seq_len")
+        return self.max_length or seq_len + 1
 
 
 @dataclass
@@ -279,3 +300,27 @@ class LaunchConfig:
             raise UserError(f"launch.max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.threads <= MAX_THREADS:
             raise UserError(f"launch.threads must be in [0, {MAX_THREADS}] (0 = cores / nproc), got {self.threads}")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (parallel/model/lora.py): `r` > 0 adds trainable rank-r matrices to every linear
+    layer whose module name ends in one of `targets` (e.g. ["wq", "wv"] for the built-in Llama,
+    ["q_proj", "v_proj"] for a Hugging Face one) and freezes the rest of the model; their output is
+    scaled by `alpha`/r and their input goes through dropout `dropout`. r = 0: no LoRA."""
+
+    r: int = 0
+    alpha: float = 16.0
+    targets: list[str] = field(default_factory=list)
+    dropout: float = 0.0
+
+    def validate(self) -> None:
+        if self.r < 0:
+            raise UserError(f"lora.r must be >= 0 (0 = no LoRA), got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.r and not [t for t in self.targets if t.strip()]:
+            raise UserError(f"lora.r={self.r} needs lora.targets: name the linear layers to adapt, e.g. "
+                            '--lora-targets wq,wv (q_proj,v_proj for a Hugging Face model)')
+        if self.r and self.alpha <= 0:
+            raise UserError(f"lora.alpha must be > 0, got {self.alpha}")

@@ -17,7 +17,7 @@ from ndtrain.config.options import literal_in, values
 from ndtrain.config.parallel import ParallelConfig, PSConfig
 from ndtrain.config.presets import TASK_PRESETS, default_warmup_steps
 from ndtrain.config.sections import (
-    CheckpointConfig, DataConfig, LaunchConfig, LogConfig, ModelConfig, OptimConfig, ScheduleConfig,
+    CheckpointConfig, DataConfig, LaunchConfig, LogConfig, LoRAConfig, ModelConfig, OptimConfig, ScheduleConfig,
 )
 from ndtrain.errors import UserError
 
@@ -36,6 +36,7 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
         """Every section's own checks, then those across sections (the byte tokenizer's vocabulary
@@ -65,6 +66,7 @@ class TrainConfig:
         if self.data.tokenizer == "bytes":
             check_vocab_size(self.model.vocab_size, self.data.tokenizer, BYTE_VOCAB)
         self._check_optimizer()
+        self._check_lora()
 
     def _check_optimizer(self) -> None:
         """Refuse the layouts an optimizer does not give the single-process result under, in one line."""
@@ -78,6 +80,22 @@ class TrainConfig:
         if name != "adamw" and levers:
             raise UserError(f"{levers[0]} replaces AdamW's update and does nothing with optim.name={name}: "
                             "set it false, or optim.name=adamw")
+
+    def _check_lora(self) -> None:
+        """Refuse, in one line, the layouts LoRA's frozen base is not kept out of gradients and optimizer under."""
+        lora, p = self.lora, self.parallel
+        if not lora.r:
+            return
+        unsupported = [what for what, on in (
+            (f"parallel.precision={p.precision} (fp32 masters of the frozen base)", p.precision != "fp32"),
+            (f"lora.dropout={lora.dropout} with tp={p.tp} (the tp ranks would draw different masks)",
+             lora.dropout > 0 and p.tp > 1),
+            (f"ps.servers={self.ps.servers}", self.ps.servers > 0),
+            (f"parallel.dp_mode={p.dp_mode}", p.dp_mode != "ddp"),
+            ("parallel.flat_adamw=true", p.flat_adamw),
+        ) if on]
+        if unsupported:
+            raise UserError(f"lora.r={lora.r} does not combine with {unsupported[0]}: change it or set lora.r=0")
 
     def warmup_steps(self) -> int:
         """The run's warmup: `schedule.warmup_steps` when given, else the default (`default_warmup_steps`),

@@ -1,13 +1,26 @@
-"""Training text as token tensors: the in-memory byte corpus and the windows a trainer samples.
+"""Training text as token tensors: the in-memory byte corpus and the samples a trainer draws.
 
 Where documents come from is `sources.py`; how they split into train/val and become token files is
 `token_file.py`; what a run opens is `prepare.py`. `load_corpus` is the small in-memory form (bytes,
 whole corpus in memory) that benchmarks and tests use: the same sources and split rule, built through
 a token file in a temporary folder.
+
+A sample (`TokenWindows`) is (x, y, positions), each [T] int64 (T = seq_len): inputs, their targets
+(-100 where a token is no target) and each input's position in its document, which restarts at 0 at
+each document start. Packed (`packing=True`), sample i is the window of tokens [i·T, (i+1)·T]:
+documents follow each other, a window that starts inside a document continues its positions, and the
+target that crosses into the next document (from a document's last token, its EOS, to the next
+one's first) is -100, so a packed document's loss is that document's alone. Unpacked, sample i is
+document i alone, right-padded to T + 1 tokens with the EOS id; padding targets are -100 and positions
+run on through the padding (no attention mask needed: it lies after the real tokens). A fine-tuning
+token file's mask sets every target that is not a trained token to -100 as well.
+Cost per sample: three `pread`s of the window (tokens, mask) and two binary searches of the document
+starts (about 2·log₂(documents) 8-byte reads); nothing of the file is held.
 """
 
 from __future__ import annotations
 
+import bisect
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,15 +28,20 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from ndtrain.data.sft import Rendering
 from ndtrain.data.sources import open_source
 from ndtrain.data.token_file import TokenReader, build_token_file
 from ndtrain.data.tokenizer import ByteTokenizer, bytes_to_tensor
 from ndtrain.errors import UserError
 
+IGNORE = -100  # a target that is not trained on (F.cross_entropy's ignore_index)
+Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 @dataclass
 class Corpus:
-    """The train and val splits as 1-D uint8 byte tensors, with a one-line summary for the log."""
+    """The train and val splits as 1-D uint8 byte tensors (every document ended by byte 0, the byte
+    tokenizer's EOS), with a one-line summary for the log."""
 
     train: torch.Tensor
     val: torch.Tensor
@@ -38,7 +56,7 @@ def load_corpus(path: str | None, val_fraction: float, text_field: str = "text")
         raise UserError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     source = open_source(path, "auto", text_field)
     with tempfile.TemporaryDirectory(prefix="ndtrain-corpus-") as folder:
-        meta = build_token_file(Path(folder), source, ByteTokenizer(), val_fraction)
+        meta = build_token_file(Path(folder), source, ByteTokenizer(), val_fraction, Rendering())
         train, val = ((Path(folder) / f"{split}.bin").read_bytes() for split in ("train", "val"))
     return Corpus(
         train=bytes_to_tensor(train),
@@ -49,30 +67,75 @@ def load_corpus(path: str | None, val_fraction: float, text_field: str = "text")
     )
 
 
-class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Non-overlapping windows of `seq_len` inputs and their next-token targets (both int64).
+class TokenWindows(Dataset[Sample]):
+    """The samples (x, y, positions) of one split (module docstring).
 
-    Sample i: x = data[i·seq_len : (i+1)·seq_len], y = data[i·seq_len + 1 : (i+1)·seq_len + 1];
-    there are (len(data) - 1) // seq_len of them. `data` is a 1-D integer tensor or a `TokenReader`
-    (a token file read window by window). `name` only labels the error message.
+    `data`: the tokens, a 1-D integer tensor or a `TokenReader`; `docs`: each document's start offset
+    (None: one document); `mask`: 1 where a token is a target (None: every one); `pad`: the id that
+    pads an unpacked sample (the EOS). `name` only labels the error message.
     """
 
-    def __init__(self, data: torch.Tensor | TokenReader, seq_len: int, name: str = "corpus") -> None:
-        if len(data) < seq_len + 1:
+    def __init__(self, data: torch.Tensor | TokenReader, seq_len: int, name: str = "corpus", *,
+                 docs: torch.Tensor | TokenReader | None = None, mask: TokenReader | None = None,
+                 packing: bool = True, pad: int = 0) -> None:
+        if packing and len(data) < seq_len + 1:
             unit = "bytes" if data.dtype == torch.uint8 else "tokens"
             raise UserError(
                 f"the {name} has {len(data)} {unit}, too few for one window of model.seq_len={seq_len}: "
                 f"it needs at least {seq_len + 1} {unit}; use more text or a smaller model.seq_len"
             )
-        self.data = data
-        self.seq_len = seq_len
+        self.data, self.seq_len, self.mask, self.packing, self.pad = data, seq_len, mask, packing, pad
+        self.docs = docs if docs is not None else torch.zeros(1, dtype=torch.int64)
 
     def __len__(self) -> int:
-        return (len(self.data) - 1) // self.seq_len
+        return (len(self.data) - 1) // self.seq_len if self.packing else len(self.docs)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> Sample:
         if not 0 <= index < len(self):
-            raise IndexError(f"window {index} out of range for {len(self)} windows")
-        start = index * self.seq_len
-        window = self.data[start : start + self.seq_len + 1].long()
-        return window[:-1], window[1:]
+            raise IndexError(f"sample {index} out of range for {len(self)} samples")
+        return self._window(index) if self.packing else self._example(index)
+
+    def _window(self, index: int) -> Sample:
+        T = self.seq_len
+        start = index * T
+        window = self.data[start : start + T + 1].long()
+        y = self._masked(window[1:].clone(), start + 1)
+        starts = _Starts(self.docs)
+        first = bisect.bisect_right(starts, start) - 1                     # the document the window starts in
+        last = bisect.bisect_right(starts, start + T)                      # documents starting up to its last target
+        bounds = self.docs[first:last].long()
+        y[bounds[1:] - start - 1] = IGNORE                                 # targets that start a document
+        at = torch.arange(start, start + T)
+        positions = at - bounds[torch.searchsorted(bounds, at, right=True) - 1]
+        return window[:-1], y, positions
+
+    def _example(self, index: int) -> Sample:
+        T = self.seq_len
+        start = int(self.docs[index])
+        end = int(self.docs[index + 1]) if index + 1 < len(self.docs) else len(self.data)
+        length = min(end - start, T + 1)
+        tokens = torch.full((T + 1,), self.pad, dtype=torch.int64)
+        tokens[:length] = self.data[start : start + length].long()
+        y = tokens[1:].clone()
+        y[: length - 1] = self._masked(y[: length - 1], start + 1)
+        y[max(length - 1, 0):] = IGNORE
+        return tokens[:-1], y, torch.arange(T)
+
+    def _masked(self, y: torch.Tensor, offset: int) -> torch.Tensor:
+        """`y` (targets of tokens offset, offset + 1, ...) with the mask's non-targets set to -100."""
+        if self.mask is not None:
+            y[self.mask[offset : offset + len(y)] == 0] = IGNORE
+        return y
+
+
+class _Starts:
+    """Document starts as a sequence of ints that `bisect` searches, read one at a time."""
+
+    def __init__(self, docs: torch.Tensor | TokenReader) -> None:
+        self.docs = docs
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.docs[i])

@@ -1,12 +1,13 @@
 """Which data a run trains on: the fingerprint a checkpoint records of its token file and tokenizer.
 
 A fingerprint is three strings taken from a token file's meta.json (token_file.py):
-- `tokens`: SHA-256 over the SHA-256 of the train and val files: the token ids themselves, so it
-  changes with the data, the tokenizer (its spec and its files' hash) and `data.val_fraction`, and
-  not when the same files are moved or touched;
+- `tokens`: SHA-256 over the SHA-256 of every file (tokens, document starts, loss masks) and the
+  rendering (data/sft.py: kind, loss_on, length limit, packing): the samples themselves, so it changes
+  with the data, the tokenizer (its spec and its files' hash), `data.val_fraction` and the fine-tuning
+  settings, and not when the same files are moved or touched;
 - `identity`: SHA-256 of the token file's identity (source paths, sizes and mtimes, the tokenizer's
-  spec and hash, val_fraction), which `identity_digest` computes from the config without tokenizing:
-  equal identities are the same data, different ones need the tokens to tell;
+  spec and hash, val_fraction, rendering), which `identity_digest` computes from the config without
+  tokenizing: equal identities are the same data, different ones need the tokens to tell;
 - `source`: the data's description, for messages.
 A checkpoint saved before fingerprints existed has none: it is resumed on any data, unchecked.
 """
@@ -18,6 +19,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ndtrain.data.sft import rendering
 from ndtrain.data.sources import open_source
 from ndtrain.data.token_file import identity
 from ndtrain.data.tokenizer import load_tokenizer
@@ -30,7 +32,7 @@ Fingerprint = dict[str, str]
 
 def fingerprint(meta: dict[str, Any]) -> Fingerprint:
     """The fingerprint of the token file whose meta.json is `meta`."""
-    tokens = hashlib.sha256(f"{meta['train_sha256']}\0{meta['val_sha256']}".encode()).hexdigest()
+    tokens = _digest([meta["sha256"], meta["identity"]["rendering"]])
     return {"tokens": tokens, "identity": _digest(meta["identity"]), "source": str(meta["description"]).split("; ")[0]}
 
 
@@ -42,10 +44,10 @@ def read_fingerprint(folder: Path) -> Fingerprint | None:
         return None
 
 
-def identity_digest(data: DataConfig) -> str:
+def identity_digest(data: DataConfig, seq_len: int) -> str:
     """The `identity` part of the fingerprint the token file of `data` has or will have: no tokenizing."""
     source = open_source(data.path, data.format, data.text_field)
-    return _digest(identity(source, load_tokenizer(data.tokenizer), data.val_fraction))
+    return _digest(identity(source, load_tokenizer(data.tokenizer), data.val_fraction, rendering(data, seq_len, source)))
 
 
 def same_data(saved: Any, current: Fingerprint | None) -> bool:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ndtrain.data.corpus import TokenWindows
 from ndtrain.data.identity import Fingerprint, fingerprint
+from ndtrain.data.sft import rendering
 from ndtrain.data.sources import open_source
 from ndtrain.data.token_file import TokenFile, ensure_token_file
 from ndtrain.data.tokenizer import load_tokenizer
@@ -53,12 +54,15 @@ def cache_folder(data: DataConfig, run_dir: str | Path) -> Path:
 
 
 def prepare_data(data: DataConfig, seq_len: int, run_dir: str | Path, verify: bool = False) -> TokenData:
-    """Open (building when needed) the token file of `data` and cut both splits into windows."""
+    """Open (building when needed) the token file of `data` and cut both splits into samples (packed
+    windows, or one padded example each: `data.packing`)."""
     tokenizer = load_tokenizer(data.tokenizer)
     source = open_source(data.path, data.format, data.text_field)
-    file = ensure_token_file(cache_folder(data, run_dir), source, tokenizer, data.val_fraction, verify=verify)
-    train = TokenWindows(file.reader("train"), seq_len, name="train")
-    val = TokenWindows(file.reader("val"), seq_len, name="validation")
+    file = ensure_token_file(cache_folder(data, run_dir), source, tokenizer, data.val_fraction,
+                             rendering(data, seq_len, source), verify=verify)
+    train, val = (TokenWindows(split.tokens, seq_len, name, docs=split.docs, mask=split.mask, packing=data.packing,
+                               pad=file.meta["eos"])
+                  for split, name in ((file.split("train"), "train"), (file.split("val"), "validation")))
     return TokenData(train, val, file, Path(run_dir))
 
 
@@ -72,8 +76,9 @@ def check_data(cfg: TrainConfig, write: bool = True) -> Fingerprint:
         data = prepare_data(data_cfg, cfg.model.seq_len, cfg.log.out, verify=True)
         windows = len(data.train)
     if windows < cfg.schedule.global_batch:
+        what = f"windows of {cfg.model.seq_len + 1} tokens" if cfg.data.packing else "examples (data.packing=false)"
         raise UserError(
-            f"the training data has {windows} windows of {cfg.model.seq_len + 1} tokens, fewer than one global "
+            f"the training data has {windows} {what}, fewer than one global "
             f"batch of {cfg.schedule.global_batch}: use more data or a smaller schedule.global_batch"
         )
     return fingerprint(data.file.meta)

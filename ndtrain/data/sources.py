@@ -21,6 +21,8 @@
 Record documents (JSONL, Parquet, datasets) are named "line N", N counting records from 1 in file
 order (for JSONL the line number: blank lines are skipped but counted). The same records in any of
 these formats (a JSONL file without blank lines) therefore get the same names, hence the same split.
+A record source also gives its whole records (`Source.records`, every field: what the fine-tuning
+formats of sft.py read); its text documents are the records' `text_field` strings.
 
 A path's type is checked before anything is opened: a FIFO, socket or device is refused (a FIFO
 would block the reader), and one inside a folder is skipped like any non-regular file.
@@ -49,6 +51,8 @@ CHUNK_BYTES = 4 << 20
 ROW_BATCH = 1024
 
 Document = tuple[str, Iterator[str]]  # (name, the text in one or more pieces)
+Record = tuple[int, Any]  # (N of its name "line N", the record: a dict unless the file is malformed)
+Records = Callable[[list[str] | None], Iterator[Record]]  # the records, of these columns only (None: all)
 
 
 @dataclass
@@ -62,6 +66,8 @@ class Source:
     read: Callable[["Source"], Iterator[Document]]
     skipped: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    records: Records | None = None  # record formats only
+    where: str = ""                 # how a record is named in messages: "'d.jsonl' line" or "'d.parquet' row"
 
     def documents(self) -> Iterator[Document]:
         self.skipped = 0
@@ -99,23 +105,24 @@ def open_source(path: str | None, fmt: str = "auto", text_field: str = "text") -
         else:
             fmt = {".jsonl": "jsonl", ".parquet": "parquet"}.get(target.suffix, "text")
     files = (lambda: _walk(target, _is_visible, _is_visible)) if is_dir else (lambda: [target])
-    extra = {"text_field": text_field}
     if fmt == "text" and is_dir:
         return Source("folder", f"folder {path!r}", files, lambda s: _read_folder(s, target))
     if fmt == "text":
         return Source("text file", f"text file {path!r}", files, lambda s: _read_text_file(target))
-    if fmt == "disk":
-        if not is_dir:
-            raise UserError(f"data.format='disk' needs a folder written by save_to_disk, but {path!r} is a file")
-        return Source("dataset", f"saved dataset {path!r}", files, lambda s: _read_disk(target, text_field), extra=extra)
+    if fmt == "disk" and not is_dir:
+        raise UserError(f"data.format='disk' needs a folder written by save_to_disk, but {path!r} is a file")
     if is_dir and fmt in ("jsonl", "parquet"):
         raise UserError(f"data.format={fmt!r} needs a file, but {path!r} is a folder")
-    if fmt == "jsonl":
-        return Source("jsonl", f"JSONL file {path!r}", files, lambda s: _read_jsonl(target, text_field), extra=extra)
-    if fmt == "parquet":
-        return Source("parquet", f"Parquet file {path!r}", files, lambda s: _read_parquet(target, text_field), extra=extra)
-    return Source("datasets", f"{fmt} data {path!r}", files,
-                  lambda s: _read_builder(fmt, [str(f) for f in files()], path, text_field), extra={**extra, "format": fmt})
+    records: dict[str, tuple[str, str, Records]] = {
+        "disk": ("dataset", f"saved dataset {path!r}", lambda columns: _disk_records(target, columns)),
+        "jsonl": ("jsonl", f"JSONL file {path!r}", lambda columns: _jsonl_records(target)),
+        "parquet": ("parquet", f"Parquet file {path!r}", lambda columns: _parquet_records(target, columns)),
+    }
+    kind, label, read = records.get(fmt) or (
+        "datasets", f"{fmt} data {path!r}", lambda columns: _builder_records(fmt, [str(f) for f in files()], path, columns))
+    extra = {"text_field": text_field, **({"format": fmt} if kind == "datasets" else {})}
+    return Source(kind, label, files, lambda s: _texts(s, text_field), extra=extra, records=read,
+                  where=f"{path!r} {'line' if fmt == 'jsonl' else 'row'}")
 
 
 def _mode(path: Path) -> int:
@@ -174,7 +181,18 @@ def _text_chunks(path: Path) -> Iterator[str]:
         raise UserError(f"cannot read {str(path)!r}: {e.strerror}; check the file's permissions") from None
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
+def _texts(source: Source, text_field: str) -> Iterator[Document]:
+    """A record source's documents: each record's `text_field` string, named "line N"."""
+    assert source.records is not None
+    for number, record in source.records([text_field]):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise UserError(f"{source.where} {number} has no string {json.dumps(text_field)} field: every record must "
+                            f'hold one, like {{{json.dumps(text_field)}: "..."}} (data.text_field names the field)')
+        yield f"line {number}", iter((text,))
+
+
+def _jsonl_records(path: Path) -> Iterator[Record]:
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -184,28 +202,12 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.decode("utf-8"))
+                yield number, json.loads(line.decode("utf-8"))
             except ValueError:
                 raise UserError(f"{str(path)!r} line {number} is not valid UTF-8 JSON: fix or remove the line") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise UserError(
-                    f"{str(path)!r} line {number} has no string {json.dumps(text_field)} field: every line must be an "
-                    f'object like {{{json.dumps(text_field)}: "..."}} (data.text_field names the field)'
-                )
-            yield f"line {number}", iter((text,))
 
 
-def _rows(values: Iterator[Any], where: str, text_field: str) -> Iterator[Document]:
-    """Record documents named "line N" (N from 1) from a stream of text-field values."""
-    for number, text in enumerate(values, start=1):
-        if not isinstance(text, str):
-            raise UserError(f"{where} row {number} has no string {text_field!r} value: "
-                            "set data.text_field to a text column, or fix the row")
-        yield f"line {number}", iter((text,))
-
-
-def _read_parquet(path: Path, text_field: str) -> Iterator[Document]:
+def _parquet_records(path: Path, columns: list[str] | None) -> Iterator[Record]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -214,12 +216,12 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[Document]:
         table = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
         raise UserError(f"data.path {str(path)!r} is not a readable Parquet file: {e}") from None
-    _check_column(table.schema_arrow.names, text_field, str(path))
-    batches = table.iter_batches(columns=[text_field], batch_size=ROW_BATCH)
-    yield from _rows((value for batch in batches for value in batch.column(0).to_pylist()), repr(str(path)), text_field)
+    _check_columns(table.schema_arrow.names, columns, str(path))
+    rows = (row for batch in table.iter_batches(columns=columns, batch_size=ROW_BATCH) for row in batch.to_pylist())
+    yield from enumerate(rows, start=1)
 
 
-def _read_disk(path: Path, text_field: str) -> Iterator[Document]:
+def _disk_records(path: Path, columns: list[str] | None) -> Iterator[Record]:
     datasets = _import_datasets()
     try:
         dataset = datasets.load_from_disk(os.fspath(path))
@@ -230,12 +232,14 @@ def _read_disk(path: Path, text_field: str) -> Iterator[Document]:
             raise UserError(f"the saved DatasetDict {str(path)!r} has no 'train' split (it has {', '.join(dataset)}): "
                             "save the split to train on as a Dataset")
         dataset = dataset["train"]
-    _check_column(dataset.column_names, text_field, str(path))
-    batches = dataset.select_columns([text_field]).iter(batch_size=ROW_BATCH)
-    yield from _rows((value for batch in batches for value in batch[text_field]), repr(str(path)), text_field)
+    _check_columns(dataset.column_names, columns, str(path))
+    if columns is not None:
+        dataset = dataset.select_columns(columns)
+    batches = dataset.iter(batch_size=ROW_BATCH)
+    yield from enumerate((dict(zip(batch, row)) for batch in batches for row in zip(*batch.values())), start=1)
 
 
-def _read_builder(builder: str, files: list[str], path: str, text_field: str) -> Iterator[Document]:
+def _builder_records(builder: str, files: list[str], path: str, columns: list[str] | None) -> Iterator[Record]:
     datasets = _import_datasets()
     if not files:
         raise UserError(f"data.path {path!r} holds no files for data.format={builder!r}")
@@ -245,8 +249,8 @@ def _read_builder(builder: str, files: list[str], path: str, text_field: str) ->
     except Exception as e:  # the builder's own errors for a file it cannot parse
         raise UserError(f"data.path {path!r} cannot be read as {builder}: {_first_line(e)}") from None
     if first is not None:
-        _check_column(list(first), text_field, path)
-    yield from _rows((row.get(text_field) for row in rows), repr(path), text_field)
+        _check_columns(list(first), columns, path)
+    yield from enumerate(rows, start=1)
 
 
 def _import_datasets() -> Any:
@@ -258,10 +262,11 @@ def _import_datasets() -> Any:
     return datasets
 
 
-def _check_column(columns: list[str], text_field: str, path: str) -> None:
-    if text_field not in columns:
-        raise UserError(f"{path!r} has no column {text_field!r} (it has {', '.join(columns)}): "
-                        "set data.text_field to the text column")
+def _check_columns(have: list[str], columns: list[str] | None, path: str) -> None:
+    for column in columns or ():
+        if column not in have:
+            raise UserError(f"{path!r} has no column {column!r} (it has {', '.join(have)}): "
+                            "set data.text_field to the text column")
 
 
 def _file_kind(mode: int) -> str:

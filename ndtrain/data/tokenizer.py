@@ -8,7 +8,9 @@
 
 A transformers tokenizer directory may name an end-of-sequence token and a chat template
 (`eos_token_id`, `chat_template`, `render_chat`: what `ndtrain generate` stops at and `--chat` renders);
-the byte tokenizer and a tokenizer.json have neither.
+a tokenizer.json has neither. The byte tokenizer's end-of-sequence token is byte 0 (NUL), which text
+practically never holds: token files end every document with it (token_file.py), and the vocabulary
+stays 256, so token files stay uint8 and the default model keeps its size. It has no chat template.
 
 `identity()` names what the token ids depend on (the spec and a hash of the tokenizer's files; in a
 model folder its weight files are left out), so a token file built with one tokenizer is never read
@@ -77,6 +79,8 @@ TORCH_DTYPES = {"B": torch.uint8, "H": torch.uint16, "I": torch.uint32}
 
 class ByteTokenizer:
     vocab_size = 256
+    eos_token_id = 0  # NUL (module docstring)
+    chat_template = None
 
     def encode(self, text: str) -> torch.Tensor:
         """The UTF-8 bytes of `text` as a uint8 tensor."""
@@ -151,13 +155,24 @@ class HFTokenizer:
         template = getattr(self._transformers, "chat_template", None)
         return template if isinstance(template, str) and template else None
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The messages as the chat template writes them, ending with the assistant's turn opened."""
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The messages as the chat template writes them, by default ending with the assistant's turn opened."""
         try:
-            return self._transformers.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self._transformers.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=False)
         except Exception as e:  # jinja2's errors and transformers' ValueError: the template is the user's
             raise UserError(f"the chat template of data.tokenizer={self.spec!r} does not render "
                             f"({_first_line(e)}): fix it in tokenizer_config.json") from None
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """A transformers tokenizer's ids of `text` (no special tokens added, as `apply_chat_template`
+        tokenizes) and the character offset where each token starts."""
+        try:
+            encoded = self._transformers(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:
+            raise UserError(f"data.tokenizer={self.spec!r} is a slow tokenizer, which gives no character offsets: "
+                            "save it as a fast one (tokenizer.json)") from None
+        return encoded["input_ids"], [start for start, _ in encoded["offset_mapping"]]
 
     def save_pretrained(self, folder: Path) -> None:
         """A transformers tokenizer's own `save_pretrained`; a tokenizer.json wrapped as a fast tokenizer."""

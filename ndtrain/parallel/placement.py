@@ -105,12 +105,13 @@ def place(param: nn.Parameter, *, replace: bool = False, **changes: Any) -> nn.P
 
 def carry_placement(new: nn.Parameter, old: torch.Tensor, **changes: Any) -> nn.Parameter:
     """`new` (e.g. a tp slice built from `old`, unplaced) takes `old`'s record (whole if `old` has none:
-    tensor parallel on a bare model) with `changes`; returns `new`."""
+    tensor parallel on a bare model) with `changes`, and its `requires_grad` (a frozen parameter's
+    slice stays frozen); returns `new`."""
     if is_placed(new):
         raise PlacementError(f"carry_placement: the new parameter of shape {tuple(new.shape)} is already placed "
                              f"({placement_of(new)})")
     setattr(new, _ATTRIBUTE, dataclasses.replace(placement_or_whole(old), **changes))
-    return new
+    return new.requires_grad_(old.requires_grad)
 
 
 def name_parameters(model: nn.Module) -> None:

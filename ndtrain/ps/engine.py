@@ -107,7 +107,7 @@ class PSEngine:
         self.last_loss = self.worker.train_step(micro_batches)
         outcome = self.worker.outcome
         return StepResult(
-            loss=self.last_loss, tokens=sum(y.numel() for _, y in micro_batches) * self.workers,
+            loss=self.last_loss, tokens=sum(batch[1].numel() for batch in micro_batches) * self.workers,
             grad_norm=outcome.grad_norm, lr=outcome.lr,
             comm_bytes=self.ctx.comm.stats.total_wire_bytes() - comm_before, skipped=outcome.status != 0,
         )
@@ -125,7 +125,7 @@ class PSEngine:
         if self.worker is not None:
             self.model.eval()
             with scoring(self.model) if self.loss_fn is None else contextlib.nullcontext(Tally()) as tally:
-                for x, y in batches:
+                for x, y, *_ in batches:
                     x, y = x.to(self.ctx.device), y.to(self.ctx.device)
                     loss = self.model(x, y) if self.loss_fn is None else self.loss_fn(self.model(x), y)
                     totals[0] += loss.double() * y.numel()

@@ -45,7 +45,7 @@ from ndtrain.config import PSConfig
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.errors import UserError
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (tokens, targets[, positions]): trainer.stack
 OptimizerFn = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 PULL_HEADER = 4  # version, gradient norm, lr, status

@@ -73,7 +73,7 @@ class PSWorker:
         self.model.train()
         self.model.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # on the device: no read per micro-batch
-        for x, y in micro_batches:
+        for x, y, *_ in micro_batches:  # positions, when given, are the model side's concern
             x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
             loss = self.model(x, y) if self.loss_fn is None else self.loss_fn(self.model(x), y)
             (loss / len(micro_batches)).backward()

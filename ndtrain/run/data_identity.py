@@ -33,7 +33,7 @@ def check_resume_data(cfg: TrainConfig, run_dir: Path) -> None:
     if found is None:
         return
     checkpoint, saved = found
-    if saved.get("identity") == identity_digest(cfg.data):
+    if saved.get("identity") == identity_digest(cfg.data, cfg.model.seq_len):
         return
     current = check_data(cfg, write=False)  # tokenized into a scratch folder
     if not same_data(saved, current):

@@ -50,22 +50,33 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
 
 
 def train_tokenizer(path: Path, docs: list[str], kind: str = "bpe") -> Path:
-    """A tokenizer trained here on `docs` and saved as tokenizer.json (no download)."""
+    """A tokenizer trained here on `docs` and saved as tokenizer.json (no download); its special tokens are
+    [UNK] and "</s>", the end-of-sequence token `with_eos` names."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if kind == "bpe":
         tok = Tokenizer(models.BPE(unk_token="[UNK]"))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "</s>"],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     else:
         tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]"], show_progress=False)
+        trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"], show_progress=False)
     tok.train_from_iterator(docs, trainer)
     tok.save(str(path))
     return path
+
+
+def with_eos(file: Path) -> Path:
+    """A tokenizer.json of `train_tokenizer` as a transformers tokenizer folder naming "</s>" its
+    end-of-sequence token (a tokenizer.json names none; token files end every document with it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = file.parent / f"{file.stem}-eos"
+    PreTrainedTokenizerFast(tokenizer_file=str(file), eos_token="</s>").save_pretrained(str(folder))
+    return folder
 
 
 # ------------------------------------------------------------------------------------ in-process runs

@@ -51,8 +51,11 @@ stages each chunk is a wrapper of its own (chunks.py `FullyShardedChunks`). zb's
 backward runs inside `input_pass()` and `weight_pass()` (zero3_split_passes.py): one all-gather
 more per unit and micro-batch than a plain backward.
 
-Limitations: a parameter must belong to one unit (tied weights inside one unit are fine); every
-parameter must require grad; a unit's forward runs once per model forward; buffers are neither
+Frozen parameters (requires_grad=False: a LoRA run's base model) belong to no unit: each rank keeps
+them whole, in place, with no gradient, no shard and no optimizer state (their bytes are counted
+with the parameters); under a 16-bit `param_dtype` they are refused.
+
+Limitations: a parameter must belong to one unit (tied weights inside one unit are fine); a unit's forward runs once per model forward; buffers are neither
 sharded nor synchronised; ranks must run the same graph (units finish backward in the same order).
 With `param_dtype` ≠ fp32, floating-point inputs of the root forward are cast to it.
 """
@@ -72,6 +75,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ndtrain.errors import UserError
 from ndtrain.dist.host_stream import SlotRing
+from ndtrain.dist.memory import tensor_bytes
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.data.flat_layout import Segment
 from ndtrain.parallel.data.param_groups import GroupFn, group_key, group_keys, one_group
@@ -81,7 +85,7 @@ from ndtrain.parallel.data.zero3_unit import FlatUnit
 from ndtrain.parallel.data.zero3_wrap import select_units, wrap_patterns
 from ndtrain.parallel.grad_norm import Span, flat_pieces, local_squares, segment_spans
 from ndtrain.parallel.model.tensor import gather_shard
-from ndtrain.parallel.placement import Placement, Shard
+from ndtrain.parallel.placement import Placement, Shard, placement_or_whole
 from ndtrain.parallel.precision import compute_dtype
 
 
@@ -109,10 +113,10 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         patterns = wrap_patterns(module, wrap)
-        frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
-        if frozen:
-            raise UserError(f"FSDP shards trainable parameters only, but {frozen[:3]} do not require grad: unfreeze them")
-        owner: dict[int, str] = {}
+        if param_dtype != torch.float32 and any(not p.requires_grad for p in module.parameters()):
+            raise UserError("FSDP keeps frozen parameters whole in their own dtype: use param_dtype fp32 with them")
+        owner: dict[int, str] = {id(p): "" for p in module.parameters() if not p.requires_grad}  # frozen: left whole
+        self.frozen = [p for p in module.parameters() if not p.requires_grad]
         blocks: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
         for name, sub in select_units(module, patterns) if patterns else []:
             params = [(f"{name}.{n}", p) for n, p in sub.named_parameters() if id(p) not in owner]
@@ -122,7 +126,7 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         root_params = [(n, p) for n, p in module.named_parameters() if id(p) not in owner]
         for n, p in module.named_parameters(remove_duplicate=False):
             unit_of = owner.get(id(p))
-            if unit_of is not None and not (n == unit_of or n.startswith(unit_of + ".")):
+            if unit_of and not (n == unit_of or n.startswith(unit_of + ".")):
                 raise UserError(f"parameter {n} is shared with FSDP unit {unit_of!r}: wrap the modules sharing it in one unit")
 
         self.ring = _open_ring(module, ctx, param_dtype) if host_slots else None
@@ -307,8 +311,9 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         return self.segments(grad=True)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now: "parameters" (shards + gathered units), "gradients" (shards + full)."""
-        return {"parameters": sum(u.parameter_bytes() for u in self.units),
+        """Bytes this rank holds now: "parameters" (shards + gathered units + frozen parameters), "gradients"
+        (shards + full)."""
+        return {"parameters": sum(u.parameter_bytes() for u in self.units) + sum(tensor_bytes(p) for p in self.frozen),
                 "gradients": sum(u.gradient_bytes() for u in self.units)}
 
     def peak_state_bytes(self, reset: bool = False) -> int:
@@ -346,6 +351,11 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
                 shard = placement.tp if tp.size > 1 else None
                 where[id(p)] = view.clone() if shard is None else gather_shard(
                     view, shard, _real_size(placement, shard), self.ctx.comm, tp)
+        for p in self.frozen:
+            placement = placement_or_whole(p)
+            shard = placement.tp if tp.size > 1 else None
+            where[id(p)] = p.detach().clone() if shard is None else gather_shard(
+                p.detach(), shard, _real_size(placement, shard), self.ctx.comm, tp)
         return {k: where[id(v)] if id(v) in where else v.detach().clone()
                 for k, v in self.module.state_dict(keep_vars=True).items()}
 

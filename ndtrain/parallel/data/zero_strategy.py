@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ndtrain.config import ParallelConfig
-from ndtrain.dist.memory import optimizer_state_bytes
+from ndtrain.dist.memory import optimizer_state_bytes, tensor_bytes
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.data.chunks import DataParallelChunks
 from ndtrain.parallel.data.ddp import DistributedDataParallel, all_no_sync, ddp_chunks, held_gradient_bytes
@@ -93,7 +93,9 @@ class ZeroStrategy:
         return self.optimizer.norm_pieces(self.optimizer.prepare_grads(), self._norm_spans)
 
     def state_bytes(self) -> dict[str, int]:
-        return {"parameters": self.optimizer.parameter_bytes(), "gradients": self._gradient_bytes(),
+        """Parameters: the bucketed ones' (`ZeroOptimizer`) plus those left out of the buckets (frozen), whole."""
+        unbucketed = sum(tensor_bytes(p) for p in self.module.parameters() if id(p) not in self._bucketed)
+        return {"parameters": self.optimizer.parameter_bytes() + unbucketed, "gradients": self._gradient_bytes(),
                 "optimizer": optimizer_state_bytes(self.optimizer) + self.optimizer.master_bytes}
 
     def held_slices(self) -> list[HeldSlice]:

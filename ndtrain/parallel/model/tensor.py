@@ -15,6 +15,9 @@ What is split, over the n ranks of `ctx.group("tp")` (activations batch-first, [
   gradient b·s·in backward, on top of rowwise's cost.
 Both also take a transposed linear (transformers' `Conv1D`: weight [in, out], y = x W + b), split
 along the same features (`linear_parts`).
+Both also take a `LoRALinear` (lora.py) and split its adapter with the base (`split_adapter`): the
+adapter's output is added before the output's gather or reduction, its whole matrix's gradient
+summed over tp (r·in or out·r elements per backward).
 - `ReplicatedHeadsLinear`: grouped-query attention when n does not divide the kv heads: the whole
   k/v weight on every rank, each rank projecting only the heads its query heads read.
 
@@ -51,6 +54,7 @@ from torch import nn
 
 from ndtrain.dist.comm import Communicator, Group
 from ndtrain.errors import UserError
+from ndtrain.parallel.model.lora import LoRA, LoRALinear
 from ndtrain.parallel.placement import Shard, carry_placement
 
 SEQ_DIM = 1
@@ -273,7 +277,7 @@ def _slice(
 def linear_parts(module: nn.Module) -> tuple[bool, int, int] | None:
     """(transposed, in features, out features) of an `nn.Linear` (weight [out, in]) or of a transposed
     linear, transformers' `Conv1D` (GPT-2: weight [nx, nf], y = x W + b); None for any other module."""
-    if type(module) is nn.Linear:
+    if type(module) in (nn.Linear, LoRALinear):
         return False, module.in_features, module.out_features
     nx, nf, weight = getattr(module, "nx", None), getattr(module, "nf", None), getattr(module, "weight", None)
     if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (nx, nf):
@@ -286,6 +290,23 @@ def _parts(module: nn.Module) -> tuple[bool, int, int]:
     if parts is None:
         raise UserError(f"tensor parallel splits nn.Linear or Conv1D modules, not a {type(module).__name__}")
     return parts
+
+
+def split_adapter(
+    linear: nn.Module, by_output: bool, comm: Communicator, group: Group, padded: int, blocks: int = 1,
+) -> LoRA | None:
+    """`linear`'s LoRA adapter split as its base (lora.py): `by_output` B by the base's output rows
+    (padded to `padded`, in `blocks`) and A whole, else A by the base's input columns and B whole;
+    the whole matrix's gradient summed over tp. None for a layer without one."""
+    if not isinstance(linear, LoRALinear):
+        return None
+    lora = linear.lora
+    split, dim, whole = (lora.B, 0, lora.A) if by_output else (lora.A, 1, lora.B)
+    part, shard = _slice(split, dim, group.rank, group.size, padded, blocks)
+    sliced = carry_placement(nn.Parameter(part), split, tp=shard)
+    kept = carry_placement(nn.Parameter(whole.detach().clone()), whole)
+    sum_gradient_over(kept, comm, group)
+    return lora.with_weights(kept, sliced) if by_output else lora.with_weights(sliced, kept)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -313,11 +334,14 @@ class ColumnParallelLinear(nn.Module):
             bias, bias_shard = _slice(linear.bias, 0, group.rank, group.size, self.out_padded, blocks)
             self.bias = carry_placement(nn.Parameter(bias), linear.bias, tp=bias_shard)
         self.out_start = shard.start
+        self.lora = split_adapter(linear, True, comm, group, self.out_padded, blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.communicate_input:
             x = to_parallel(x, self.comm, self.group, self.sequence_parallel)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
+        if self.lora is not None:
+            y = y + self.lora(x)
         if self.gather_output:
             y = GatherLastDim.apply(y, self.comm, self.group)[..., : self.out_features]
         return y
@@ -342,11 +366,14 @@ class RowParallelLinear(nn.Module):
         weight, shard = _slice(linear.weight, int(not self.transposed), group.rank, group.size, self.in_features)
         self.weight = carry_placement(nn.Parameter(weight), linear.weight, tp=shard)
         self.bias = None if linear.bias is None else carry_placement(nn.Parameter(linear.bias.detach().clone()), linear.bias)
+        self.lora = split_adapter(linear, False, comm, group, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
             x = SplitLastDim.apply(x, self.comm, self.group)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight)
+        if self.lora is not None:
+            y = y + self.lora(x)  # partial sums joining the base's reduction
         y = from_parallel(y, self.comm, self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
@@ -365,6 +392,9 @@ class ReplicatedHeadsLinear(nn.Module):
         super().__init__()
         if linear.bias is not None:
             raise UserError("a k/v projection with a bias cannot replicate kv heads over tp: make tp divide n_kv_heads")
+        if isinstance(linear, LoRALinear):
+            raise UserError("LoRA on a k/v projection whose heads are replicated over tp: make tp divide n_kv_heads "
+                            "or leave it out of lora.targets")
         self.start, self.stop = start, stop
         self.weight = carry_placement(nn.Parameter(linear.weight.detach().clone()), linear.weight)
         sum_gradient_over(self.weight, comm, group)

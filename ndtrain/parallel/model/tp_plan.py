@@ -53,6 +53,7 @@ from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.model_spec import Heads, SequenceCut, parallel_spec
 from ndtrain.config.options import TP_STYLES as STYLES
 from ndtrain.parallel.placement import is_tensor_parallel
+from ndtrain.parallel.model.lora import LoRA
 from ndtrain.parallel.model.moe import parallelize_experts, split_expert_parameter
 from ndtrain.parallel.model.tensor import (
     ColumnParallelLinear, InputOp, ReplicatedHeadsLinear, RowParallelLinear, SplitSequence, sum_gradient_over,
@@ -223,6 +224,7 @@ def _sum_partial_gradients(
     (see the module docstring; `summed`: those with a hook already); installs the sequence cut."""
     comm, group = ctx.comm, ctx.group("tp")
     complete = set(summed) | {id(m.weight) for m in model.modules() if isinstance(m, ReplicatedHeadsLinear)}
+    complete |= {id(p) for m in model.modules() if isinstance(m, LoRA) for p in m.parameters()}  # split_adapter's hook
     partial: set[int] = set()
     if cut is not None:  # parameters before the cut see the whole sequence: their gradient is complete
         complete |= {id(p) for name in cut.before for p in model.get_submodule(name).parameters()}

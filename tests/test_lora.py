@@ -1,0 +1,198 @@
+"""LoRA (`[lora]`, parallel/model/lora.py): adapters on the named linear layers, the rest frozen.
+
+- One process, fp32: the trainable parameters are exactly Σ r·(in + out) over the targets, the
+  gradients 4 bytes and AdamW's moments 2 × 4 bytes each of them, nothing for the frozen base, whose
+  weights stay bit-identical while the adapters move.
+- Parity, float64, 2 ranks: dp2, ZeRO-1/2/3, tp2 (with and without sequence parallelism) and pp2 end
+  where one process ends (≤ 1e-9 relative), the base bit-identical, no rank holding gradient for it.
+- Export: `--format peft` loads with `peft.PeftModel.from_pretrained` onto the HF base model and gives
+  ndtrain's logits; `--format hf` merges the adapters (W + B A · alpha/r) and gives them too.
+- Refusals: a target matching no linear layer (naming those that exist), r < 0, no targets, and the
+  layouts LoRA does not run under, each one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ndtrain.checkpoint.export_hf import export_hf
+from ndtrain.checkpoint.export_peft import export_peft
+from ndtrain.checkpoint.run_model import build_run_model, load_run
+from ndtrain.config import ParallelConfig, load_config
+from ndtrain.dist.mesh import init
+from ndtrain.engine import Engine
+from ndtrain.errors import UserError
+from ndtrain.models.llama import build_model
+from ndtrain.models.llama_hf import builtin_to_hf
+from ndtrain.parallel.model.lora import apply_lora, lora_layers
+from ndtrain.parallel.model.tensor import ReplicatedHeadsLinear
+from ndtrain.trainer import Trainer
+from tests.helpers.layouts import DTYPE, MAX_NORM, MODEL, State, adamw, batch
+from tests.helpers.models import shard
+from tests.helpers.parity import assert_params_close
+from tests.helpers.reference import Reference, train_reference
+from tests.helpers.runner import case_result, init_method, run_distributed, run_each
+from tests.helpers.runs import corpus_file, tiny_config
+
+R, ALPHA, TARGETS = 4, 8.0, ["wq", "wv", "w2"]  # wq, wv column-parallel under tp; w2 row-parallel
+STEPS = 3
+CASES: dict[str, dict[str, Any]] = {
+    "dp2": dict(dp=2),
+    "zero1": dict(dp=2, zero=1),
+    "zero2": dict(dp=2, zero=2),
+    "zero3": dict(dp=2, zero=3),
+    "tp2": dict(dp=1, tp=2),
+    "tp2-sp": dict(dp=1, tp=2, sequence_parallel=True),
+    "pp2": dict(dp=1, pp=2),
+}
+
+
+def lora_model(dtype: torch.dtype = DTYPE) -> nn.Module:
+    return apply_lora(build_model(MODEL, seed=0).to(dtype), TARGETS, R, ALPHA, 0.0, seed=0)
+
+
+def trainable_formula(model: nn.Module) -> int:
+    """Σ r·(in + out) over the adapted layers."""
+    return sum(R * (m.in_features + m.out_features) for m in lora_layers(model).values())
+
+
+def base_names(state: State) -> list[str]:
+    return [name for name in state if ".lora." not in name]
+
+
+# ------------------------------------------------------------------------------------ one process
+def test_only_adapters_train_and_hold_state(one_thread: None) -> None:
+    parallel = ParallelConfig(dp=1)
+    engine = Engine(lambda: lora_model(torch.float32), adamw, init(parallel), parallel)
+    initial = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    trainable = [p for p in engine.model.parameters() if p.requires_grad]
+    count = trainable_formula(engine.model)
+    assert count == 4 * (R * (32 + 32) + R * (32 + 16) + R * (64 + 32))  # 4 layers of wq, wv (2 kv heads), w2
+    assert sum(p.numel() for p in trainable) == count
+    for s in range(2):
+        engine.train_step([batch(s)])
+    held = engine.model_state_bytes()
+    assert held["gradients"] == 4 * count
+    state = engine.optimizer.state
+    assert {id(p) for p in state} == {id(p) for p in trainable}
+    moments = sum(s[k].numel() * s[k].element_size() for s in state.values() for k in ("exp_avg", "exp_avg_sq"))
+    assert moments == 2 * 4 * count
+    assert held["optimizer"] == moments + sum(s["step"].numel() * s["step"].element_size() for s in state.values())
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], initial[k]) for k in base_names(initial))
+    assert all(not torch.equal(after[k], initial[k]) for k in initial if k.endswith("lora.B"))
+    assert all(p.grad is None for p in engine.model.parameters() if not p.requires_grad)
+
+
+# ------------------------------------------------------------------------------------ parity
+def reference() -> Reference:
+    model = lora_model()
+    optimizer = adamw([{"params": [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]},
+                       {"params": [p for p in model.parameters() if p.requires_grad and p.ndim < 2],
+                        "weight_decay": 0.0}])
+    return train_reference(model, optimizer, map(batch, range(STEPS)), clip=MAX_NORM)
+
+
+def _case(case: str) -> dict[str, Any]:
+    parallel = ParallelConfig(**CASES[case])
+    ctx = init(parallel, init_method=init_method())
+    engine = Engine(lora_model, adamw, ctx, parallel, grad_clip=MAX_NORM)
+    dp, rank = ctx.size("dp"), ctx.coord("dp")
+    for s in range(STEPS):
+        engine.train_step(shard(batch(s), rank, dp, 2))
+    return {"state": engine.full_state_dict(), "bytes": engine.model_state_bytes()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return run_distributed(run_each, 2, _case, list(CASES), timeout=600)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("case", list(CASES))
+def test_lora_under_layout_equals_one_process(case: str, runs: list[dict[str, Any]]) -> None:
+    expected = reference().state
+    initial = lora_model().state_dict()
+    count = trainable_formula(lora_model())
+    frozen = sum(p.numel() for p in lora_model().parameters() if not p.requires_grad)
+    state: State = {}
+    for run in case_result(runs, case):
+        state.update(run["state"])  # a pipeline stage's, or the whole model
+        # float64: at most a bucket and a shard (ZeRO-1) of the adapters' gradient; the base has 16× their elements
+        assert run["bytes"]["gradients"] <= 2 * 8 * count < 8 * frozen // 4
+        if case == "dp2":
+            assert run["bytes"]["gradients"] == 8 * count
+        if case in ("dp2", "zero1", "zero2"):  # parameters replicated: the frozen base counted whole, once
+            assert run["bytes"]["parameters"] == 8 * (frozen + count)
+        if case == "zero3":  # the frozen base whole, the adapters sharded
+            assert 8 * frozen < run["bytes"]["parameters"] < 8 * (frozen + count)
+    assert all(torch.equal(state[k], initial[k]) for k in base_names(initial)), "a frozen weight moved"
+    assert all(not torch.equal(state[k], initial[k]) for k in initial if k.endswith("lora.B"))
+    assert_params_close(state, expected, 1e-9, case)
+
+
+# ------------------------------------------------------------------------------------ export
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's call
+def test_export_peft_and_merged_hf_give_ndtrains_logits(tmp_path: Path, one_thread: None) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = tiny_config(corpus_file(tmp_path), str(tmp_path / "run"), **{
+        "parallel.dp": 1, "schedule.steps": 3, "optim.lr": 1e-2, "lora.r": R, "lora.alpha": ALPHA,
+        "lora.targets": ["wq", "wv", "w2"]})
+    Trainer(cfg, init(cfg.parallel)).run()
+    _, ours, _ = load_run(Path(cfg.log.out))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours(tokens)
+    start = build_run_model(cfg.model, cfg.seed)  # the base the run started from (the adapters aside, frozen)
+    base = builtin_to_hf(start, cfg.model)
+    _, files = export_peft(Path(cfg.log.out), tmp_path / "adapter")
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        got = adapted(input_ids=tokens).logits
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-6, f"peft logits differ by {err:.3e}"
+    with adapted.disable_adapter(), torch.no_grad():
+        assert not torch.allclose(adapted(input_ids=tokens).logits, want, atol=1e-4)  # the adapters matter
+    export_hf(Path(cfg.log.out), tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), local_files_only=True)
+    with torch.no_grad():
+        err = ((merged(input_ids=tokens).logits - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-6, f"merged logits differ by {err:.3e}"
+    with pytest.raises(UserError, match="already exists"):
+        export_peft(Path(cfg.log.out), tmp_path / "adapter")
+
+
+# ------------------------------------------------------------------------------------ refusals
+def test_target_matching_nothing_names_the_linear_layers() -> None:
+    with pytest.raises(UserError) as e:
+        apply_lora(build_model(MODEL, seed=0), ["q_proj"], R, ALPHA, 0.0, seed=0)
+    message = str(e.value)
+    assert "\n" not in message and "['q_proj']" in message and "output, w1, w2, w3, wk, wo, wq, wv" in message
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"lora.r": -1}, "lora.r must be >= 0"),
+    ({"lora.r": 4}, "needs lora.targets"),
+    ({"lora.r": 4, "lora.targets": ["wq"], "parallel.precision": "bf16"}, "does not combine with parallel.precision"),
+    ({"lora.r": 4, "lora.targets": ["wq"], "lora.dropout": 0.1, "parallel.tp": 2}, "draw different masks"),
+    ({"lora.r": 4, "lora.targets": ["wq"], "ps.servers": 1}, "does not combine with ps.servers"),
+])
+def test_config_refusals_are_one_line(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(UserError, match=message) as e:
+        load_config(None, overrides).validate()
+    assert "\n" not in str(e.value)
+
+
+def test_replicated_kv_heads_refuse_an_adapter() -> None:
+    """tp above the kv heads replicates wk/wv on every rank: an adapter there is refused in one line."""
+    model = apply_lora(build_model(dataclasses.replace(MODEL, n_kv_heads=1), seed=0), ["wv"], R, ALPHA, 0.0, seed=0)
+    with pytest.raises(UserError, match="replicated over tp"):
+        ReplicatedHeadsLinear(model.layers[0].attention.wv, None, None, 0, 8)  # type: ignore[arg-type]
