@@ -5,8 +5,10 @@
   weights stay bit-identical while the adapters move.
 - Parity, float64, 2 ranks: dp2, ZeRO-1/2/3, tp2 (with and without sequence parallelism) and pp2 end
   where one process ends (≤ 1e-9 relative), the base bit-identical, no rank holding gradient for it.
+- Checkpoints hold adapters and base under unsharded names: ZeRO-3's, tp2's and pp2's load into one process.
 - Export: `--format peft` loads with `peft.PeftModel.from_pretrained` onto the HF base model and gives
-  ndtrain's logits; `--format hf` merges the adapters (W + B A · alpha/r) and gives them too.
+  ndtrain's logits (built-in Llama and an hf:PATH Llama); `--format hf` and the in-memory conversion
+  merge the adapters (W + B A · alpha/r) and give them too.
 - Refusals: a target matching no linear layer (naming those that exist), r < 0, no targets, and the
   layouts LoRA does not run under, each one line.
 """
@@ -99,19 +101,29 @@ def reference() -> Reference:
     return train_reference(model, optimizer, map(batch, range(STEPS)), clip=MAX_NORM)
 
 
-def _case(case: str) -> dict[str, Any]:
+def _case(root: str, case: str) -> dict[str, Any]:
     parallel = ParallelConfig(**CASES[case])
     ctx = init(parallel, init_method=init_method())
     engine = Engine(lora_model, adamw, ctx, parallel, grad_clip=MAX_NORM)
     dp, rank = ctx.size("dp"), ctx.coord("dp")
     for s in range(STEPS):
         engine.train_step(shard(batch(s), rank, dp, 2))
+    engine.save(f"{root}/{case}")
     return {"state": engine.full_state_dict(), "bytes": engine.model_state_bytes()}
 
 
+def _cases(root: str) -> dict[str, Any]:
+    return run_each(lambda case: _case(root, case), CASES)
+
+
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
-    return run_distributed(run_each, 2, _case, list(CASES), timeout=600)
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lora")
+
+
+@pytest.fixture(scope="module")
+def runs(root: Path) -> list[dict[str, Any]]:
+    return run_distributed(_cases, 2, str(root), timeout=600)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -135,6 +147,20 @@ def test_lora_under_layout_equals_one_process(case: str, runs: list[dict[str, An
     assert all(torch.equal(state[k], initial[k]) for k in base_names(initial)), "a frozen weight moved"
     assert all(not torch.equal(state[k], initial[k]) for k in initial if k.endswith("lora.B"))
     assert_params_close(state, expected, 1e-9, case)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("case", ["zero3", "tp2", "pp2"])
+def test_checkpoint_of_a_layout_loads_into_one_process(case: str, root: Path, runs: list[dict[str, Any]]) -> None:
+    """Adapters and base are stored under their unsharded names: one process gets the run's exact weights."""
+    parallel = ParallelConfig(dp=1)
+    engine = Engine(lora_model, adamw, init(parallel), parallel)
+    assert engine.load(root / case)["step"] == STEPS
+    state: State = {}
+    for run in case_result(runs, case):
+        state.update(run["state"])
+    loaded = engine.full_state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
 
 
 # ------------------------------------------------------------------------------------ export
@@ -168,6 +194,41 @@ def test_export_peft_and_merged_hf_give_ndtrains_logits(tmp_path: Path, one_thre
     assert err <= 1e-6, f"merged logits differ by {err:.3e}"
     with pytest.raises(UserError, match="already exists"):
         export_peft(Path(cfg.log.out), tmp_path / "adapter")
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's call
+def test_hf_model_adapters_export_to_peft(tmp_path: Path, one_thread: None) -> None:
+    """An hf:PATH Llama with q_proj/v_proj adapters: peft on the model the run started from gives the run's logits."""
+    peft = pytest.importorskip("peft")
+    from tests.helpers.hf import hf_dir, hf_run_config  # needs transformers
+
+    cfg = hf_run_config(corpus_file(tmp_path), str(tmp_path / "run"), hf_dir(tmp_path, "llama"), **{
+        "parallel.dp": 1, "schedule.steps": 2, "optim.lr": 1e-2, "lora.r": R, "lora.targets": ["q_proj", "v_proj"]})
+    Trainer(cfg, init(cfg.parallel)).run()
+    _, ours, _ = load_run(Path(cfg.log.out))
+    assert {n.rpartition(".")[2] for n in lora_layers(ours)} == {"q_proj", "v_proj"}
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    export_peft(Path(cfg.log.out), tmp_path / "adapter")
+    base = build_run_model(cfg.model, cfg.seed).hf.eval()
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        want, got = ours(tokens), adapted(input_ids=tokens).logits
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-6, f"peft logits differ by {err:.3e}"
+
+
+def test_builtin_conversion_merges_the_adapters() -> None:
+    """`builtin_to_hf` (generate's and export's conversion) folds W + B A · alpha/r into LlamaForCausalLM."""
+    model = lora_model(torch.float32).eval()
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora.B.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, got = model(tokens), builtin_to_hf(model, MODEL)(input_ids=tokens).logits
+    assert lora_layers(model)  # the model itself keeps its adapters
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-6, f"converted logits differ by {err:.3e}"
 
 
 # ------------------------------------------------------------------------------------ refusals

@@ -17,6 +17,7 @@ from torch import nn
 from ndtrain.config import ModelConfig
 from ndtrain.errors import UserError
 from ndtrain.models.hf import require_transformers
+from ndtrain.parallel.model.lora import merged_state_dict
 
 # built-in Llama name (regex) → LlamaForCausalLM name
 LLAMA_TO_HF: list[tuple[str, str]] = [
@@ -74,8 +75,8 @@ def llama_hf_config(cfg: ModelConfig) -> Any:
 
 
 def builtin_to_hf(model: nn.Module, cfg: ModelConfig) -> nn.Module:
-    """A `LlamaForCausalLM` holding the built-in model's weights (fp32)."""
+    """A `LlamaForCausalLM` holding the built-in model's weights (fp32; LoRA adapters merged)."""
     transformers = require_transformers()
     hf_model = transformers.LlamaForCausalLM(llama_hf_config(cfg)).to(torch.float32)
-    hf_model.load_state_dict(llama_names_to_hf(model.state_dict()), strict=True)
+    hf_model.load_state_dict(llama_names_to_hf(merged_state_dict(model)), strict=True)
     return hf_model.eval()

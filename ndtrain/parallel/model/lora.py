@@ -125,3 +125,14 @@ def merge_lora(model: nn.Module) -> nn.Module:
                 linear.bias.copy_(layer.bias)
         setattr(model.get_submodule(parent_name), child, linear)
     return model
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with every adapter merged into its base weight and its own entries gone:
+    the state of the model without LoRA that computes the same (`model` is left as it is)."""
+    state = model.state_dict()
+    for name, layer in lora_layers(model).items():
+        state[f"{name}.weight"] = layer.merged()
+        for key in (f"{name}.lora.A", f"{name}.lora.B"):
+            del state[key]
+    return state
