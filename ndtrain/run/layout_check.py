@@ -2,7 +2,8 @@
 worker starts and before the run directory is made.
 
 The run's model is built on the meta device (`models/build.build_meta_model`: the modules and shapes
-the workers build, no memory, no weights read), named and given its spec as the engine does, then
+the workers build, no memory, no weights read), with its LoRA adapters (`lora.targets` checked against its
+linear layers for every layout), named and given its spec as the engine does, then
 handed to the code the workers run on it — `parallel/compose.prepare_model` (the tp plan and its
 head/feature divisibility, recomputation, context parallel's attention seam, the pipeline cut and its
 layers per stage) — with a `ParallelContext` of one process (`dry_run_context`), and to the checks the
@@ -27,6 +28,7 @@ from datetime import timedelta
 
 import torch
 
+from ndtrain.checkpoint.run_model import with_lora
 from ndtrain.config import TrainConfig
 from ndtrain.dist.comm import Communicator, Group
 from ndtrain.dist.mesh import AXES, GROUP_AXES, ParallelContext, group_members, rank_coords
@@ -44,7 +46,11 @@ from ndtrain.run.tasks import TASKS
 def check_layout_on_meta(cfg: TrainConfig, world_size: int) -> None:
     """Refuse (UserError, the workers' own line) a layout of `world_size` ranks the run's model cannot take."""
     p = cfg.parallel
-    if cfg.ps.servers or cfg.model.preset in TASKS or p.tp * p.cp * p.pp == 1:
+    if cfg.ps.servers or cfg.model.preset in TASKS:
+        return
+    if cfg.lora.r:  # lora.targets against the model's linear layers, whatever the layout
+        with_lora(build_meta_model(cfg.model), cfg.lora, cfg.seed)
+    if p.tp * p.cp * p.pp == 1:
         return
     dp = p.resolve_dp(world_size)
     sizes = {"dp": dp, "cp": p.cp, "pp": p.pp, "tp": p.tp}
@@ -55,7 +61,7 @@ def check_layout_on_meta(cfg: TrainConfig, world_size: int) -> None:
     if p.pp > 1:
         schedules.check(p.pp_schedule, p.pp, cfg.schedule.accumulation_steps(dp), p.pp_virtual)
     for rank in sorted({0, world_size - 1}):
-        model = build_meta_model(cfg.model)
+        model = with_lora(build_meta_model(cfg.model), cfg.lora, cfg.seed)
         name_parameters(model)
         spec = spec_of(model)
         if spec is not None:
