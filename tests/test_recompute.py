@@ -81,7 +81,7 @@ def test_core_runs_again_in_backward() -> None:
     calls = []
     for layer in model.layers:
         inner = layer.attention.attend.inner
-        layer.attention.attend.inner = lambda q, k, v, inner=inner: calls.append(1) or inner(q, k, v)
+        layer.attention.attend.inner = lambda q, k, v, documents=None, inner=inner: calls.append(1) or inner(q, k, v, documents)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(SEED))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     assert len(calls) == cfg.n_layers

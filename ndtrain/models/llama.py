@@ -11,11 +11,14 @@ tensor-parallel shard of wq/wk/wv holding a subset of heads runs this code uncha
 are computed per forward from the positions, so nothing position-dependent is in the state_dict.
 
 Seams for the parallel strategies (each an attribute a strategy may replace, never a flag):
-- `Attention.attend(q, k, v)`: the position-mixing core (context parallel swaps in ring attention);
+- `Attention.attend(q, k, v, documents)`: the position-mixing core (context parallel swaps in ring
+  attention); `documents` (parallel/model/documents.py) is None, or the packed documents whose
+  query/key pairs across documents it must not mix;
 - `Llama.loss_fn(logits, targets)`: the loss on the head's output (tensor parallel swaps in a
   vocab-parallel cross-entropy over logit shards);
-- `forward(tokens, targets, positions)`: positions default to 0..T−1 (a sequence shard passes its
-  global positions);
+- `forward(tokens, targets, positions)`: positions default to 0..T−1; [T] are shared by every row (a
+  context-parallel shard's global positions), [B, T] are per row (packed documents: positions restart
+  at 0 where a document starts, and attention never crosses a document boundary);
 - `embed` / `layers` / `head`: the three parts a pipeline stage is cut from.
 How the strategies split this model (tp plan, pipeline stages, recompute figures) is in
 models/llama_parallel.py, which `Llama.parallel_spec()` returns.
@@ -31,22 +34,27 @@ from torch import nn
 
 from ndtrain.config import ModelConfig
 from ndtrain.models.llama_parallel import LlamaParallel
+from ndtrain.parallel.model.documents import Documents, packed_documents
 from ndtrain.parallel.precision import at_least_fp32
 from ndtrain.parallel.target_mean import mean_cross_entropy
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, each [len(positions), head_dim / 2], in fp32, or in `dtype`
-    where that is wider (float64: a float32 table would differ by an ulp between CPU and CUDA cos)."""
+    """cos and sin of the rotation angles, each [*positions.shape, head_dim / 2] (positions [T] or [B, T]),
+    in fp32, or in `dtype` where that is wider (float64: a float32 table would differ by an ulp between
+    CPU and CUDA cos)."""
     wide = torch.promote_types(torch.float32, dtype)
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=wide, device=positions.device) / head_dim)
-    angles = positions.to(wide)[:, None] * inv_freq[None, :]
+    angles = positions.to(wide)[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the last dim of x [B, heads, T, h] by the angles for its T positions."""
+    """Rotate the two halves of the last dim of x [B, heads, T, h] by the angles for its T positions
+    (tables [T, h/2], or [B, T, h/2] for per-row positions)."""
+    if cos.ndim == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     first, second = at_least_fp32(x).chunk(2, dim=-1)
     rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
     return rotated.type_as(x)
@@ -73,17 +81,20 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attend(q, k, v)
+        out = self.attend(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     @staticmethod
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of q [B, H, T, h] over k, v [B, K, T, h] (K divides H) → [B, H, T, h]."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """Causal attention of q [B, H, T, h] over k, v [B, K, T, h] (K divides H) → [B, H, T, h]; with
+        `documents` whose rows have a boundary, within each document only (a block-diagonal causal mask)."""
+        mask = None if documents is None else documents.causal_mask()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
 
 class FeedForward(nn.Module):
@@ -109,8 +120,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -149,13 +161,15 @@ class Llama(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, V], or with targets the mean cross-entropy over all B·T tokens (fp32 scalar).
 
-        `positions` [T] are the tokens' places in the sequence (default 0..T−1)."""
+        `positions` are the tokens' places in their sequence: [T] for every row (default 0..T−1), or
+        [B, T] per row, restarting at 0 where a packed document starts."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = self.rotary(positions)
+        documents = packed_documents(positions)
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, documents)
         return self.head(x, targets)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

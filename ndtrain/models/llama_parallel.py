@@ -48,6 +48,7 @@ from ndtrain.config import ModelConfig
 from ndtrain.config.options import RecomputeMode
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.errors import UserError
+from ndtrain.parallel.model.documents import packed_documents
 from ndtrain.parallel.model.tensor import ColumnParallelLinear, GatherLastDim
 from ndtrain.parallel.model.vocab import VocabParallelCrossEntropy
 from ndtrain.parallel.model_spec import Heads, LossFn, ModelParallel, Timer
@@ -170,14 +171,17 @@ class LlamaStage(nn.Module):
     ) -> torch.Tensor:
         """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation, or on
         the last stage the loss (the logits without targets). The sequence length is the targets'
-        when given (activations may be sequence shards); `positions` [T/cp] are a context-parallel
-        shard's global positions (default 0..T−1)."""
+        when given (activations may be sequence shards); `positions` as `Llama.forward`'s: [T/cp] a
+        context-parallel shard's global positions, [B, T] (or a cp shard of them) per-row positions of
+        packed documents, which every stage's attention keeps apart (default 0..T−1)."""
         seq = (x if targets is None else targets).shape[1]
-        cos, sin = self.rotary(torch.arange(seq, device=x.device) if positions is None else positions)
+        positions = torch.arange(seq, device=x.device) if positions is None else positions
+        cos, sin = self.rotary(positions)
+        documents = packed_documents(positions)
         if self.first:
             x = self.embed(x)
         for layer in self.layers.values():
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, documents)
         return self.head(x, targets) if self.last else x
 
 

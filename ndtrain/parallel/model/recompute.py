@@ -8,7 +8,7 @@ arguments passed through (HF layers take `attention_mask=`, `position_embeddings
   the shared RoPE tables) are kept, and the whole block runs again in backward (one extra
   forward of every block: ≈ +33% compute).
 - `selective` (Megatron's selective recomputation, Korthikanti et al. 2022): only the attention
-  core, the `Attention.attend(q, k, v)` seam, runs under checkpoint; q, k, v are kept (they are
+  core, the `Attention.attend(q, k, v, documents)` seam, runs under checkpoint; q, k, v are kept (they are
   its inputs), its output and log-sum-exp are recomputed. The seam becomes a `SelectiveRecompute`
   whose `.inner` is the previous core, so `apply_context_parallel` before or after puts ring
   attention inside it. Recomputing ring attention runs its forward ring again in backward: c−1
@@ -40,19 +40,21 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ndtrain.errors import UserError
+from ndtrain.parallel.model.documents import Documents
 from ndtrain.parallel.model_spec import decoder_layers, parallel_spec
 from ndtrain.config.options import RECOMPUTE_MODES as MODES
 from ndtrain.config.options import RecomputeMode
 
 
 class SelectiveRecompute:
-    """An `attend(q, k, v)` seam that recomputes its `inner` core in backward instead of saving it."""
+    """An `attend(q, k, v, documents)` seam that recomputes its `inner` core in backward instead of saving it."""
 
     def __init__(self, inner: Callable[..., torch.Tensor]) -> None:
         self.inner = inner
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.inner, q, k, v, use_reentrant=False)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+                 ) -> torch.Tensor:
+        return checkpoint(self.inner, q, k, v, documents, use_reentrant=False)
 
 
 def _with_keywords(forward: Callable[..., Any], kwargs: dict[str, Any], *args: Any) -> Any:
