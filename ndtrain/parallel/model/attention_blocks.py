@@ -4,6 +4,8 @@ that compute it and merge it into the running output by its log-sum-exp —
 
 - tiles (`tile_forward`, `tile_backward`): our own, in tiles of at most tile × tile scores in fp32
   (float64 for a float64 model), causal tiles wholly in the future skipped; any device and dtype;
+  the only kernel that also masks query/key pairs of different packed documents (documents.py),
+  given both sides' document keys;
 - fused (`fused_forward`, `fused_backward`): SDPA's flash kernel on the block (CUDA in bf16/fp16,
   its `_for_cpu` variant on CPU), K/V heads repeated to the query heads (GQA) and their gradients
   summed back; `block_kernel` picks it where it applies.
@@ -19,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from ndtrain.parallel.model.documents import same_document
 from ndtrain.parallel.precision import at_least_fp32
 
 Kernel = Literal["auto", "fused", "tiles"]
@@ -48,42 +51,65 @@ class Block:
                 yield Block(slice(r0, r1), slice(c0, c1), causal=self.causal and c1 - 1 > r0)
 
 
-def _tile_scores(q: torch.Tensor, k: torch.Tensor, tile: Block, scale: float) -> torch.Tensor:
-    """Scaled scores [B,K,G,r,c] of q rows [B,K,G,r,h] against k columns [B,K,1,c,h], the future masked."""
+DocumentKeys = tuple[torch.Tensor, torch.Tensor]  # (the local queries' [B, s], the held keys' [B, s]): documents.py
+
+
+def _tile_scores(q: torch.Tensor, k: torch.Tensor, tile: Block, scale: float,
+                 documents: DocumentKeys | None) -> torch.Tensor:
+    """Scaled scores [B,K,G,r,c] of q rows [B,K,G,r,h] against k columns [B,K,1,c,h], the future and
+    (with `documents`) the pairs of different documents masked."""
     scores = (q @ k.transpose(-1, -2)) * scale
     if tile.causal:
         rows = torch.arange(tile.rows.start, tile.rows.stop, device=q.device)
         cols = torch.arange(tile.cols.start, tile.cols.stop, device=q.device)
         scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    if documents is not None:
+        other = ~same_document(documents[0][:, tile.rows], documents[1][:, tile.cols])
+        scores = scores.masked_fill(other[:, None, None], float("-inf"))
     return scores
 
 
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """`lse` with the −inf of rows that see no key yet made 0, so exp(x − lse) is 0 there, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> None:
+    """Merge a block's output and log-sum-exp of `rows` into the running `out` and `lse` (online
+    softmax); a row neither has seen anything in stays 0 with log-sum-exp −inf."""
+    old = lse[..., rows]
+    merged = torch.logaddexp(old, block_lse)
+    safe = _finite(merged)
+    out[..., rows, :] = (out[..., rows, :] * torch.exp(old - safe).unsqueeze(-1)
+                         + block_out * torch.exp(block_lse - safe).unsqueeze(-1))
+    lse[..., rows] = merged
+
+
 def tile_forward(
-    q: torch.Tensor, kv: torch.Tensor, tile: Block, scale: float, out: torch.Tensor, lse: torch.Tensor
+    q: torch.Tensor, kv: torch.Tensor, tile: Block, scale: float, out: torch.Tensor, lse: torch.Tensor,
+    documents: DocumentKeys | None = None,
 ) -> None:
     """Attention of q [B,K,G,s,h] rows over kv [2,B,K,s,h] columns, merged into the running fp32
-    `out` [B,K,G,s,h] and log-sum-exp `lse` [B,K,G,s] of those rows (online softmax)."""
+    `out` [B,K,G,s,h] and log-sum-exp `lse` [B,K,G,s] of those rows (online softmax); with
+    `documents`, pairs of different documents masked (a row seeing none of the tile's keys gets
+    log-sum-exp −inf and adds nothing)."""
     k, v = (at_least_fp32(t[..., tile.cols, :]).unsqueeze(2) for t in kv)
-    scores = _tile_scores(at_least_fp32(q[..., tile.rows, :]), k, tile, scale)
+    scores = _tile_scores(at_least_fp32(q[..., tile.rows, :]), k, tile, scale, documents)
     tile_lse = scores.logsumexp(dim=-1)
-    tile_out = torch.exp(scores - tile_lse.unsqueeze(-1)) @ v
-    old = lse[..., tile.rows]
-    merged = torch.logaddexp(old, tile_lse)
-    out[..., tile.rows, :] = (
-        out[..., tile.rows, :] * torch.exp(old - merged).unsqueeze(-1)
-        + tile_out * torch.exp(tile_lse - merged).unsqueeze(-1)
-    )
-    lse[..., tile.rows] = merged
+    tile_out = torch.exp(scores - _finite(tile_lse).unsqueeze(-1)) @ v
+    _merge(out, lse, tile.rows, tile_out, tile_lse)
 
 
 def tile_backward(
     q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    tile: Block, scale: float, dq: torch.Tensor, dkv: torch.Tensor,
+    tile: Block, scale: float, dq: torch.Tensor, dkv: torch.Tensor, documents: DocumentKeys | None = None,
 ) -> None:
-    """Add one tile's gradients (probabilities recomputed from the final `lse`) into dq and dkv."""
+    """Add one tile's gradients (probabilities recomputed from the final `lse`, which is finite: every
+    row sees itself) into dq and dkv."""
     q_rows = at_least_fp32(q[..., tile.rows, :])
     k, v = (at_least_fp32(t[..., tile.cols, :]).unsqueeze(2) for t in kv)
-    probs = torch.exp(_tile_scores(q_rows, k, tile, scale) - lse[..., tile.rows].unsqueeze(-1))
+    probs = torch.exp(_tile_scores(q_rows, k, tile, scale, documents) - lse[..., tile.rows].unsqueeze(-1))
     dout_rows = dout[..., tile.rows, :]
     dscores = probs * (dout_rows @ v.transpose(-1, -2) - delta[..., tile.rows].unsqueeze(-1))
     dq[..., tile.rows, :] += (dscores @ k) * scale
@@ -141,11 +167,7 @@ def fused_forward(q: torch.Tensor, kv: torch.Tensor, block: Block, scale: float,
     groups = q.shape[1] // kv.shape[2]
     k, v = (_repeat_heads(t[..., block.cols, :], groups) for t in kv)
     block_out, block_lse, extra = _flash_forward(q[..., block.rows, :], k, v, block.causal, scale)
-    old = lse[..., block.rows]
-    merged = torch.logaddexp(old, block_lse)
-    out[..., block.rows, :] = (out[..., block.rows, :] * torch.exp(old - merged).unsqueeze(-1)
-                               + block_out * torch.exp(block_lse - merged).unsqueeze(-1))
-    lse[..., block.rows] = merged
+    _merge(out, lse, block.rows, block_out, block_lse)
     return extra
 
 

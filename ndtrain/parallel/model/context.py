@@ -45,6 +45,18 @@ Recomputing ring attention (selective or full recompute) runs the forward ring a
 backward: (c−1) more K/V exchanges per layer.
 
 In the tiles GQA needs no copies: a query head g·(H/K)+j reads kv head g through broadcasting.
+
+Packed documents (parallel/model/documents.py): given the local tokens' per-row positions [B, s]
+(`shard_sequence` cuts a batch's positions [B, T] like its tokens), each rank computes its tokens'
+document keys (row index − position; the ring knows its chunks' row indices), and the keys travel
+with the K/V they belong to, in the same batched exchange: B·s int64 more per forward step, c−1
+messages per layer; the c key blocks a rank held are kept for backward (B·T int64 per layer) and
+not sent again. Every tile masks query/key pairs of different documents on top of causality, so
+the whole step runs on the tiles kernel (the fused flash kernel takes no arbitrary mask): with
+positions given, "fused" and "auto" give tiles. A tile where a row sees no key of its document
+adds nothing to that row (its log-sum-exp −inf is merged as zero weight, never NaN); every row sees
+itself, so the final log-sum-exp is finite. Without positions (the shard's global positions [s],
+shared by the rows) nothing changes.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ from ndtrain.dist.comm import Communicator, Group, Pending
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.model.attention_blocks import Kernel, Block, block_kernel, tile_forward, tile_backward, fused_forward, fused_backward
+from ndtrain.parallel.model.documents import Documents, document_keys
 from ndtrain.parallel.model_spec import parallel_spec
 from ndtrain.parallel.precision import at_least_fp32, master_dtype
 
@@ -86,18 +99,21 @@ def check_sequence_split(seq_len: int, cp: int) -> None:
         )
 
 
+def chunk_index(chunks: Chunks, chunk_len: int, device: torch.device) -> torch.Tensor:
+    """Row indices [len(chunks)·chunk_len] of the tokens in `chunks`, in order."""
+    return torch.cat([torch.arange(c * chunk_len, (c + 1) * chunk_len, device=device) for c in chunks])
+
+
 def shard_sequence(
-    tokens: torch.Tensor, targets: torch.Tensor, ctx: ParallelContext
+    tokens: torch.Tensor, targets: torch.Tensor, ctx: ParallelContext, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This cp rank's part of `tokens`/`targets` [B, T] and its global positions [T/cp]."""
+    """This cp rank's part of `tokens`/`targets` [B, T] and its positions: its part of the per-row
+    `positions` [B, T] (packed documents) when given, else its global positions [T/cp]."""
     group = ctx.group("cp")
     seq_len = tokens.shape[-1]
     check_sequence_split(seq_len, group.size)
-    n = seq_len // (2 * group.size)
-    positions = torch.cat(
-        [torch.arange(c * n, (c + 1) * n, device=tokens.device) for c in balanced_chunks(group.rank, group.size)]
-    )
-    return tokens[..., positions], targets[..., positions], positions
+    index = chunk_index(balanced_chunks(group.rank, group.size), seq_len // (2 * group.size), tokens.device)
+    return tokens[..., index], targets[..., index], index if positions is None else positions[..., index]
 
 
 def block_plan(q_chunks: Chunks, kv_chunks: Chunks, chunk_len: int) -> Block | None:
@@ -155,24 +171,34 @@ class Ring:
         block = self.block(step, local_len)
         return [] if block is None else list(block.tiles(self.tile))
 
-    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, Pending]:
-        """Post: send `send` to the next rank, receive the previous rank's into a new buffer."""
-        received = torch.empty_like(send)
+    def index(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Row indices [local_len] of the tokens this rank holds."""
+        return chunk_index(self.chunks(self.group.rank), local_len // 2, device)
+
+    def exchange(self, *send: torch.Tensor) -> tuple[list[torch.Tensor], Pending]:
+        """Post: send the tensors `send` to the next rank, receive the previous rank's into new buffers."""
+        received = [torch.empty_like(t) for t in send]
         size, rank = self.group.size, self.group.rank
-        pending = self.comm.batch_send_recv([(send, (rank + 1) % size)], [(received, (rank - 1) % size)], self.group)
+        pending = self.comm.batch_send_recv([(t, (rank + 1) % size) for t in send],
+                                            [(t, (rank - 1) % size) for t in received], self.group)
         return received, pending
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float | None
+        fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float | None,
+        positions: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, heads, seq, head_dim = q.shape
-        fused = block_kernel(ring.kernel, q) == "fused"
+        fused = positions is None and block_kernel(ring.kernel, q) == "fused"
         q_blocks = q if fused else q.reshape(batch, k.shape[1], heads // k.shape[1], seq, head_dim)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         kv = torch.stack((k, v))
+        # packed documents: the document keys of the local tokens travel with their K/V
+        keys = [] if positions is None else [document_keys(positions, ring.index(seq, q.device))]
+        local_keys = keys[0] if keys else None
+        held_keys: list[torch.Tensor] = []  # the keys of the K/V held at each step, for backward
         size = ring.group.size
         acc = master_dtype(q.dtype)  # fp32, or float64 for a float64 model
         out = torch.zeros(q_blocks.shape, dtype=acc, device=q.device)
@@ -180,25 +206,27 @@ class _RingAttention(torch.autograd.Function):
         extras: list[tuple[torch.Tensor, ...]] = []  # the fused kernel's per-block state for backward
         for step in range(size):  # step 0: the rank's own chunks, a causal block where every row sees itself
             if step < size - 1:
-                next_kv, pending = ring.exchange(kv)  # travels while this block is computed
+                (next_kv, *next_keys), pending = ring.exchange(kv, *keys)  # travels while this block is computed
             block = ring.block(step, seq)
+            documents = None if local_keys is None else (local_keys, keys[0])  # (query keys, key keys)
+            held_keys.extend(keys)
             if fused and block is not None:
                 extras.append(fused_forward(q, kv, block, scale, out, lse))
             elif block is not None:
                 for tile in block.tiles(ring.tile):
-                    tile_forward(q_blocks, kv, tile, scale, out, lse)
+                    tile_forward(q_blocks, kv, tile, scale, out, lse, documents)
             if step < size - 1:
                 pending.wait()
-                kv = next_kv
+                kv, keys = next_kv, next_keys
         result = out.to(q.dtype).view(batch, heads, seq, head_dim)
         fctx.save_for_backward(q, k, v, result, lse)
-        fctx.ring, fctx.scale, fctx.fused, fctx.extras = ring, scale, fused, extras
+        fctx.ring, fctx.scale, fctx.fused, fctx.extras, fctx.held_keys = ring, scale, fused, extras, held_keys
         return result
 
     @staticmethod
     def backward(  # type: ignore[override]
         fctx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         q, k, v, out, lse = fctx.saved_tensors
         ring: Ring = fctx.ring
         batch, heads, seq, head_dim = q.shape
@@ -215,19 +243,21 @@ class _RingAttention(torch.autograd.Function):
         size = ring.group.size
         extras = iter(fctx.extras)
         incoming = None  # (dK/dV buffer, pending) from the previous rank
+        held_keys = fctx.held_keys
         for step in range(size):
             if step < size - 1:
-                next_kv, kv_pending = ring.exchange(kv)
+                (next_kv,), kv_pending = ring.exchange(kv)
             dkv = torch.zeros(kv.shape, dtype=master_dtype(kv.dtype), device=kv.device)
             block = ring.block(step, seq)
+            documents = (held_keys[0], held_keys[step]) if held_keys else None
             if fused and block is not None:
                 fused_backward(q, kv, dout, out_blocks, lse, block, scale, next(extras), dq, dkv)
             elif block is not None:
                 for tile in block.tiles(ring.tile):
-                    tile_backward(q_blocks, kv, dout, lse, delta, tile, scale, dq, dkv)
+                    tile_backward(q_blocks, kv, dout, lse, delta, tile, scale, dq, dkv, documents)
             if incoming is not None:
                 incoming[1].wait()
-                dkv += incoming[0]
+                dkv += incoming[0][0]
             if size > 1:
                 incoming = ring.exchange(dkv)  # to the holder of this K/V next; last step: to its owner
             if step < size - 1:
@@ -235,26 +265,29 @@ class _RingAttention(torch.autograd.Function):
                 kv = next_kv
         if incoming is not None:
             incoming[1].wait()
-            dkv = incoming[0]
-        return dq.to(q.dtype).view(q.shape), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+            dkv = incoming[0][0]
+        return dq.to(q.dtype).view(q.shape), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 class RingAttend:
-    """The `attend(q, k, v)` seam as ring attention over one cp group."""
+    """The `attend(q, k, v, documents)` seam as ring attention over one cp group."""
 
     def __init__(self, ring: Ring) -> None:
         self.ring = ring
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self.ring, None)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+                 ) -> torch.Tensor:
+        return _RingAttention.apply(q, k, v, self.ring, None, None if documents is None else documents.positions)
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the local q [B, H, s, h] over the whole sequence's k, v [B, K, s, h] per rank;
-    scores scaled by `scale` (default 1/√h)."""
-    return _RingAttention.apply(q, k, v, ring, scale)
+    scores scaled by `scale` (default 1/√h); with the local tokens' per-row `positions` [B, s] of packed
+    documents, within each document only."""
+    return _RingAttention.apply(q, k, v, ring, scale, positions)
 
 
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext, *, tile: int = DEFAULT_TILE,
