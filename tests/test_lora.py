@@ -3,8 +3,9 @@
 - One process, fp32: the trainable parameters are exactly Σ r·(in + out) over the targets, the
   gradients 4 bytes and AdamW's moments 2 × 4 bytes each of them, nothing for the frozen base, whose
   weights stay bit-identical while the adapters move.
-- Parity, float64, 2 ranks: dp2, ZeRO-1/2/3, tp2 (with and without sequence parallelism) and pp2 end
-  where one process ends (≤ 1e-9 relative), the base bit-identical, no rank holding gradient for it.
+- Parity, float64, 2 ranks: dp2, ZeRO-1/2/3, tp2 (with and without sequence parallelism, every adapter
+  split with its base) and pp2 end where one process ends (≤ 1e-9 relative), the base bit-identical, no
+  rank holding gradient for it; an HF Llama's q/v/o_proj adapters likewise under its own tp plan.
 - Checkpoints hold adapters and base under unsharded names: ZeRO-3's, tp2's and pp2's load into one process.
 - Export: `--format peft` loads with `peft.PeftModel.from_pretrained` onto the HF base model and gives
   ndtrain's logits (built-in Llama and an hf:PATH Llama); `--format hf` and the in-memory conversion
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from ndtrain.models.llama import build_model
 from ndtrain.models.llama_hf import builtin_to_hf
 from ndtrain.parallel.model.lora import apply_lora, lora_layers
 from ndtrain.parallel.model.tensor import ReplicatedHeadsLinear
+from ndtrain.parallel.placement import is_tensor_parallel
 from ndtrain.trainer import Trainer
 from tests.helpers.layouts import DTYPE, MAX_NORM, MODEL, State, adamw, batch
 from tests.helpers.models import shard
@@ -52,11 +55,24 @@ CASES: dict[str, dict[str, Any]] = {
     "tp2": dict(dp=1, tp=2),
     "tp2-sp": dict(dp=1, tp=2, sequence_parallel=True),
     "pp2": dict(dp=1, pp=2),
+    "hf-tp2": dict(dp=1, tp=2),  # an HF Llama under its own tp plan: q_proj, v_proj colwise, o_proj rowwise
 }
+HF_TARGETS = ["q_proj", "v_proj", "o_proj"]
 
 
 def lora_model(dtype: torch.dtype = DTYPE) -> nn.Module:
     return apply_lora(build_model(MODEL, seed=0).to(dtype), TARGETS, R, ALPHA, 0.0, seed=0)
+
+
+def hf_lora_model() -> nn.Module:
+    """A float64 HF Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) in ndtrain's CausalLM, with adapters."""
+    from tests.helpers.hf import make_model  # needs transformers
+
+    return apply_lora(make_model("llama"), HF_TARGETS, R, ALPHA, 0.0, seed=0)
+
+
+def case_model(case: str) -> nn.Module:
+    return hf_lora_model() if case.startswith("hf-") else lora_model()
 
 
 def trainable_formula(model: nn.Module) -> int:
@@ -93,8 +109,9 @@ def test_only_adapters_train_and_hold_state(one_thread: None) -> None:
 
 
 # ------------------------------------------------------------------------------------ parity
-def reference() -> Reference:
-    model = lora_model()
+@functools.cache
+def reference(hf: bool) -> Reference:
+    model = hf_lora_model() if hf else lora_model()
     optimizer = adamw([{"params": [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]},
                        {"params": [p for p in model.parameters() if p.requires_grad and p.ndim < 2],
                         "weight_decay": 0.0}])
@@ -104,12 +121,13 @@ def reference() -> Reference:
 def _case(root: str, case: str) -> dict[str, Any]:
     parallel = ParallelConfig(**CASES[case])
     ctx = init(parallel, init_method=init_method())
-    engine = Engine(lora_model, adamw, ctx, parallel, grad_clip=MAX_NORM)
+    engine = Engine(lambda: case_model(case), adamw, ctx, parallel, grad_clip=MAX_NORM)
     dp, rank = ctx.size("dp"), ctx.coord("dp")
     for s in range(STEPS):
         engine.train_step(shard(batch(s), rank, dp, 2))
     engine.save(f"{root}/{case}")
-    return {"state": engine.full_state_dict(), "bytes": engine.model_state_bytes()}
+    split = [n for n, p in engine.model.named_parameters() if ".lora." in n and is_tensor_parallel(p)]
+    return {"state": engine.full_state_dict(), "bytes": engine.model_state_bytes(), "split": split}
 
 
 def _cases(root: str) -> dict[str, Any]:
@@ -129,10 +147,13 @@ def runs(root: Path) -> list[dict[str, Any]]:
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("case", list(CASES))
 def test_lora_under_layout_equals_one_process(case: str, runs: list[dict[str, Any]]) -> None:
-    expected = reference().state
-    initial = lora_model().state_dict()
-    count = trainable_formula(lora_model())
-    frozen = sum(p.numel() for p in lora_model().parameters() if not p.requires_grad)
+    if case.startswith("hf-"):
+        pytest.importorskip("transformers")
+    expected = reference(case.startswith("hf-")).state
+    model = case_model(case)
+    initial = model.state_dict()
+    count = trainable_formula(model)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     state: State = {}
     for run in case_result(runs, case):
         state.update(run["state"])  # a pipeline stage's, or the whole model
@@ -140,6 +161,8 @@ def test_lora_under_layout_equals_one_process(case: str, runs: list[dict[str, An
         assert run["bytes"]["gradients"] <= 2 * 8 * count < 8 * frozen // 4
         if case == "dp2":
             assert run["bytes"]["gradients"] == 8 * count
+        if "tp2" in case:  # every adapter has one matrix split with its base layer
+            assert len(run["split"]) == len(lora_layers(model)), run["split"]
         if case in ("dp2", "zero1", "zero2"):  # parameters replicated: the frozen base counted whole, once
             assert run["bytes"]["parameters"] == 8 * (frozen + count)
         if case == "zero3":  # the frozen base whole, the adapters sharded
