@@ -168,7 +168,7 @@ class Engine:
         spec = spec_of(full)  # the model's own, or a bare transformers model's family spec (models/)
         if spec is not None:
             bind_spec(full, spec)  # what the strategies' `parallel_spec(full)` answers
-        self._positions = spec is not None and spec.takes_position_ids  # a context-parallel shard's positions
+        self._positions = spec is not None and spec.takes_position_ids  # a cp shard's or packed documents' positions
         self.model = prepare_model(full, ctx, cfg, tp_plan=tp_plan, loss_fn=loss_fn)
         self.model_parallel = ctx.group("mp").size > 1
         self.mp_state = ModelParallelState(self.model, ctx, full_shapes, cfg.pp_virtual) if self.model_parallel else None
@@ -258,14 +258,24 @@ class Engine:
         """The wrapped model's loss on (tokens, targets[, positions]): its own, or `loss_fn` on its output."""
         if self.loss_fn is None:
             return self.wrapped(*inputs)
-        positions = {"position_ids": inputs[2].unsqueeze(0)} if len(inputs) > 2 and self._positions else {}  # cp shard
+        # a cp shard's global positions [T/cp] (shared by the rows), or per-row positions [B, T] of packed documents
+        positions = {"position_ids": inputs[2] if inputs[2].ndim == 2 else inputs[2].unsqueeze(0)} \
+            if len(inputs) > 2 and self._positions else {}
+        if len(inputs) > 2 and inputs[2].ndim == 2 and not positions:
+            raise UserError("packed documents need a model that takes positions (position_ids=): this one would let "
+                            "them attend to each other; use the built-in Llama or a Hugging Face model, or unpacked data")
         return self.loss_fn(self.wrapped(inputs[0], **positions), inputs[1])
 
-    def _model_inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(tokens, targets) on the device; under context parallelism this rank's sequence shard
-        and its global positions (the cp ranks' token counts add up to the batch's)."""
+    def _model_inputs(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, ...]:
+        """(tokens, targets[, positions]) on the device, `positions` [B, T] the per-row positions of packed
+        documents; under context parallelism this rank's sequence shard and its positions: its part of
+        `positions`, else its global positions [T/cp] (the cp ranks' token counts add up to the batch's)."""
         x, y = self._input(x), self._input(y)
-        return shard_sequence(x, y, self.ctx) if self.ctx.size("cp") > 1 else (x, y)
+        positions = None if positions is None else self._input(positions)
+        if self.ctx.size("cp") > 1:
+            return shard_sequence(x, y, self.ctx, positions)
+        return (x, y) if positions is None else (x, y, positions)
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         """On the device; floating-point inputs in the compute dtype (token ids stay integers)."""
