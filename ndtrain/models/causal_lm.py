@@ -13,7 +13,10 @@ spreads a forward's tokens over ranks), and the model is asked not to compute it
 Seams (attributes a strategy may replace, as on the built-in model):
 - `loss_fn(logits, targets)`: tensor parallel swaps in the vocab-parallel cross-entropy;
 - `full_logits(logits)`: the logits returned without targets (tensor parallel gathers vocab shards);
-- `forward(..., position_ids)`: a sequence shard passes its global positions [T] or [B, T].
+- `forward(..., position_ids)`: a sequence shard passes its global positions [T] (shared by the rows);
+  [B, T] are per-row positions, restarting at 0 where a packed document starts: transformers'
+  sdpa/eager/flex masks then keep documents apart (`find_packed_sequence_indices`, no attention mask
+  given), and under context parallel so does the ring (models/hf_documents.py).
 
 State-dict keys start with `hf.` (the wrapped model's keys under that prefix); exports strip it.
 """
@@ -25,6 +28,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ndtrain.models.hf_documents import ring_documents
 from ndtrain.models.hf_parallel import HFParallel
 from ndtrain.models.hf_router_loss import RoutedParallel, RouterLoss
 from ndtrain.parallel.model_spec import ModelParallel
@@ -47,12 +51,14 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, V], or with targets [B, T] the mean cross-entropy over all B·T tokens (fp32 scalar),
         plus the router loss in train mode when the model adds one."""
-        if position_ids is not None and position_ids.ndim == 1:
+        shared = position_ids is not None and position_ids.ndim == 1
+        if shared:
             position_ids = position_ids.unsqueeze(0).expand(tokens.shape[0], -1)
+        documents = ring_documents(self.hf.config, position_ids, shared)
         router = self.router_loss if targets is not None and self.training else None  # evaluation: cross-entropy
         with router.window() if router is not None else contextlib.nullcontext() as window:
             logits = self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False,
-                             **self._no_router_output).logits
+                             **self._no_router_output, **documents).logits
         if targets is None:
             return self.full_logits(logits)
         loss = self.loss_fn(logits, targets)

@@ -33,7 +33,12 @@ every refusal above is raised by the launcher; a layer that reaches no attention
 
 Positions: each cp rank holds a non-contiguous set of T/cp positions; the engine passes them as
 `position_ids` through the `CausalLM` adapter, so RoPE and GPT-2's learned position embeddings see
-the global positions. Costs: those of ring attention (parallel/model/context.py), per layer.
+the global positions. Packed documents (per-row positions [B, T] that restart at each document,
+parallel/model/documents.py): the adapter and the pipeline stages also hand the shard's positions to
+the attention call as `document_positions=` (models/hf_documents.py: only when this model runs the
+ring), and the ring keeps
+the documents apart (tiles kernel, the documents' keys travelling with K/V). Costs: those of ring
+attention (parallel/model/context.py), per layer.
 """
 
 from __future__ import annotations
@@ -46,11 +51,11 @@ import torch
 from torch import nn
 
 from ndtrain.errors import UserError
+from ndtrain.models.hf_documents import ATTENTION_NAME, DOCUMENTS
 from ndtrain.models.hf_families import Family, family_of, hf_config, hf_model
 from ndtrain.models.hf_stages import End, Incoming, StageEnd, model_parts, shell
 from ndtrain.parallel.model.context import Ring, ring_attention
 
-ATTENTION_NAME = "ndtrain_ring"
 _RING = "_ndtrain_ring"
 _NOT_ATTENTION = frozenset({"position_ids", "use_cache", "output_router_logits", "cache", "past_key_values",
                             "cache_position", "output_attentions"})
@@ -106,10 +111,11 @@ def _ring_attention_forward(
                         "attention module of a decoder layer, so it has no ring: use cp=1")
     cp = seat.cp if isinstance(seat, _Probe) else seat.group.size
     sequence = query.shape[2] * (1 if isinstance(seat, _Probe) else cp)
+    documents = kwargs.pop(DOCUMENTS, None)
     check_attention_call(module, cp, sequence, attention_mask, kwargs)
     if isinstance(seat, _Probe):
         raise _Checked
-    out = ring_attention(query, key, value, seat, scale=scaling)
+    out = ring_attention(query, key, value, seat, scale=scaling, positions=documents)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ndtrain.models.hf_documents import ring_documents
 from ndtrain.models.hf_families import Family, hf_config, hf_model
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -210,14 +211,18 @@ class HFStage(nn.Module):
         """Tokens (first stage) or the activation [B, T or a sequence shard, d] → activation, or on the
         last stage the loss (the logits without targets). The sequence length is the targets' when
         given (under tensor parallel's sequence parallelism activations are sequence shards);
-        `positions` [T/cp] are a context-parallel shard's global positions (default 0..T−1)."""
+        `positions` [T/cp] are a context-parallel shard's global positions (default 0..T−1), [B, T] (or a
+        cp shard of them) per-row positions of packed documents, which attention keeps apart."""
         seq = (x if targets is None else targets).shape[1]
-        position_ids = (torch.arange(seq, device=x.device) if positions is None else positions).unsqueeze(0)
+        positions = torch.arange(seq, device=x.device) if positions is None else positions
+        shared = positions.ndim == 1
+        position_ids = positions.unsqueeze(0) if shared else positions
         if self.first:
             inputs: dict[str, Any] = {"input_ids": x}
         else:  # the prologue reads its shape, dtype and device; the stand-ins replace what it computes
             inputs = {"inputs_embeds": x.new_zeros(()).expand(x.shape[0], seq, x.shape[-1])}
-        call = {**inputs, "position_ids": position_ids, "use_cache": False, **self._options}
+        call = {**inputs, "position_ids": position_ids, "use_cache": False, **self._options,
+                **ring_documents(self.config, position_ids, shared)}
         base = self._base_shell(None if self.first else x)
         if not self.last:
             try:
