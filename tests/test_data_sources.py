@@ -158,7 +158,7 @@ def test_hf_tokenizer_trains_end_to_end_and_generate_decodes_with_it(tmp_path: P
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokenizer hf:" in proc.stdout + proc.stderr
     config = (tmp_path / "run" / "config.toml").read_text()
-    assert f"vocab_size = {len(WORDS) + 2}" in config and f'tokenizer = "{spec}"' in config
+    assert f"vocab_size = {len(WORDS) + 3}" in config and f'tokenizer = "{spec}"' in config
     out = ndtrain("generate", "run", "--prompt", "the quick", "--max-new-tokens", "12", "--temperature", "0",
                   cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]

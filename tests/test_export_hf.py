@@ -154,7 +154,8 @@ def test_hf_model_with_hf_tokenizer_trains_through_the_cli_and_exports_both(tmp_
     sentence = docs[0]
     from tokenizers import Tokenizer
 
-    assert loaded(sentence)["input_ids"] == Tokenizer.from_file(str(tokenizer_file)).encode(sentence).ids
+    saved = Tokenizer.from_file(str(tokenizer_file / "tokenizer.json"))
+    assert loaded(sentence)["input_ids"] == saved.encode(sentence).ids
     _, ours, _ = load_run(run)
     assert_same_logits(logits(transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)),
                        logits(ours))
