@@ -166,10 +166,10 @@ def test_token_file_ends_documents_with_eos_and_stores_starts_and_mask(tmp_path:
     raw[0] ^= 1
     (tmp_path / "cache" / "train.mask").write_bytes(bytes(raw))
     assert prepare_data(data_cfg(path, tmp_path / "cache"), 400, tmp_path, verify=True).file.built
-    # plain text: no mask file, EOS count = document count
+    # plain text in the same cache: the masks go, EOS count = document count
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": f"doc {i}"} for i in range(12)])
-    plain = prepare_data(data_cfg(text, tmp_path / "tcache"), 4, tmp_path)
-    assert not (tmp_path / "tcache" / "train.mask").exists() and plain.file.split("train").mask is None
+    plain = prepare_data(data_cfg(text, tmp_path / "cache"), 4, tmp_path)
+    assert not list((tmp_path / "cache").glob("*.mask")) and plain.file.split("train").mask is None
     tokens = plain.file.reader("train")[:].tolist() + plain.file.reader("val")[:].tolist()
     assert tokens.count(eos) == 12 == plain.file.meta["train_documents"] + plain.file.meta["val_documents"]
 

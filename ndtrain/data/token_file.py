@@ -89,7 +89,9 @@ class TokenReader:
 
     def __getitem__(self, index: slice | int) -> Any:
         if isinstance(index, int):
-            return int(self[index : index + 1][0]) if 0 <= index < self.count else _raise_index(index, self.count)
+            if not 0 <= index < self.count:
+                raise IndexError(f"item {index} out of range for {self.count} items")
+            return int(self[index : index + 1][0])
         start, stop, step = index.indices(self.count)
         if step != 1:
             raise IndexError("a token file reads contiguous ranges only")
@@ -100,10 +102,6 @@ class TokenReader:
             raise UserError(f"token file {str(self.path)!r} became shorter while in use: do not change data.cache "
                             "during a run; restart it to rebuild")
         return torch.frombuffer(buffer, dtype=self.dtype)
-
-
-def _raise_index(index: int, count: int) -> Any:
-    raise IndexError(f"item {index} out of range for {count} items")
 
 
 @dataclass
@@ -226,6 +224,8 @@ def build_token_file(
         (folder / "meta.json").unlink(missing_ok=True)
         for name in (*file_names(masked), "meta.json"):
             os.replace(work / name, folder / name)
+        for name in set(file_names(True)) - set(file_names(masked)):
+            (folder / name).unlink(missing_ok=True)  # a former fine-tuning token file's masks
         return meta
     except OSError as e:
         raise UserError(f"cannot write the token cache {str(folder)!r}: {e.strerror}; set data.cache to a folder with "
