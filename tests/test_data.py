@@ -171,7 +171,7 @@ def test_token_windows() -> None:
     x, y, positions = windows[3]
     assert x.dtype == y.dtype == positions.dtype == torch.int64
     assert x.tolist() == [15, 16, 17, 18, 19] and y.tolist() == [16, 17, 18, 19, 20]
-    assert positions.tolist() == [15, 16, 17, 18, 19]  # one document: the window continues its positions
+    assert positions.tolist() == [0, 1, 2, 3, 4]  # inside one document: counted from the window's start
     assert windows[0][0].tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(IndexError):
         windows[4]

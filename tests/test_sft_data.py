@@ -214,12 +214,12 @@ def test_packed_windows_restart_positions_and_ignore_the_boundary_target(tmp_pat
     assert x.tolist() == [1, 2, 3, 4, 0, 5]
     assert y.tolist() == [2, 3, 4, 0, IGNORE, 6]  # EOS → the next document's first token is no target
     assert positions.tolist() == [0, 1, 2, 3, 4, 0]
-    x, y, positions = windows[1]  # starts inside the second document: its positions go on
+    x, y, positions = windows[1]  # starts inside the second document: positions count from the window's start
     assert x.tolist() == [6, 7, 8, 9, 10, 11] and y.tolist() == [7, 8, 9, 10, 11, 0]
-    assert positions.tolist() == [1, 2, 3, 4, 5, 6]
+    assert positions.tolist() == [0, 1, 2, 3, 4, 5]
     x, y, positions = TokenWindows(data, 8, docs=torch.tensor([0, 5, 13]))[1]
     assert x.tolist() == [8, 9, 10, 11, 0, 12, 13, 14] and y.tolist() == [9, 10, 11, 0, IGNORE, 13, 14, 0]
-    assert positions.tolist() == [3, 4, 5, 6, 7, 0, 1, 2]
+    assert positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
 
 
 def test_a_packed_documents_targets_are_its_own(tmp_path: Path) -> None:
@@ -231,6 +231,10 @@ def test_a_packed_documents_targets_are_its_own(tmp_path: Path) -> None:
     targets = tokens[1 : len(packed) + 1].tolist()
     starts = set(data.file.split("train").docs[:].tolist())
     assert packed == [IGNORE if i + 1 in starts else t for i, t in enumerate(targets)]
+    for i in range(len(data.train)):  # positions: 0 at the window's start and at each document start, else + 1
+        positions = data.train[i][2].tolist()
+        restarts = [j == 0 or i * 7 + j in starts for j in range(7)]
+        assert positions == [0 if r else positions[j - 1] + 1 for j, r in enumerate(restarts)]
 
 
 def test_unpacked_examples_are_padded_and_masked(tmp_path: Path, chat_tokenizer: str) -> None:

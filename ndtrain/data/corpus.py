@@ -6,11 +6,14 @@ whole corpus in memory) that benchmarks and tests use: the same sources and spli
 a token file in a temporary folder.
 
 A sample (`TokenWindows`) is (x, y, positions), each [T] int64 (T = seq_len): inputs, their targets
-(-100 where a token is no target) and each input's position in its document, which restarts at 0 at
-each document start. Packed (`packing=True`), sample i is the window of tokens [i·T, (i+1)·T]:
-documents follow each other, a window that starts inside a document continues its positions, and the
-target that crosses into the next document (from a document's last token, its EOS, to the next
-one's first) is -100, so a packed document's loss is that document's alone. Unpacked, sample i is
+(-100 where a token is no target) and each input's position, which restarts at 0 at each document
+start. Packed (`packing=True`), sample i is the window of tokens [i·T, (i+1)·T]: documents follow
+each other, and the target that crosses into the next document (from a document's last token, its
+EOS, to the next one's first) is -100, so a packed document's loss is that document's alone. The
+document a window starts inside counts its positions from 0 at the window's start (Megatron's
+reset_position_ids): positions stay below T, which a model with learned positions (GPT-2's
+n_positions) needs and which keeps RoPE's fp32 angles small; rotary attention depends only on
+position differences, so it sees the same document either way. Unpacked, sample i is
 document i alone, right-padded to T + 1 tokens with the EOS id; padding targets are -100 and positions
 run on through the padding (no attention mask needed: it lies after the real tokens). A fine-tuning
 token file's mask sets every target that is not a trained token to -100 as well.
@@ -103,7 +106,8 @@ class TokenWindows(Dataset[Sample]):
         starts = _Starts(self.docs)
         first = bisect.bisect_right(starts, start) - 1                     # the document the window starts in
         last = bisect.bisect_right(starts, start + T)                      # documents starting up to its last target
-        bounds = self.docs[first:last].long()
+        bounds = self.docs[first:last].long().clone()                     # (a tensor slice is a view)
+        bounds[0] = start                                                  # the first one's positions start here
         y[bounds[1:] - start - 1] = IGNORE                                 # targets that start a document
         at = torch.arange(start, start + T)
         positions = at - bounds[torch.searchsorted(bounds, at, right=True) - 1]
