@@ -1,5 +1,5 @@
-"""Data: tokenizers, document sources, token files with a deterministic train/val split and their
-fingerprint (identity.py), windows and samplers, the digits images. Imports `config`, `errors` and
+"""Data: tokenizers, document sources, fine-tuning records (sft.py), token files with a deterministic
+train/val split and their fingerprint (identity.py), samples and samplers, the digits images. Imports `config`, `errors` and
 `eval`'s labelled sets (digits): no strategy, model or run."""
 
 from ndtrain.data.corpus import Corpus, TokenWindows, load_corpus
