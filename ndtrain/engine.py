@@ -163,6 +163,7 @@ class Engine:
         name_parameters(full)
         self.buffer_sites = buffer_names(full)  # persistent buffers by their unsharded names (checkpoints)
         self.parameter_count = count_parameters(full)
+        self.trainable_count = count_parameters(full, trainable=True)  # all but a LoRA run's frozen base
         full_shapes = {name: p.shape for name, p in full.named_parameters(remove_duplicate=False)}
         self.loss_fn = loss_fn
         spec = spec_of(full)  # the model's own, or a bare transformers model's family spec (models/)

@@ -351,6 +351,9 @@ class Trainer:
             f"{self.accumulation}",
             f"ndtrain: {cfg.optim.describe_lr(cfg.schedule.global_batch)}",
             f"ndtrain: {describe_optimizer(cfg)}",
+            *([f"ndtrain: LoRA r={cfg.lora.r}, alpha={cfg.lora.alpha:g} on {', '.join(cfg.lora.targets)}: "
+               f"{self.engine.trainable_count:,} trainable of {self.engine.parameter_count:,} parameters, the rest "
+               "frozen"] if cfg.lora.r else []),
             *([f"ndtrain: {batchnorm}"] if batchnorm else []),
             f"ndtrain: run dir {self.run_dir}",
         ])

@@ -188,7 +188,8 @@ def test_checkpoint_of_a_layout_loads_into_one_process(case: str, root: Path, ru
 
 # ------------------------------------------------------------------------------------ export
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's call
-def test_export_peft_and_merged_hf_give_ndtrains_logits(tmp_path: Path, one_thread: None) -> None:
+def test_export_peft_and_merged_hf_give_ndtrains_logits(tmp_path: Path, one_thread: None,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     cfg = tiny_config(corpus_file(tmp_path), str(tmp_path / "run"), **{
@@ -196,6 +197,8 @@ def test_export_peft_and_merged_hf_give_ndtrains_logits(tmp_path: Path, one_thre
         "lora.targets": ["wq", "wv", "w2"]})
     Trainer(cfg, init(cfg.parallel)).run()
     _, ours, _ = load_run(Path(cfg.log.out))
+    count = trainable_formula(ours)
+    assert f"ndtrain: LoRA r={R}, alpha={ALPHA:g} on wq, wv, w2: {count:,} trainable of " in capsys.readouterr().out
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ours(tokens)

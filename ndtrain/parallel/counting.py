@@ -7,6 +7,6 @@ from __future__ import annotations
 from torch import nn
 
 
-def count_parameters(model: nn.Module) -> int:
-    """Number of parameter elements, a tied (shared) tensor counted once."""
-    return sum(p.numel() for p in model.parameters())
+def count_parameters(model: nn.Module, trainable: bool = False) -> int:
+    """Number of parameter elements, a tied (shared) tensor counted once (`trainable`: those requiring grad only)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)

@@ -77,6 +77,7 @@ class PSEngine:
         self.ctx = ctx
         self.model = model_fn().to(ctx.device)
         self.parameter_count = count_parameters(self.model)
+        self.trainable_count = count_parameters(self.model, trainable=True)
         self.setup = PSSetup.build(self.model, ctx, cfg.ps, cfg.schedule.steps)
         self.is_server = self.setup.roles.is_server(ctx.rank)
         self.loss_fn, self.slow_worker = loss_fn, cfg.ps.slow_worker

@@ -43,6 +43,7 @@ class TrainingEngine(Protocol):
 
     model: nn.Module            # this rank's model (its class names a user's model in the logs)
     parameter_count: int        # Ψ of the whole model
+    trainable_count: int        # of which require grad (Ψ less a LoRA run's frozen base)
     timeline: Timeline | None   # set by the timeline recorder to record a step's pipeline actions
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
