@@ -10,7 +10,8 @@
 - Export: `--format peft` loads with `peft.PeftModel.from_pretrained` onto the HF base model and gives
   ndtrain's logits (built-in Llama and an hf:PATH Llama); `--format hf` and the in-memory conversion
   merge the adapters (W + B A · alpha/r) and give them too.
-- Refusals: a target matching no linear layer (naming those that exist), r < 0, no targets, and the
+- Refusals: a target matching no linear layer (naming those that exist; by the launcher too, before any
+  worker), r < 0, no targets, and the
   layouts LoRA does not run under, each one line.
 """
 
@@ -37,6 +38,7 @@ from ndtrain.models.llama_hf import builtin_to_hf
 from ndtrain.parallel.model.lora import apply_lora, lora_layers
 from ndtrain.parallel.model.tensor import ReplicatedHeadsLinear
 from ndtrain.parallel.placement import is_tensor_parallel
+from ndtrain.run.layout_check import check_layout_on_meta
 from ndtrain.trainer import Trainer
 from tests.helpers.layouts import DTYPE, MAX_NORM, MODEL, State, adamw, batch
 from tests.helpers.models import shard
@@ -283,3 +285,11 @@ def test_replicated_kv_heads_refuse_an_adapter() -> None:
     model = apply_lora(build_model(dataclasses.replace(MODEL, n_kv_heads=1), seed=0), ["wv"], R, ALPHA, 0.0, seed=0)
     with pytest.raises(UserError, match="replicated over tp"):
         ReplicatedHeadsLinear(model.layers[0].attention.wv, None, None, 0, 8)  # type: ignore[arg-type]
+
+
+def test_launcher_dry_run_refuses_a_bad_target_before_any_worker() -> None:
+    cfg = load_config(None, {"model.preset": "tiny", "lora.r": R, "lora.targets": ["q_proj"]})
+    with pytest.raises(UserError, match=r"match no nn.Linear of Llama"):
+        check_layout_on_meta(cfg, 2)
+    check_layout_on_meta(load_config(None, {"model.preset": "tiny", "lora.r": R, "lora.targets": ["wq", "w2"],
+                                            "parallel.tp": 2}), 2)  # splittable: accepted
