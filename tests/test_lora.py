@@ -11,8 +11,7 @@
   ndtrain's logits (built-in Llama and an hf:PATH Llama); `--format hf` and the in-memory conversion
   merge the adapters (W + B A · alpha/r) and give them too.
 - Refusals: a target matching no linear layer (naming those that exist; by the launcher too, before any
-  worker), r < 0, no targets, and the
-  layouts LoRA does not run under, each one line.
+  worker), r < 0, no targets, and the layouts LoRA does not run under, each one line.
 """
 
 from __future__ import annotations
