@@ -1,12 +1,16 @@
 """The step's loss is the mean over every target of the global batch (parallel/target_mean.py), under
 gradient accumulation and every layout: dp2, dp2 with ZeRO-3, tp2 with sequence parallelism, pp2, cp2 and
-dp2×tp2 train a float64 Llama exactly as one process that takes `F.cross_entropy(..., ignore_index=-100)`
-over the whole global batch at once (an independent reference, not our loss code).
+dp2×tp2 train a float64 Llama on masked, packed, accumulated micro-batches exactly as one process that
+sums `F.cross_entropy(..., ignore_index=-100)` over every document run alone and divides by the global
+batch's target count (an independent reference, not our loss or mask code).
 
-The targets are masked so that micro-batches hold very different numbers of targets: full rows, a row
-with one target, rows with none, and rows whose targets lie only in the middle of the sequence (under
-cp2's balanced split one rank's shard of such a row holds no target). The mean of per-micro-batch means,
-which gradient accumulation used to take, trains measurably different weights: the test would see it.
+The rows are packed documents (positions restarting at each document; boundaries inside cp2's chunks
+and on their edges) and their targets are masked so that micro-batches hold very different numbers of
+targets: full rows, a row with one target, rows with none, and rows whose targets lie only in the middle
+of the sequence (under cp2's balanced split one rank's shard of such a row holds no target); the target
+crossing a document boundary is never one. The reference runs every document alone (its own forward),
+so it owes nothing to ndtrain's document masks. The mean of per-micro-batch means, which gradient
+accumulation used to take, trains measurably different weights: the test would see it.
 """
 
 from __future__ import annotations
@@ -38,9 +42,13 @@ WORLD4: dict[str, dict[str, Any]] = {"dp2-tp2": dict(dp=2, tp=2)}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def masked_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layouts' global batch with targets kept as follows, per row (SEQ = 16): all, one, none,
-    positions 4–11 only (cp2's middle chunks), all, the first three, none, the last twelve."""
+DOCUMENTS = [[16], [5, 11], [8, 8], [3, 6, 7], [16], [10, 6], [4, 4, 4, 4], [7, 9]]  # lengths per row (SEQ = 16)
+
+
+def masked_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layouts' global batch as packed documents (`DOCUMENTS`) with targets kept as follows, per row:
+    all, one, none, positions 4–11 only (cp2's middle chunks), all, the first three, none, the last
+    twelve; never the last token's of a document followed by another (its target is the next one's start)."""
     x, y = batch(step)
     keep = torch.zeros_like(y, dtype=torch.bool)
     keep[0] = keep[4] = True
@@ -48,30 +56,52 @@ def masked_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     keep[3, 4:12] = True
     keep[5, :3] = True
     keep[7, 4:] = True
-    return x, torch.where(keep, y, IGNORE_INDEX)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in DOCUMENTS])
+    crossing = torch.roll(positions, -1, dims=1) == 0
+    crossing[:, -1] = False
+    return x, torch.where(keep & ~crossing, y, IGNORE_INDEX), positions
 
 
-def rows(step: int, rank: int, ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def rows(step: int, rank: int, ranks: int) -> list[tuple[torch.Tensor, ...]]:
     """This dp rank's share of the global batch as one-row micro-batches (accumulation = rows per rank)."""
-    x, y = masked_batch(step)
+    x, y, positions = masked_batch(step)
     per = GLOBAL_BATCH // ranks
-    return [(x[i : i + 1], y[i : i + 1]) for i in range(rank * per, (rank + 1) * per)]
+    return [(x[i : i + 1], y[i : i + 1], positions[i : i + 1]) for i in range(rank * per, (rank + 1) * per)]
+
+
+def document_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """(Σ cross-entropy over its targets, target count) of every document, each run through the model alone."""
+    out = []
+    for row, lengths in enumerate(DOCUMENTS):
+        start = 0
+        for n in lengths:
+            logits = model(x[row : row + 1, start : start + n])[0]
+            targets = y[row, start : start + n]
+            out.append((F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum"),
+                        int((targets != IGNORE_INDEX).sum())))
+            start += n
+    return out
 
 
 def reference(mean_of_means: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, one forward of the whole global batch per step; or (`mean_of_means`) the mean of the
-    per-row means that accumulation over one-row micro-batches used to take (rows without targets skipped)."""
+    """One process, every document alone, the loss summed over the global batch's targets and divided by
+    their count; or (`mean_of_means`) the mean of the per-row means that accumulation over one-row
+    micro-batches used to take (rows without targets counting 0)."""
     model = build_model(MODEL, seed=0).to(DTYPE)
     optimizer = adamw(decay_groups(model))
     losses = []
     for step in range(STEPS):
-        x, y = masked_batch(step)
-        logits = model(x)
+        x, y, _ = masked_batch(step)
+        pieces = document_losses(model, x, y)
         if mean_of_means:
-            counted = [i for i in range(len(y)) if (y[i] != IGNORE_INDEX).any()]
-            loss = sum(F.cross_entropy(logits[i], y[i]) for i in counted) / len(y)
+            per_row, i = [], 0
+            for lengths in DOCUMENTS:
+                row = pieces[i : i + len(lengths)]
+                i += len(lengths)
+                per_row.append(sum(l for l, _ in row) / max(1, sum(n for _, n in row)))
+            loss = sum(per_row) / len(per_row)
         else:
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+            loss = sum(l for l, _ in pieces) / sum(n for _, n in pieces)
         loss.backward()
         losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -123,11 +153,12 @@ def test_single_process_accumulation_is_the_global_target_mean(want: tuple[dict[
 def test_layout_trains_on_the_global_target_mean(name: str, runs: dict[str, list[Any]],
                                                 want: tuple[dict[str, torch.Tensor], list[float]]) -> None:
     state, losses = want
-    x, y = masked_batch(STEPS)
+    x, y, _ = masked_batch(STEPS)
     with torch.no_grad():
         model = build_model(MODEL, seed=0).to(DTYPE)
         model.load_state_dict(state)
-        val = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX).item()
+        pieces = document_losses(model, x, y)
+        val = (sum(l for l, _ in pieces) / sum(n for _, n in pieces)).item()
     merged: dict[str, torch.Tensor] = {}
     for run in runs[name]:
         assert run["losses"] == pytest.approx(losses, rel=TOLERANCE)
