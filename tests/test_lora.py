@@ -166,8 +166,8 @@ def test_lora_under_layout_equals_one_process(case: str, runs: list[dict[str, An
             assert len(run["split"]) == len(lora_layers(model)), run["split"]
         if case in ("dp2", "zero1", "zero2"):  # parameters replicated: the frozen base counted whole, once
             assert run["bytes"]["parameters"] == 8 * (frozen + count)
-        if case == "zero3":  # the frozen base whole, the adapters sharded
-            assert 8 * frozen < run["bytes"]["parameters"] < 8 * (frozen + count)
+        if case == "zero3":  # base and adapters sharded over the 2 ranks (padding: < 2 elements per unit)
+            assert 8 * (frozen + count) // 2 <= run["bytes"]["parameters"] < 8 * (frozen + count) // 2 + 8 * 4 * 6
     assert all(torch.equal(state[k], initial[k]) for k in base_names(initial)), "a frozen weight moved"
     assert all(not torch.equal(state[k], initial[k]) for k in initial if k.endswith("lora.B"))
     assert_params_close(state, expected, 1e-9, case)

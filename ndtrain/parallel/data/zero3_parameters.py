@@ -51,9 +51,11 @@ stages each chunk is a wrapper of its own (chunks.py `FullyShardedChunks`). zb's
 backward runs inside `input_pass()` and `weight_pass()` (zero3_split_passes.py): one all-gather
 more per unit and micro-batch than a plain backward.
 
-Frozen parameters (requires_grad=False: a LoRA run's base model) belong to no unit: each rank keeps
-them whole, in place, with no gradient, no shard and no optimizer state (their bytes are counted
-with the parameters); under a 16-bit `param_dtype` they are refused.
+Frozen parameters (requires_grad=False: a LoRA run's base model) are sharded in their unit like the
+others, in a flat buffer of their own (zero3_unit.py), all-gathered with it (a second all-gather of
+(N−1)/N·F'ᵤ·c bytes, F'ᵤ the unit's padded frozen elements) and never reduced: 4F'/N bytes of master
+per rank, no gradient, no optimizer state. A unit holding them is freed once the backward has passed
+it (at the next unit's pre-backward hook, or at the end), not when its trainable gradients are in.
 
 Limitations: a parameter must belong to one unit (tied weights inside one unit are fine); a unit's forward runs once per model forward; buffers are neither
 sharded nor synchronised; ranks must run the same graph (units finish backward in the same order).
@@ -75,7 +77,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ndtrain.errors import UserError
 from ndtrain.dist.host_stream import SlotRing
-from ndtrain.dist.memory import tensor_bytes
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.data.flat_layout import Segment
 from ndtrain.parallel.data.param_groups import GroupFn, group_key, group_keys, one_group
@@ -85,7 +86,7 @@ from ndtrain.parallel.data.zero3_unit import FlatUnit
 from ndtrain.parallel.data.zero3_wrap import select_units, wrap_patterns
 from ndtrain.parallel.grad_norm import Span, flat_pieces, local_squares, segment_spans
 from ndtrain.parallel.model.tensor import gather_shard
-from ndtrain.parallel.placement import Placement, Shard, placement_or_whole
+from ndtrain.parallel.placement import Placement, Shard
 from ndtrain.parallel.precision import compute_dtype
 
 
@@ -113,10 +114,7 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         patterns = wrap_patterns(module, wrap)
-        if param_dtype != torch.float32 and any(not p.requires_grad for p in module.parameters()):
-            raise UserError("FSDP keeps frozen parameters whole in their own dtype: use param_dtype fp32 with them")
-        owner: dict[int, str] = {id(p): "" for p in module.parameters() if not p.requires_grad}  # frozen: left whole
-        self.frozen = [p for p in module.parameters() if not p.requires_grad]
+        owner: dict[int, str] = {}
         blocks: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
         for name, sub in select_units(module, patterns) if patterns else []:
             params = [(f"{name}.{n}", p) for n, p in sub.named_parameters() if id(p) not in owner]
@@ -126,7 +124,7 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         root_params = [(n, p) for n, p in module.named_parameters() if id(p) not in owner]
         for n, p in module.named_parameters(remove_duplicate=False):
             unit_of = owner.get(id(p))
-            if unit_of and not (n == unit_of or n.startswith(unit_of + ".")):
+            if unit_of is not None and not (n == unit_of or n.startswith(unit_of + ".")):
                 raise UserError(f"parameter {n} is shared with FSDP unit {unit_of!r}: wrap the modules sharing it in one unit")
 
         self.ring = _open_ring(module, ctx, param_dtype) if host_slots else None
@@ -230,10 +228,20 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         if unit is not None:
             unit.wait()
             unit.attach_grads()
+        if block is not None:
+            self._release_passed(block)
         previous = (self._order[-1] if self._order else None) if block is None else self._previous(block)
         if previous is not None and previous in self._awaiting:
             previous.gather()
         self._track()
+
+    def _release_passed(self, block: FlatUnit) -> None:
+        """Free the units after `block` in forward order that hold frozen parameters and have nothing left to
+        reduce: the backward has reached `block`'s output, so it has passed them (their frozen weights are
+        needed until then, after their trainable gradients have arrived)."""
+        for later in self._order[self._order.index(block) + 1:]:
+            if later.frozen_params and (later not in self._awaiting or not later.params):
+                later.free()
 
     def _previous(self, block: FlatUnit) -> FlatUnit | None:
         i = self._order.index(block)
@@ -253,7 +261,8 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
             if self._reducing is not None:
                 self._reducing.finish_reduce()
             self._reducing = unit
-        unit.free()
+        if not unit.frozen_params:  # else its frozen weights may still be needed: `_release_passed`, `_end_backward`
+            unit.free()
 
     def _end_backward(self) -> None:
         """End of backward: reduce the units whose parameters got no gradient (in reverse forward
@@ -266,6 +275,8 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
             self._reducing = None
         for unit in self.units:
             unit.ready.clear()
+            if unit.frozen_params:
+                unit.free()
         self._in_backward.clear()
         self._callback_queued = False
 
@@ -311,9 +322,9 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         return self.segments(grad=True)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now: "parameters" (shards + gathered units + frozen parameters), "gradients"
+        """Bytes this rank holds now: "parameters" (shards, frozen ones included, + gathered units), "gradients"
         (shards + full)."""
-        return {"parameters": sum(u.parameter_bytes() for u in self.units) + sum(tensor_bytes(p) for p in self.frozen),
+        return {"parameters": sum(u.parameter_bytes() for u in self.units),
                 "gradients": sum(u.gradient_bytes() for u in self.units)}
 
     def peak_state_bytes(self, reset: bool = False) -> int:
@@ -325,7 +336,8 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's fp32 shards (padding included) and the layout they belong to."""
-        return {"layout": self._layout(), "shards": {u.name: u.shard.detach() for u in self.units}}
+        return {"layout": self._layout(), "shards": {u.name: u.shard.detach() for u in self.units},
+                "frozen": {u.name: u.frozen_shard.detach() for u in self.units}}
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a `sharded_state_dict()` saved by the same group rank of the same layout."""
@@ -339,6 +351,7 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         with torch.no_grad():
             for u in self.units:
                 u.shard.copy_(state_dict["shards"][u.name])
+                u.frozen_shard.copy_(state_dict["frozen"][u.name])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole fp32 model under the original module's state-dict names (collective: every rank
@@ -347,15 +360,11 @@ class FullyShardedDataParallel(SplitBackwardPasses, nn.Module):
         where: dict[int, torch.Tensor] = {}
         tp = self.ctx.group("tp")
         for u in self.units:
-            for p, placement, view in zip(u.params, u.flat_layout.placements, u.flat_layout.views(u.gather_fp32())):
-                shard = placement.tp if tp.size > 1 else None
-                where[id(p)] = view.clone() if shard is None else gather_shard(
-                    view, shard, _real_size(placement, shard), self.ctx.comm, tp)
-        for p in self.frozen:
-            placement = placement_or_whole(p)
-            shard = placement.tp if tp.size > 1 else None
-            where[id(p)] = p.detach().clone() if shard is None else gather_shard(
-                p.detach(), shard, _real_size(placement, shard), self.ctx.comm, tp)
+            for layout, frozen in ((u.flat_layout, False), (u.frozen_layout, True)):
+                for p, placement, view in zip(layout.params, layout.placements, layout.views(u.gather_fp32(frozen))):
+                    shard = placement.tp if tp.size > 1 else None
+                    where[id(p)] = view.clone() if shard is None else gather_shard(
+                        view, shard, _real_size(placement, shard), self.ctx.comm, tp)
         return {k: where[id(v)] if id(v) in where else v.detach().clone()
                 for k, v in self.module.state_dict(keep_vars=True).items()}
 

@@ -68,9 +68,9 @@ class FSDPStrategy:
         return {**self.sharded_model.state_bytes(), "optimizer": optimizer_state_bytes(self.optimizer)}
 
     def held_slices(self) -> list[HeldSlice]:
-        """Each unit's segments of this rank's fp32 shard (every parameter belongs to a unit)."""
+        """Each unit's segments of this rank's fp32 shard and its frozen shard (every parameter belongs to a unit)."""
         units = self.sharded_model.units
-        covered = {id(p) for u in units for p in u.params}
+        covered = {id(p) for u in units for p in u.params + u.frozen_params}
         return [h for u in units for h in u.held_slices()] + whole(
             p for p in self.module.parameters() if id(p) not in covered)
 

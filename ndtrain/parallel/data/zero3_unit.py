@@ -22,6 +22,11 @@ of `full`, a Ψᵤ'-element buffer in the compute dtype whose storage exists onl
 A float64 model keeps float64 masters, gradients and compute (`master_dtype`): "fp32" below means
 the master dtype; only a 16-bit `param_dtype` is mixed precision.
 
+Frozen parameters (requires_grad=False: a LoRA run's base) lie in a second flat layout of their own,
+`frozen_shard` / `frozen_full`, gathered and freed with the unit's: sharded like the rest, but with no
+gradient, no reduce-scatter and no optimizer segment. A unit may hold only frozen parameters (a
+layer without adapters) or only trainable ones; an empty layout issues no collective.
+
 On one CPU host (`FullyShardedDataParallel(host_slots=True)`, the engine's default there) the
 gathers and reduce-scatters go through the wrapper's `SlotRing` (dist/host_stream.py: a few MB of
 shared-memory segments taken in turn by rounds of 2^18 elements of every rank's range) instead of
@@ -61,70 +66,88 @@ class FlatUnit:
     ) -> None:
         """`ring`: the wrapper's shared-memory ring (one CPU host), used for the operations whose dtype it carries."""
         self.name, self.group, self.comm = name, group, comm
-        self.names = [n for n, _ in params]
-        self.params = [p for _, p in params]
-        self.master_dtype = master_dtype(self.params[0].dtype)
-        self.param_dtype = compute_dtype(param_dtype, self.params[0].dtype)
+        self.names = [n for n, p in params if p.requires_grad]
+        self.params = [p for _, p in params if p.requires_grad]
+        self.frozen_names = [n for n, p in params if not p.requires_grad]
+        self.frozen_params = [p for _, p in params if not p.requires_grad]
+        first = params[0][1]
+        self.master_dtype = master_dtype(first.dtype)
+        self.param_dtype = compute_dtype(param_dtype, first.dtype)
         self.reduce_dtype = reduction_dtype(reduce_dtype, self.param_dtype)
         self._gather_ring = ring if ring is not None and ring.dtype == self.param_dtype else None
         self._reduce_ring = ring if ring is not None and ring.dtype == self.reduce_dtype else None
         layout = self.flat_layout = FlatLayout(self.params, group.size, group.rank)
+        self.frozen_layout = FlatLayout(self.frozen_params, group.size, group.rank)
         self.numel, self.size, self.padded = layout.numel, layout.size, layout.padded
-        device = self.params[0].device
-        flat = torch.zeros(self.padded, dtype=self.master_dtype, device=device)
-        with torch.no_grad():
-            for p, view in zip(self.params, layout.views(flat)):
-                view.copy_(p.detach())
-        comm.broadcast(flat, group, src=0)  # every rank starts from group rank 0's weights
-        self.shard = flat[layout.lo : layout.hi].clone()
+        self.shard, self.full = self._flatten(layout, first.device)
+        self.frozen_shard, self.frozen_full = self._flatten(self.frozen_layout, first.device)
         self.shard_grad = torch.zeros_like(self.shard)
-        del flat
-        self.full = torch.empty(self.padded, dtype=self.param_dtype, device=device)
-        for p, view in zip(self.params, layout.views(self.full)):
-            p.data = view
-        self._storage_bytes = tensor_bytes(self.full)
-        self.full.untyped_storage().resize_(0)
+        self._storage_bytes = tensor_bytes(self.full) + tensor_bytes(self.frozen_full)
+        for full in (self.full, self.frozen_full):
+            full.untyped_storage().resize_(0)
         self.gathered = False
-        self._pending: Pending | None = None
-        self._send: torch.Tensor | None = None
+        self._pending: list[Pending] = []
+        self._send: list[torch.Tensor] = []
         self.grad_full: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
         self._reduce: tuple[Pending, torch.Tensor, torch.Tensor] | None = None
         self.segments: list[tuple[int, int, nn.Parameter]] = []  # (start, end) in the shard, parameter
         self.ready: set[int] = set()  # parameters whose gradient arrived in this backward
 
+    def _flatten(self, layout: FlatLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's master shard, the compute-dtype buffer the parameters of `layout` become views of),
+        from group rank 0's weights (one broadcast, none for an empty layout)."""
+        flat = torch.zeros(layout.padded, dtype=self.master_dtype, device=device)
+        with torch.no_grad():
+            for p, view in zip(layout.params, layout.views(flat)):
+                view.copy_(p.detach())
+        if layout.padded:
+            self.comm.broadcast(flat, self.group, src=0)  # every rank starts from group rank 0's weights
+        full = torch.empty(layout.padded, dtype=self.param_dtype, device=device)
+        for p, view in zip(layout.params, layout.views(full)):
+            p.data = view
+        return flat[layout.lo : layout.hi].clone(), full
+
     # ----------------------------------------------------------------------------- parameters
     @property
     def busy(self) -> bool:
         """Gathered or being gathered."""
-        return self.gathered or self._pending is not None
+        return self.gathered or bool(self._pending)
 
     def gather(self) -> None:
-        """Launch the all-gather of the full parameters (no-op if gathered or in flight)."""
+        """Launch the all-gathers of the full parameters, trainable and frozen (no-op if gathered or in flight)."""
         if self.busy:
             return
-        self.full.untyped_storage().resize_(self._storage_bytes)
-        if self._gather_ring is not None:
-            self.full[self.flat_layout.lo : self.flat_layout.hi].copy_(self.shard)  # casts to the compute dtype
-            self._pending = self._gather_ring.all_gather(self.full, self.size)
-            return
-        self._send = self.shard if self.param_dtype == self.master_dtype else self.shard.to(self.param_dtype)
-        self._pending = self.comm.all_gather(self.full, self._send, self.group, async_op=True)
+        for full, shard, layout in ((self.full, self.shard, self.flat_layout),
+                                    (self.frozen_full, self.frozen_shard, self.frozen_layout)):
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            if not layout.padded:
+                continue
+            if self._gather_ring is not None:
+                full[layout.lo : layout.hi].copy_(shard)  # casts to the compute dtype
+                self._pending.append(self._gather_ring.all_gather(full, layout.size))  # type: ignore[arg-type]
+                continue
+            send = shard if self.param_dtype == self.master_dtype else shard.to(self.param_dtype)
+            self._send.append(send)
+            self._pending.append(self.comm.all_gather(full, send, self.group, async_op=True))
+        self.gathered = not self._pending
 
     def wait(self) -> None:
         """Make sure the full parameters are present (gathering them now if nobody prefetched)."""
         self.gather()
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending, self._send = None, None
+        if self._pending:
+            for pending in self._pending:
+                pending.wait()
+            self._pending, self._send = [], []
             self.gathered = True
 
     def free(self) -> None:
         """Release the full parameters' storage (after completing a gather still in flight)."""
-        if self._pending is not None:
+        if self._pending:
             self.wait()
         if self.gathered:
-            self.full.untyped_storage().resize_(0)
+            for full in (self.full, self.frozen_full):
+                full.untyped_storage().resize_(0)
             self.gathered = False
 
     # ----------------------------------------------------------------------------- gradients
@@ -149,7 +172,10 @@ class FlatUnit:
 
     def launch_reduce(self) -> None:
         """Reduce-scatter the full gradient (summed over ranks; through the ring: averaged) and release
-        it and the `.grad` views."""
+        it and the `.grad` views (nothing to reduce without trainable parameters)."""
+        if not self.padded:
+            self.drop_grads()
+            return
         self.attach_grads()
         assert self.grad_full is not None and self._reduce is None
         full = self.grad_full if self.reduce_dtype == self.param_dtype else self.grad_full.to(self.reduce_dtype)
@@ -205,13 +231,16 @@ class FlatUnit:
         return [(g, seg) for (_, _, g), (_, _, seg) in zip(runs, self.segments)]
 
     def held_slices(self) -> list[HeldSlice]:
-        """The parameter pieces the segments hold (for checkpoints; their [a, b) is in shard coordinates)."""
+        """The parameter pieces the segments hold (for checkpoints; their [a, b) is in shard coordinates),
+        then the frozen pieces, held in `frozen_shard`."""
         lo = self.flat_layout.lo
-        return flat_slices(self.flat_layout, [(lo + a, lo + b, segment) for a, b, segment in self.segments])
+        frozen = self.frozen_layout
+        return (flat_slices(self.flat_layout, [(lo + a, lo + b, segment) for a, b, segment in self.segments])
+                + flat_slices(frozen, [(frozen.lo, frozen.hi, self.frozen_shard)]))
 
     # ----------------------------------------------------------------------------- accounting
     def parameter_bytes(self) -> int:
-        return tensor_bytes(self.shard) + (self._storage_bytes if self.busy else 0)
+        return tensor_bytes(self.shard) + tensor_bytes(self.frozen_shard) + (self._storage_bytes if self.busy else 0)
 
     def gradient_bytes(self) -> int:
         held = tensor_bytes(self.shard_grad) + (tensor_bytes(self.grad_full) if self.grad_full is not None else 0)
@@ -221,10 +250,14 @@ class FlatUnit:
         return held
 
     def layout(self) -> dict[str, Any]:
-        return {"name": self.name, "numel": self.numel, "size": self.size, "names": list(self.names)}
+        return {"name": self.name, "numel": self.numel, "size": self.size, "names": list(self.names),
+                "frozen": list(self.frozen_names)}
 
-    def gather_fp32(self) -> torch.Tensor:
-        """The full master-dtype (fp32, or float64) parameters (a new buffer; one all-gather), for state dicts."""
-        flat = torch.empty(self.padded, dtype=self.master_dtype, device=self.shard.device)
-        self.comm.all_gather(flat, self.shard, self.group)
+    def gather_fp32(self, frozen: bool = False) -> torch.Tensor:
+        """The full master-dtype (fp32, or float64) parameters, trainable or `frozen` (a new buffer; one
+        all-gather, none for an empty layout), for state dicts."""
+        layout, shard = (self.frozen_layout, self.frozen_shard) if frozen else (self.flat_layout, self.shard)
+        flat = torch.empty(layout.padded, dtype=self.master_dtype, device=shard.device)
+        if layout.padded:
+            self.comm.all_gather(flat, shard, self.group)
         return flat
