@@ -237,6 +237,33 @@ def test_a_packed_documents_targets_are_its_own(tmp_path: Path) -> None:
         assert positions == [0 if r else positions[j - 1] + 1 for j, r in enumerate(restarts)]
 
 
+def test_fine_tuning_examples_are_packed_whole(tmp_path: Path, chat_tokenizer: str) -> None:
+    """Packed fine-tuning samples hold whole examples in file order, as many as fit in seq_len + 1 tokens,
+    then EOS padding: no example is cut at a window's edge, each appears once, with its own targets."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHAT * 4])
+    seq_len = 30
+    data = prepare_data(data_cfg(path, tmp_path / "c", tokenizer=chat_tokenizer), seq_len, tmp_path)
+    eos = load_tokenizer(chat_tokenizer).eos_token_id
+    docs = documents(data, "train")
+    seen = []
+    for i in range(len(data.train)):
+        x, y, positions = data.train[i]
+        tokens = x.tolist() + [eos]
+        starts = [j for j, p in enumerate(positions.tolist()) if p == 0]
+        filled = sum(len(docs[len(seen) + k][0]) for k in range(len(starts)))
+        for k, a in enumerate(starts):
+            b = starts[k + 1] if k + 1 < len(starts) else filled
+            doc_tokens, mask = docs[len(seen)]
+            assert tokens[a:b] == doc_tokens and b - a == len(doc_tokens)
+            want = [t if m else IGNORE for t, m in zip(doc_tokens[1:], mask[1:])] + [IGNORE]
+            assert y.tolist()[a:b] == want  # its own targets; the one crossing into the next is none
+            seen.append(len(doc_tokens))
+        assert set(y.tolist()[filled:]) <= {IGNORE} and set(tokens[filled:]) <= {eos}
+        if len(seen) < len(docs):  # the bin is full: the next example would not have fitted
+            assert filled + len(docs[len(seen)][0]) > seq_len + 1
+    assert seen == [len(t) for t, _ in docs]
+
+
 def test_unpacked_examples_are_padded_and_masked(tmp_path: Path, chat_tokenizer: str) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHAT * 2])
     data = prepare_data(data_cfg(path, tmp_path / "c", tokenizer=chat_tokenizer, packing=False), 40, tmp_path)

@@ -16,9 +16,13 @@ n_positions) needs and which keeps RoPE's fp32 angles small; rotary attention de
 position differences, so it sees the same document either way. Unpacked, sample i is
 document i alone, right-padded to T + 1 tokens with the EOS id; padding targets are -100 and positions
 run on through the padding (no attention mask needed: it lies after the real tokens). A fine-tuning
-token file's mask sets every target that is not a trained token to -100 as well.
+token file's mask sets every target that is not a trained token to -100 as well, and its examples are
+packed whole, never cut at a window's edge (a reply cut from its prompt would be trained without the
+prompt): sample i holds the next examples in file order that fit in T + 1 tokens, right-padded with
+the EOS id (targets -100, positions running on), so a bin of short examples wastes its tail.
 Cost per sample: three `pread`s of the window (tokens, mask) and two binary searches of the document
-starts (about 2·log₂(documents) 8-byte reads); nothing of the file is held.
+starts (about 2·log₂(documents) 8-byte reads); nothing of the file is held but, for fine-tuning data,
+the bins (one int64 a bin), planned once from all document starts.
 """
 
 from __future__ import annotations
@@ -89,14 +93,51 @@ class TokenWindows(Dataset[Sample]):
             )
         self.data, self.seq_len, self.mask, self.packing, self.pad = data, seq_len, mask, packing, pad
         self.docs = docs if docs is not None else torch.zeros(1, dtype=torch.int64)
+        self.bins = self._pack_whole() if packing and mask is not None else None
 
     def __len__(self) -> int:
+        if self.bins is not None:
+            return len(self.bins) - 1
         return (len(self.data) - 1) // self.seq_len if self.packing else len(self.docs)
 
     def __getitem__(self, index: int) -> Sample:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} out of range for {len(self)} samples")
+        if self.bins is not None:
+            return self._bin(index)
         return self._window(index) if self.packing else self._example(index)
+
+    def _pack_whole(self) -> torch.Tensor:
+        """Fine-tuning examples packed whole, in file order: bin i holds documents docs[bins[i]:bins[i+1]],
+        as many as fit in T + 1 tokens (an example is at most that long: data.max_length)."""
+        starts = [*map(int, self.docs[0 : len(self.docs)]), len(self.data)]
+        longest = max(b - a for a, b in zip(starts, starts[1:]))
+        if longest > self.seq_len + 1:
+            raise UserError(f"an example of {longest} tokens does not fit a sample of model.seq_len={self.seq_len} + 1: "
+                            "set data.max_length to at most seq_len + 1 (the token file is rebuilt)")
+        bins, first = [0], 0
+        for i in range(1, len(starts) - 1):
+            if starts[i + 1] - starts[first] > self.seq_len + 1:
+                bins.append(i)
+                first = i
+        bins.append(len(starts) - 1)
+        return torch.tensor(bins, dtype=torch.int64)
+
+    def _bin(self, index: int) -> Sample:
+        T = self.seq_len
+        first, stop = int(self.bins[index]), int(self.bins[index + 1])
+        bounds = self.docs[first:stop].long().clone()
+        start = int(bounds[0])
+        end = int(self.docs[stop]) if stop < len(self.docs) else len(self.data)
+        tokens = torch.full((T + 1,), self.pad, dtype=torch.int64)
+        tokens[: end - start] = self.data[start:end].long()
+        y = tokens[1:].clone()
+        y[: end - start - 1] = self._masked(y[: end - start - 1], start + 1)
+        y[end - start - 1 :] = IGNORE                                      # the last EOS's target and the padding
+        y[bounds[1:] - start - 1] = IGNORE                                 # targets that start a document
+        at = torch.arange(start, start + T)
+        positions = at - bounds[torch.searchsorted(bounds, at, right=True) - 1]
+        return tokens[:-1], y, positions
 
     def _window(self, index: int) -> Sample:
         T = self.seq_len
