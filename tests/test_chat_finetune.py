@@ -1,6 +1,7 @@
-"""A chat fine-tune through the command line, as the README's fine-tuning section runs it: a tiny
-"pretrained" HF folder with its own tokenizer and chat template, a chat JSONL file, `ndtrain train`,
-`ndtrain export --format hf`, `ndtrain generate --chat` (tests/helpers/chat_task.py holds the task).
+"""A chat fine-tune through the command line with the README's fine-tuning commands (read from README.md:
+`ndtrain train`, `ndtrain generate --chat`, `ndtrain export --format hf`, paths substituted) on a tiny
+"pretrained" HF folder with its own tokenizer and chat template and a chat JSONL file
+(tests/helpers/chat_task.py holds the task).
 
 The assistant's reply is a deterministic function of the user's turn, the user's letters are random
 (entropy log 8 nats each). With `data.loss_on = assistant` the validation loss on replies falls far
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 CONVERSATIONS = 2000
 HELD_OUT = 40
-TRAIN = ["--steps", "300", "--seq-len", "64", "--lr", "3e-3", "--nproc", "1", "--eval-every", "0"]
+TINY = ["--nproc", "1", "--seq-len", "64", "--eval-every", "0"]
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +54,22 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "model": model, "data": root / "chat.jsonl", "held_out": held_out}
 
 
+def readme_commands() -> list[list[str]]:
+    """The three commands of the README's fine-tuning section (its first bash block)."""
+    section = (Path(__file__).parents[1] / "README.md").read_text().split("## Fine-tuning a pretrained model", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.startswith("ndtrain ")]
+
+
 def fine_tune(task: dict[str, Any], loss_on: str) -> tuple[dict[str, Any], Path]:
-    run = task["root"] / f"run-{loss_on}"
-    ndtrain("train", "--model", f"hf:{task['model']}", "--data", str(task["data"]), "--out", str(run), *TRAIN,
-            "--set", f"data.loss_on={loss_on}")
-    exported = task["root"] / f"export-{loss_on}"
-    ndtrain("export", str(run), str(exported), "--format", "hf")
+    """The README's train and export commands on the task's folder and file (its paths substituted, the
+    tiny run's --nproc, --seq-len and --eval-every added, and `data.loss_on`)."""
+    run, exported = task["root"] / f"run-{loss_on}", task["root"] / f"export-{loss_on}"
+    paths = {"hf:path/to/model": f"hf:{task['model']}", "chat.jsonl": str(task["data"]), "runs/chat": str(run),
+             "chat-model": str(exported)}
+    train, _, export = readme_commands()
+    ndtrain(*[paths.get(a, a) for a in train[1:]], *TINY, "--set", f"data.loss_on={loss_on}")
+    ndtrain(*[paths.get(a, a) for a in export[1:]])
     return json.loads((run / "summary.json").read_text()), exported
 
 
@@ -97,7 +109,10 @@ def test_loss_on_assistant_learns_the_replies(task: dict[str, Any]) -> None:
     right = sum(a == reply(p) for a, p in zip(answers, task["held_out"]))
     assert right == len(task["held_out"]), list(zip(task["held_out"], answers))
     p = task["held_out"][0]
-    printed = ndtrain("generate", str(task["root"] / "run-assistant"), "--chat", "--prompt", p, "--temperature", "0")
+    generate = readme_commands()[1]  # the README's generate command, on a held-out prompt
+    at = generate.index("--prompt") + 1
+    generate[at] = p
+    printed = ndtrain(*[str(task["root"] / "run-assistant") if a == "runs/chat" else a for a in generate[1:]])
     assert printed.strip().splitlines()[-1].strip() == reply(p)  # stops at EOS: nothing after the reply
     _, answer_loss = role_losses(exported, task["held_out"])
     print(f"\nloss_on=assistant: val_loss {summary['val_loss']:.4f} nats/target (entropy of a user letter "
