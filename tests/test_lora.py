@@ -39,7 +39,7 @@ from ndtrain.parallel.model.tensor import ReplicatedHeadsLinear
 from ndtrain.parallel.placement import is_tensor_parallel
 from ndtrain.run.layout_check import check_layout_on_meta
 from ndtrain.trainer import Trainer
-from tests.helpers.layouts import DTYPE, MAX_NORM, MODEL, State, adamw, batch
+from tests.helpers.layouts import BF16_LOSS_TOLERANCE, DTYPE, MAX_NORM, MODEL, State, adamw, batch
 from tests.helpers.models import shard
 from tests.helpers.parity import assert_params_close
 from tests.helpers.reference import Reference, train_reference
@@ -58,6 +58,7 @@ CASES: dict[str, dict[str, Any]] = {
     "pp2": dict(dp=1, pp=2),
     "hf-tp2": dict(dp=1, tp=2),  # an HF Llama under its own tp plan: q_proj, v_proj colwise, o_proj rowwise
 }
+BF16 = {"zero3-bf16": dict(dp=2, zero=3, precision="bf16")}  # float64 masters, bf16 compute: losses compared
 HF_TARGETS = ["q_proj", "v_proj", "o_proj"]
 
 
@@ -120,19 +121,18 @@ def reference(hf: bool) -> Reference:
 
 
 def _case(root: str, case: str) -> dict[str, Any]:
-    parallel = ParallelConfig(**CASES[case])
+    parallel = ParallelConfig(**{**CASES, **BF16}[case])
     ctx = init(parallel, init_method=init_method())
     engine = Engine(lambda: case_model(case), adamw, ctx, parallel, grad_clip=MAX_NORM)
     dp, rank = ctx.size("dp"), ctx.coord("dp")
-    for s in range(STEPS):
-        engine.train_step(shard(batch(s), rank, dp, 2))
+    losses = [engine.train_step(shard(batch(s), rank, dp, 2)).loss for s in range(STEPS)]
     engine.save(f"{root}/{case}")
     split = [n for n, p in engine.model.named_parameters() if ".lora." in n and is_tensor_parallel(p)]
-    return {"state": engine.full_state_dict(), "bytes": engine.model_state_bytes(), "split": split}
+    return {"state": engine.full_state_dict(), "bytes": engine.model_state_bytes(), "split": split, "losses": losses}
 
 
 def _cases(root: str) -> dict[str, Any]:
-    return run_each(lambda case: _case(root, case), CASES)
+    return run_each(lambda case: _case(root, case), [*CASES, *BF16])
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +171,16 @@ def test_lora_under_layout_equals_one_process(case: str, runs: list[dict[str, An
     assert all(torch.equal(state[k], initial[k]) for k in base_names(initial)), "a frozen weight moved"
     assert all(not torch.equal(state[k], initial[k]) for k in initial if k.endswith("lora.B"))
     assert_params_close(state, expected, 1e-9, case)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bf16_zero3_keeps_the_frozen_base_and_follows_the_loss(runs: list[dict[str, Any]]) -> None:
+    """ZeRO-3 computes in bf16 from float64 master shards of base and adapters: the base stays bit-identical."""
+    reference_losses = reference(False).losses
+    initial = lora_model().state_dict()
+    for run in case_result(runs, "zero3-bf16"):
+        assert all(torch.equal(run["state"][k], initial[k]) for k in base_names(initial))
+        assert all(abs(a - b) <= BF16_LOSS_TOLERANCE for a, b in zip(run["losses"], reference_losses, strict=True))
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -269,7 +279,8 @@ def test_target_matching_nothing_names_the_linear_layers() -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"lora.r": -1}, "lora.r must be >= 0"),
     ({"lora.r": 4}, "needs lora.targets"),
-    ({"lora.r": 4, "lora.targets": ["wq"], "parallel.precision": "bf16"}, "does not combine with parallel.precision"),
+    ({"lora.r": 4, "lora.targets": ["wq"], "parallel.precision": "bf16", "parallel.zero": 1},
+     "does not combine with parallel.precision=bf16 with zero=1"),
     ({"lora.r": 4, "lora.targets": ["wq"], "lora.dropout": 0.1, "parallel.tp": 2}, "draw different masks"),
     ({"lora.r": 4, "lora.targets": ["wq"], "ps.servers": 1}, "does not combine with ps.servers"),
 ])

@@ -87,7 +87,8 @@ class TrainConfig:
         if not lora.r:
             return
         unsupported = [what for what, on in (
-            (f"parallel.precision={p.precision} (fp32 masters of the frozen base)", p.precision != "fp32"),
+            (f"parallel.precision={p.precision} with zero={p.zero} (fp32 masters of the frozen base; zero=3 "
+             "keeps none)", p.precision != "fp32" and p.zero < 3),
             (f"lora.dropout={lora.dropout} with tp={p.tp} (the tp ranks would draw different masks)",
              lora.dropout > 0 and p.tp > 1),
             (f"ps.servers={self.ps.servers}", self.ps.servers > 0),
