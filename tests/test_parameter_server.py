@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ndtrain import trainer
-from ndtrain.config import PSConfig, config_from_dict, load_config
-from ndtrain.engine import NonFiniteError
+from ndtrain.config import ParallelConfig, PSConfig, config_from_dict, load_config
+from ndtrain.engine import Engine, NonFiniteError
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import init
 from ndtrain.models.llama import build_model
@@ -63,7 +63,7 @@ def reference(workers: int, norms: list[float] | None = None) -> list[torch.Tens
     return list(result.params.values())
 
 
-def run_ps(ctx, ps: PSConfig, steps: int = STEPS) -> dict:
+def run_ps(ctx, ps: PSConfig, steps: int = STEPS, batches=micro_batches) -> dict:
     model = tiny()
     setup = PSSetup.build(model, ctx, ps, steps)
     if setup.roles.is_server(ctx.rank):
@@ -73,7 +73,7 @@ def run_ps(ctx, ps: PSConfig, steps: int = STEPS) -> dict:
                 "updates": report.updates, "betas": {tuple(round(b, 9) for b in g["betas"]) for g in server.optimizer.param_groups}}
     worker = PSWorker(model, ctx, setup)
     for step in range(steps):
-        worker.train_step(micro_batches(ctx.rank, step, model.cfg.vocab_size))
+        worker.train_step(batches(ctx.rank, step, model.cfg.vocab_size))
     return {"role": "worker", "params": [p.detach().clone() for p in model.parameters()],
             "versions": worker.report.versions, "pushes": worker.report.steps}
 
@@ -126,11 +126,28 @@ def _scenarios() -> dict:
     return out
 
 
+def packed(worker: int, step: int, vocab: int) -> list[tuple[torch.Tensor, ...]]:
+    """`micro_batches` as packed documents (lengths 5 and 11, positions restarting) with masked targets:
+    the second micro-batch's first row keeps one target, so the two hold 30 and 16."""
+    out = []
+    positions = torch.cat([torch.arange(5), torch.arange(11)]).expand(SEQS, -1)
+    for i, (x, y) in enumerate(micro_batches(worker, step, vocab)):
+        y = y.clone()
+        y[:, 4] = -100  # the target crossing into the second document
+        if i == 1:
+            y[0, 1:] = -100
+        out.append((x, y, positions))
+    return out
+
+
 def _one_worker() -> dict:
     """One worker + one server: async and ssp have no staleness at all (each push is applied on
-    the parameters it was computed on), so they must be plain single-process training."""
+    the parameters it was computed on), so they must be plain single-process training. With packed,
+    masked micro-batches the one worker's loss is the mean over its targets: an Engine's."""
     ctx = init(init_method=init_method())
-    return {mode: run_ps(ctx, PSConfig(servers=1, mode=mode, staleness=0)) for mode in ("async", "ssp", "sync")}
+    out = {mode: run_ps(ctx, PSConfig(servers=1, mode=mode, staleness=0)) for mode in ("async", "ssp", "sync")}
+    out["packed"] = run_ps(ctx, PSConfig(servers=1, mode="sync"), batches=packed)
+    return out
 
 
 def named(params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -223,6 +240,16 @@ def test_one_worker_equals_single_process(one_worker: list[dict], mode: str) -> 
         assert rel_err(got, want) <= TOL
     assert worker["versions"] == list(range(1, STEPS + 1))
     assert server["applied"] == [(0, c, 0, 0) for c in range(STEPS)]
+
+
+def test_one_worker_on_packed_masked_batches_equals_the_engine(one_worker: list[dict]) -> None:
+    """The worker weights its micro-batches by their targets and hands the model their positions."""
+    engine = Engine(tiny, adamw, init(), ParallelConfig(), grad_clip=CLIP,
+                    scheduler_fn=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
+    for step in range(STEPS):
+        engine.train_step(packed(0, step, engine.model.cfg.vocab_size))
+    for got, want in zip(one_worker[0]["packed"]["params"], engine.model.parameters()):
+        assert rel_err(got, want.detach()) <= TOL
 
 
 def test_ssp_never_exceeds_its_bound(results: list[dict]) -> None:

@@ -2,7 +2,10 @@
 
 Every rank builds the whole model from the same seed on `ctx.device`. Worker ranks (0..W−1):
 `train_step` runs forward/backward on the rank's micro-batches, pushes the gradient to the
-servers and pulls the parameters, and returns a `StepResult` (this worker's mean loss; the
+servers and pulls the parameters, and returns a `StepResult` (this worker's mean loss over its
+targets: a worker's micro-batches are weighted by their targets, but the servers average the
+workers' gradients, so across workers a target weighs by its worker's share, not as one of the
+global batch's, unlike `Engine` (parallel/target_mean.py); async/ssp have no global batch; the
 tokens of one global batch, W workers' shares; the gradient norm and lr the servers used; the
 bytes this rank sent). Server ranks (the last S): `train_step` is given no batches (the loop loads none for them) and serves one
 step's worth of pushes (sync: one round; async/ssp: the next W pushes, whoever sends them), so the
@@ -37,6 +40,7 @@ from ndtrain.parallel.counting import count_parameters
 from ndtrain.ps.messages import LossFn, OptimizerFn, PSSetup
 from ndtrain.ps.server import ParameterServer
 from ndtrain.ps.worker import PSWorker
+from ndtrain.parallel.target_mean import target_count
 from ndtrain.parallel.data.param_groups import GroupFn, no_decay_for_vectors
 
 NO_CHECKPOINTS = ("checkpoints are not supported in parameter-server training (ps.servers > 0): the optimizer state "
@@ -126,11 +130,11 @@ class PSEngine:
         if self.worker is not None:
             self.model.eval()
             with scoring(self.model) if self.loss_fn is None else contextlib.nullcontext(Tally()) as tally:
-                for x, y, *_ in batches:
-                    x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-                    loss = self.model(x, y) if self.loss_fn is None else self.loss_fn(self.model(x), y)
-                    totals[0] += loss.double() * y.numel()
-                    totals[1] += y.numel()
+                for batch in batches:
+                    x, y, *positions = (t.to(self.ctx.device) for t in batch)
+                    loss = self.model(x, y, *positions) if self.loss_fn is None else self.loss_fn(self.model(x), y)
+                    totals[0] += loss.double() * target_count(y)
+                    totals[1] += target_count(y)
                 totals[2:] += tally.take(self.ctx.device)
         self.ctx.comm.all_reduce(totals, self.ctx.group("world"))
         loss_sum, tokens, correct, counted = totals.tolist()

@@ -32,6 +32,7 @@ from torch import nn
 from ndtrain.engine import NonFiniteError
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.grad_norm import local_squares
+from ndtrain.parallel.target_mean import target_count
 from ndtrain.ps.messages import (
     PULL_HEADER, SKIPPED, STOP, Batch, LossFn, Outcome, PSSetup, flat_views, trainable_parameters,
 )
@@ -67,18 +68,20 @@ class PSWorker:
         self.report = WorkerReport()
 
     def train_step(self, micro_batches: Sequence[Batch]) -> float:
-        """One push/pull round on this worker's micro-batches; returns its mean loss. Raises
+        """One push/pull round on this worker's micro-batches; returns its mean loss over their targets
+        (parallel/target_mean.py; packed documents' positions reach the model). Raises
         `NonFiniteError` when the servers answer "stop" (nothing updated)."""
         started = time.perf_counter()
         self.model.train()
         self.model.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # on the device: no read per micro-batch
-        for x, y, *_ in micro_batches:  # positions, when given, are the model side's concern
-            x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
-            loss = self.model(x, y) if self.loss_fn is None else self.loss_fn(self.model(x), y)
-            (loss / len(micro_batches)).backward()
-            loss_sum += loss.detach().double()
-        loss_mean_t = loss_sum / len(micro_batches)
+        loss_mean_t = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # on the device: no read per micro-batch
+        counts = [target_count(batch[1]) for batch in micro_batches]
+        for batch, count in zip(micro_batches, counts):  # weighted by its share of this worker's targets
+            x, y, *positions = (t.to(self.ctx.device, non_blocking=True) for t in batch)
+            loss = self.model(x, y, *positions) if self.loss_fn is None else self.loss_fn(self.model(x), y)
+            loss = loss * (count / max(1, sum(counts)))
+            loss.backward()
+            loss_mean_t += loss.detach().double()
         if self.slow > 1.0:  # the straggler knob: stretch this worker's compute FACTOR× (reading the loss
             loss_mean_t.item()  # waits for the compute, so the clock measures it on CUDA too)
             time.sleep((self.slow - 1.0) * (time.perf_counter() - started))
