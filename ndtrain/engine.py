@@ -62,7 +62,7 @@ from ndtrain.errors import UserError
 from ndtrain.eval.token_metrics import Evaluation, Tally, scoring
 from ndtrain.dist.memory import peak_bytes
 from ndtrain.dist.mesh import ParallelContext
-from ndtrain.models.hf_parallel import spec_of
+from ndtrain.models.hf_parallel import spec_of, takes_positions
 from ndtrain.parallel.model_spec import bind_spec
 from ndtrain.parallel.counting import count_parameters
 from ndtrain.parallel.compose import ModelParallelState, prepare_model
@@ -170,6 +170,7 @@ class Engine:
         if spec is not None:
             bind_spec(full, spec)  # what the strategies' `parallel_spec(full)` answers
         self._positions = spec is not None and spec.takes_position_ids  # a cp shard's or packed documents' positions
+        self.takes_positions = takes_positions(full, loss_fn)  # packed documents can be kept apart
         self.model = prepare_model(full, ctx, cfg, tp_plan=tp_plan, loss_fn=loss_fn)
         self.model_parallel = ctx.group("mp").size > 1
         self.mp_state = ModelParallelState(self.model, ctx, full_shapes, cfg.pp_virtual) if self.model_parallel else None

@@ -160,7 +160,7 @@ class Trainer:
         """This rank's micro-batches for global step `step` (0-based)."""
         epoch, position = divmod(step - self.data_start, self.steps_per_epoch)
         indices = self._epoch_indices(epoch)[position * self.rank_batch : (position + 1) * self.rank_batch]
-        batch = stack([self.train_set[i] for i in indices])
+        batch = self._fit(stack([self.train_set[i] for i in indices]))
         if self.ctx.device.type == "cuda":  # page-locked: the engine's non-blocking copies overlap compute
             batch = tuple(t.pin_memory() for t in batch)
         size = self.cfg.schedule.micro_batch
@@ -178,7 +178,13 @@ class Trainer:
     def eval_batches(self) -> Iterator[Batch]:
         size = self.cfg.schedule.micro_batch
         for start in range(0, len(self.eval_indices), size):
-            yield stack([self.val_set[i] for i in self.eval_indices[start : start + size]])
+            yield self._fit(stack([self.val_set[i] for i in self.eval_indices[start : start + size]]))
+
+    def _fit(self, batch: Batch) -> Batch:
+        """(tokens, targets) without the positions of packed documents when the model cannot take them
+        (a model of your own with a `loss_fn`): its documents then attend to each other, as the run's
+        description says."""
+        return batch if self.engine.takes_positions else batch[:2]
 
     # ---- loop -------------------------------------------------------------------------------
     def resume(self) -> int:
@@ -355,6 +361,9 @@ class Trainer:
                f"{self.engine.trainable_count:,} trainable of {self.engine.parameter_count:,} parameters, the rest "
                "frozen"] if cfg.lora.r else []),
             *([f"ndtrain: {batchnorm}"] if batchnorm else []),
+            *(["ndtrain: packed documents attend to each other: the model takes no positions (a model with a "
+               "`parallel_spec` or a Hugging Face one keeps them apart; or set data.packing=false)"]
+              if not self.engine.takes_positions and len(self.train_set[0]) > 2 else []),
             f"ndtrain: run dir {self.run_dir}",
         ])
 

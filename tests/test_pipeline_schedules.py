@@ -109,9 +109,8 @@ def test_single_rank_pipeline_equals_the_model(schedule: str, virtual: int, bala
     (sum(losses) / 3).backward()
     stages = split_model(build_model(cfg, 1), ctx, virtual=virtual, balance=balance)
     assert len(stages) == virtual
-    loss, tokens = run_pipeline(stages, batches, ctx, schedule)
-    assert tokens == 3 * 2 * 8
-    assert loss.item() == pytest.approx(sum(l.item() for l in losses), rel=1e-6)
+    loss = run_pipeline(stages, batches, ctx, schedule)
+    assert loss.item() == pytest.approx(sum(l.item() for l in losses) / 3, rel=1e-6)  # the mean over micro-batches
     want = dict(reference.named_parameters())
     want["output.weight"] = want["tok_embeddings.weight"]  # on one rank the stages share the tensor
     got = {n: q for s in stages for n, q in s.named_parameters()}

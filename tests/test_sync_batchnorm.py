@@ -9,8 +9,8 @@ whole batch with torch's BatchNorm, parameters and running statistics alike, und
 ZeRO-1/2/3, and with two micro-batches per step; without `parallel.sync_batchnorm` the same run is
 far from it and its ranks' statistics differ (the drift the option fixes). Everything trains in float64.
 
-Each rank's loss is the sum of its samples' cross-entropies × N/B, so the strategies' mean over the N
-ranks is the global batch's mean whatever the shard sizes. The test model also counts the samples a
+Each rank's loss is the mean over its samples; the engine weights it by the rank's share of the global
+batch's samples (parallel/target_mean.py), so uneven shards train on the global batch's mean. The test model also counts the samples a
 rank trained on in a buffer (`seen`): a non-BatchNorm buffer that drifts with uneven shards, which
 `parallel.broadcast_buffers` keeps equal to rank 0's (exact counts, and the broadcasts' exact bytes).
 """
@@ -67,19 +67,18 @@ LAYER_SHARDS = {2: ((5, 2), (6, 0)), 4: ((4, 0, 3, 1), (2, 3, 1, 2))}  # the lay
 
 
 class Counted(nn.Module):
-    """The BN CNN; its loss the sum of cross-entropies × `scale`; `seen` counts the samples trained on."""
+    """The BN CNN; its loss the mean cross-entropy; `seen` counts the samples trained on."""
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.net = build_digits_net("bn_cnn", DIM, SEED).to(DTYPE)
-        self.scale = scale
         self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.seen += len(labels)
         logits = self.net.classifier(self.net.embedding(images))
-        return F.cross_entropy(logits, labels, reduction="sum") * self.scale
+        return F.cross_entropy(logits, labels)
 
 
 def group_batch(step: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +98,7 @@ def without_seen(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @functools.cache
 def reference(accumulation: int) -> dict[str, torch.Tensor]:
     """One process, torch's BatchNorm, each step's `accumulation` groups of BATCH images as its chunks."""
-    model = Counted(1 / BATCH)
+    model = Counted()
     batches = []
     for step in range(STEPS):
         groups = [group_batch(step, i) for i in range(accumulation)]
@@ -116,7 +115,7 @@ def _train(ctx: ParallelContext, name: str) -> dict[str, Any]:
     world, rank = ctx.world_size, ctx.rank
     parallel = ParallelConfig(zero=zero, sync_batchnorm=sync, broadcast_buffers=broadcast,
                               fsdp_wrap="net.features,net.project")
-    engine = Engine(lambda: Counted(world / BATCH), adamw, ctx, parallel)
+    engine = Engine(Counted, adamw, ctx, parallel)
     before = ctx.comm.stats.snapshot()
     for step in range(STEPS):
         parts = [group_batch(step, i) for i in range(accumulation)]

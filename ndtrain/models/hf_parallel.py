@@ -234,6 +234,16 @@ def _gather_vocab(head: ColumnParallelLinear, ctx: ParallelContext, logits: torc
     return GatherLastDim.apply(logits, ctx.comm, ctx.group("tp"))[..., : head.out_features]
 
 
+def takes_positions(model: nn.Module, loss_fn: object | None) -> bool:
+    """Whether packed documents' per-row positions can reach `model`: without `loss_fn` its own forward
+    takes them (the built-in Llama, the CausalLM adapter: models with a `parallel_spec`); with one, the
+    forward takes `position_ids=` (a transformers model's family spec)."""
+    if loss_fn is None:
+        return callable(getattr(model, "parallel_spec", None))
+    spec = spec_of(model)
+    return spec is not None and spec.takes_position_ids
+
+
 def spec_of(model: nn.Module) -> ModelParallel | None:
     """The spec of any model the engine is given: the model's own (`parallel_spec()`: the built-in
     Llama, the `CausalLM` adapter), a bare transformers model's family spec, or None."""

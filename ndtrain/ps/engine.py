@@ -39,6 +39,7 @@ from ndtrain.parallel.pipeline import Timeline
 from ndtrain.parallel.counting import count_parameters
 from ndtrain.ps.messages import LossFn, OptimizerFn, PSSetup
 from ndtrain.ps.server import ParameterServer
+from ndtrain.models.hf_parallel import takes_positions
 from ndtrain.ps.worker import PSWorker
 from ndtrain.parallel.target_mean import target_count
 from ndtrain.parallel.data.param_groups import GroupFn, no_decay_for_vectors
@@ -85,6 +86,7 @@ class PSEngine:
         self.setup = PSSetup.build(self.model, ctx, cfg.ps, cfg.schedule.steps)
         self.is_server = self.setup.roles.is_server(ctx.rank)
         self.loss_fn, self.slow_worker = loss_fn, cfg.ps.slow_worker
+        self.takes_positions = loss_fn is None and takes_positions(self.model, None)  # a worker hands its own loss them
         self.scheduler = None  # the servers apply the LR schedule themselves (async: by updates applied)
         self.timeline: Timeline | None = None  # no pipeline timeline to record
         self.sharded_model = None
