@@ -19,6 +19,7 @@ from ndtrain.data.sources import open_source
 from ndtrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from ndtrain.errors import UserError
 from ndtrain.trainer import stack
+from tests.helpers.chat_task import save_chat_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -46,13 +47,7 @@ CHAT = [
 def chat_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A WordLevel tokenizer folder with "</s>" as EOS and the ChatML template above (no download)."""
     folder = tmp_path_factory.mktemp("tokenizer")
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *WORDS])}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.add_special_tokens(SPECIALS)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="[UNK]")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(str(folder))
+    save_chat_tokenizer(folder, SPECIALS, WORDS, "</s>", TEMPLATE)
     return f"hf:{folder}"
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from ndtrain.checkpoint.manifest import PARTIAL
 from ndtrain.checkpoint.run_model import load_run
@@ -36,10 +37,7 @@ from ndtrain.parallel.model.lora import merge_lora
 def export_hf(run_dir: Path, out: Path) -> tuple[Path, list[str]]:
     """Write RUN_DIR's newest verified checkpoint as a save_pretrained folder OUT; return the checkpoint
     and the names of the files written."""
-    if out.exists():
-        raise UserError(f"export output {str(out)!r} already exists: give a new folder name")
-    if not out.parent.is_dir():
-        raise UserError(f"cannot write {str(out)!r}: {str(out.parent)!r} is not a directory; create it first")
+    check_new_folder(out)
     cfg, model, checkpoint = load_run(run_dir)
     if cfg.model.preset in TASK_PRESETS:
         raise UserError(f"--format hf holds language models; {str(run_dir)!r} trained --model {cfg.model.preset}: "
@@ -48,14 +46,32 @@ def export_hf(run_dir: Path, out: Path) -> tuple[Path, list[str]]:
     model = merge_lora(model)  # a LoRA run's adapters folded into the base weights
     hf_model = model.hf if is_hf_model(cfg.model.preset) else builtin_to_hf(model, cfg.model)
     tokenizer = load_tokenizer(cfg.data.tokenizer)  # refused here, before OUT.partial, if it is gone
+    def write(tmp: Path) -> None:
+        hf_model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(tmp)
+
+    return checkpoint, write_folder(out, write)
+
+
+def check_new_folder(out: Path) -> None:
+    """UserError unless `out` can be made as a new folder (it does not exist; its parent is a folder)."""
+    if out.exists():
+        raise UserError(f"export output {str(out)!r} already exists: give a new folder name")
+    if not out.parent.is_dir():
+        raise UserError(f"cannot write {str(out)!r}: {str(out.parent)!r} is not a directory; create it first")
+
+
+def write_folder(out: Path, write: Callable[[Path], None]) -> list[str]:
+    """Have `write` fill a fresh `OUT.partial` folder, then rename it to the new folder `out`; return the
+    names it holds. A failed write leaves nothing behind and ends in one UserError line."""
     tmp = out.with_name(out.name + PARTIAL)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        hf_model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(tmp)
+        tmp.mkdir()
+        write(tmp)
         tmp.rename(out)
     except OSError as e:
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
         raise UserError(f"cannot write {str(out)!r} ({' '.join(str(e).split())[:160]}): give a writable folder") from None
-    return checkpoint, sorted(p.name for p in out.iterdir())
+    return sorted(p.name for p in out.iterdir())

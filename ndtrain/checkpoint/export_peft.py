@@ -11,15 +11,13 @@ then computes what the run's model computes. Written into `OUT.partial` and rena
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from ndtrain.checkpoint.manifest import PARTIAL
+from ndtrain.checkpoint.export_hf import check_new_folder, write_folder
 from ndtrain.checkpoint.run_model import load_run
 from ndtrain.config import TrainConfig
 from ndtrain.errors import UserError
@@ -56,25 +54,16 @@ def adapter_files(layers: dict[str, LoRALinear], cfg: TrainConfig) -> tuple[dict
 def export_peft(run_dir: Path, out: Path) -> tuple[Path, list[str]]:
     """Write RUN_DIR's newest verified checkpoint's adapters as a peft folder OUT; return the checkpoint and
     the names of the files written."""
-    if out.exists():
-        raise UserError(f"export output {str(out)!r} already exists: give a new folder name")
-    if not out.parent.is_dir():
-        raise UserError(f"cannot write {str(out)!r}: {str(out.parent)!r} is not a directory; create it first")
+    check_new_folder(out)
     cfg, model, checkpoint = load_run(run_dir)
     layers = lora_layers(model)
     if not layers:
         raise UserError(f"--format peft writes LoRA adapters and {str(run_dir)!r} trained none (lora.r=0): "
                         "export it with --format hf or safetensors")
     config, tensors = adapter_files(layers, cfg)
-    tmp = out.with_name(out.name + PARTIAL)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
+
+    def write(tmp: Path) -> None:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        tmp.rename(out)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(tmp)
-        raise UserError(f"cannot write {str(out)!r} ({' '.join(str(e).split())[:160]}): give a writable folder") from None
-    return checkpoint, sorted(p.name for p in out.iterdir())
+
+    return checkpoint, write_folder(out, write)

@@ -134,10 +134,7 @@ class TokenWindows(Dataset[Sample]):
         y = tokens[1:].clone()
         y[: end - start - 1] = self._masked(y[: end - start - 1], start + 1)
         y[end - start - 1 :] = IGNORE                                      # the last EOS's target and the padding
-        y[bounds[1:] - start - 1] = IGNORE                                 # targets that start a document
-        at = torch.arange(start, start + T)
-        positions = at - bounds[torch.searchsorted(bounds, at, right=True) - 1]
-        return tokens[:-1], y, positions
+        return tokens[:-1], y, _restart_documents(y, bounds, start)
 
     def _window(self, index: int) -> Sample:
         T = self.seq_len
@@ -149,10 +146,7 @@ class TokenWindows(Dataset[Sample]):
         last = bisect.bisect_right(starts, start + T)                      # documents starting up to its last target
         bounds = self.docs[first:last].long().clone()                     # (a tensor slice is a view)
         bounds[0] = start                                                  # the first one's positions start here
-        y[bounds[1:] - start - 1] = IGNORE                                 # targets that start a document
-        at = torch.arange(start, start + T)
-        positions = at - bounds[torch.searchsorted(bounds, at, right=True) - 1]
-        return window[:-1], y, positions
+        return window[:-1], y, _restart_documents(y, bounds, start)
 
     def _example(self, index: int) -> Sample:
         T = self.seq_len
@@ -171,6 +165,15 @@ class TokenWindows(Dataset[Sample]):
         if self.mask is not None:
             y[self.mask[offset : offset + len(y)] == 0] = IGNORE
         return y
+
+
+def _restart_documents(y: torch.Tensor, bounds: torch.Tensor, start: int) -> torch.Tensor:
+    """The positions of a sample whose tokens start at file offset `start` and whose documents start at
+    `bounds` (the first at `start`), 0 at each document's start; sets the targets that start a document
+    (the previous one's last token's) in `y` to -100."""
+    y[bounds[1:] - start - 1] = IGNORE
+    at = torch.arange(start, start + len(y))
+    return at - bounds[torch.searchsorted(bounds, at, right=True) - 1]
 
 
 class _Starts:

@@ -46,19 +46,28 @@ def write_chats(path: Path, count: int, seed: int) -> list[str]:
     return prompts
 
 
+def save_chat_tokenizer(folder: Path, specials: list[str], words: list[str], eos: str, template: str) -> dict[str, int]:
+    """A WordLevel tokenizer (whitespace pre-tokenizer; `specials` first, the first one unknown) with `eos` and
+    the chat `template`, saved into `folder` as save_pretrained writes it; returns its vocabulary."""
+    import tokenizers
+    import transformers
+
+    vocab = {token: i for i, token in enumerate([*specials, *words])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=specials[0]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, unk_token=specials[0])
+    fast.chat_template = template
+    fast.save_pretrained(str(folder))
+    return vocab
+
+
 def pretrained_folder(folder: Path, seed: int = 0) -> Path:
     """A tiny Llama (hidden 64, 2 layers) with seeded weights and its tokenizer, saved like a pretrained model."""
-    import tokenizers
     import torch
     import transformers
 
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *WORDS])}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.add_special_tokens(SPECIALS)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="[UNK]")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(str(folder))
+    vocab = save_chat_tokenizer(folder, SPECIALS, WORDS, "<|im_end|>", TEMPLATE)
     config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                       eos_token_id=vocab["<|im_end|>"], bos_token_id=None, pad_token_id=None)
