@@ -6,7 +6,8 @@ Llama; a tiny Hugging Face Llama under sdpa and eager); without the mask they wo
 that fails when masking is removed). Ring attention on its own: packed q/k/v against the masked
 single-process attention, including fully masked tiles. Two gloo ranks: one engine step of a packed
 float64 batch under tp2 + sequence parallel, pp2 and cp2 (the built-in Llama, cp also with
-selective recompute; the HF Llama under cp2, tp2 and pp2) gives the single-process loss and gradients.
+selective recompute; the HF Llama under cp2, tp2 and pp2) gives the single-process loss and gradients;
+a model of the user's own that takes no positions is refused packed documents.
 
 The batch: row 0 continues a document (positions 3, 4, ...) then holds documents starting at 6 and
 11 (inside the cp chunks of 4 tokens); row 1 holds documents starting at 4 and 8 (exactly at chunk
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from ndtrain.config import ParallelConfig, config_from_dict
 from ndtrain.dist.mesh import init
 from ndtrain.engine import Engine
+from ndtrain.errors import UserError
 from ndtrain.models.llama import build_model
 from ndtrain.parallel.model.context import Ring, ring_attention, shard_sequence
 from ndtrain.parallel.model.documents import Documents
@@ -131,11 +133,28 @@ def _ring(name: str) -> dict[str, float]:
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
     mine = [t.detach()[:, :, local].requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, Ring(ctx.comm, ctx.group("cp"), tile=3), positions=local_positions)
-    grads = torch.autograd.grad(out, mine, grad[:, :, local])
-    errors = {"out": rel(out, ref[:, :, local])}
-    errors.update({f"d{n}": rel(g, r[:, :, local]) for n, g, r in zip("qkv", grads, ref_grads)})
+    errors = {}
+    for kernel in ("tiles", "fused"):  # positions given: the tiles kernel whatever the setting
+        out = ring_attention(*mine, Ring(ctx.comm, ctx.group("cp"), tile=3, kernel=kernel), positions=local_positions)
+        grads = torch.autograd.grad(out, mine, grad[:, :, local])
+        errors[f"{kernel} out"] = rel(out, ref[:, :, local])
+        errors.update({f"{kernel} d{n}": rel(g, r[:, :, local]) for n, g, r in zip("qkv", grads, ref_grads)})
     return errors
+
+
+def _refused(name: str) -> str:
+    """A model of the user's own that takes no positions, given packed documents: refused in one line."""
+    parallel = ParallelConfig(dp=2)
+    ctx = init(parallel, init_method=init_method())
+    model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+    engine = Engine(lambda: model, lambda groups: torch.optim.SGD(groups, lr=1.0), ctx, parallel,
+                    loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    tokens, targets, positions = packed_batch()
+    try:
+        engine.train_step([(tokens[:1], targets[:1], positions[:1])])
+    except UserError as error:
+        return str(error)
+    return "not refused"
 
 
 def _step(name: str) -> dict[str, float]:
@@ -164,7 +183,7 @@ def _step(name: str) -> dict[str, float]:
 
 
 def _all() -> dict[str, Any]:
-    return {**run_each(_ring, ["ring"]), **run_each(_step, list(LAYOUTS))}
+    return {**run_each(_ring, ["ring"]), **run_each(_step, list(LAYOUTS)), **run_each(_refused, ["refused"])}
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +195,11 @@ def test_ring_attention_keeps_documents_apart(runs: list[dict[str, Any]]) -> Non
     for errors in case_result(runs, "ring"):
         for what, err in errors.items():
             assert err <= TOL, f"ring attention {what}: relative error {err:.3g}"
+
+
+def test_a_model_without_positions_is_refused_packed_documents(runs: list[dict[str, Any]]) -> None:
+    for message in case_result(runs, "refused"):
+        assert message.startswith("packed documents need a model that takes positions") and "\n" not in message
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
