@@ -194,7 +194,7 @@ class Engine:
         lr = self.optimizer.param_groups[0]["lr"]
         scale = self.scaler.scale if self.scaler else 1.0
         batches = [self._model_inputs(*batch) for batch in micro_batches]
-        weights = step_weights([target_count(batch[1]) for batch in batches], self.ctx)  # parallel/target_mean.py
+        weights = step_weights(torch.stack([target_count(batch[1]) for batch in batches]), self.ctx)  # target_mean.py
         if self.pipeline:
             loss_sum = run_pipeline(
                 self.dp.chunks, batches, self.ctx, self.parallel.pp_schedule, self.timeline, weights=weights,

@@ -15,9 +15,9 @@ every tp and pp rank, which hold the same micro-batch). The data-parallel strate
 over the G ranks of dp×cp, so the gradient applied is that of Σ_ri loss_ri · n_ri / N: the mean over
 all targets of the global batch. With every target present (n_ri = B·T/cp) w_ri = 1/k, as before.
 
-Cost: the counts are taken from the targets on the host (B·T comparisons per micro-batch, before the
-copy to the device); one all-reduce of one number over dp×cp before a step's first forward (8 bytes);
-the weights stay on the device (no host synchronisation). A step whose global batch has no target
+Cost: the counts are taken on the device (B·T comparisons per micro-batch); one all-reduce of one
+number over dp×cp before a step's first forward (8 bytes); counts and weights stay on the device (no
+host synchronisation). A step whose global batch has no target
 gets weights 0: zero gradients, loss 0.
 """
 
@@ -34,9 +34,10 @@ from ndtrain.parallel.precision import at_least_fp32
 IGNORE_INDEX = -100  # a target never counted (F.cross_entropy's default ignore_index)
 
 
-def target_count(targets: torch.Tensor) -> int:
-    """How many entries of `targets` are targets (≠ IGNORE_INDEX)."""
-    return int(targets.ne(IGNORE_INDEX).sum())
+def target_count(targets: torch.Tensor) -> torch.Tensor:
+    """How many entries of `targets` are targets (≠ IGNORE_INDEX), as a 0-dim float64 tensor on their
+    device (no host synchronisation)."""
+    return targets.ne(IGNORE_INDEX).sum(dtype=torch.float64)
 
 
 def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -47,11 +48,10 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return total / flat.ne(IGNORE_INDEX).sum().clamp(min=1)
 
 
-def step_weights(counts: Sequence[int], ctx: ParallelContext) -> torch.Tensor:
-    """The weights w_i = n_i · G / N of this rank's micro-batches (their target counts `counts`), on the
-    device, as a float64 vector: one 8-byte all-reduce over dp×cp (see the module docstring)."""
+def step_weights(counts: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """The weights w_i = n_i · G / N of this rank's micro-batches from their target counts `counts` (float64,
+    on the device): one 8-byte all-reduce over dp×cp (see the module docstring)."""
     group = ctx.group("dp_cp")
-    mine = torch.tensor([float(sum(counts)), *map(float, counts)], dtype=torch.float64).to(ctx.device, non_blocking=True)
-    total = mine[:1].clone()
+    total = counts.sum().reshape(1)
     ctx.comm.all_reduce(total, group)
-    return mine[1:] * group.size / total.clamp(min=1.0)
+    return counts * group.size / total.clamp(min=1.0)

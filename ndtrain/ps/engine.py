@@ -135,8 +135,9 @@ class PSEngine:
                 for batch in batches:
                     x, y, *positions = (t.to(self.ctx.device) for t in batch)
                     loss = self.model(x, y, *positions) if self.loss_fn is None else self.loss_fn(self.model(x), y)
-                    totals[0] += loss.double() * target_count(y)
-                    totals[1] += target_count(y)
+                    count = target_count(y)
+                    totals[0] += loss.double() * count
+                    totals[1] += count
                 totals[2:] += tally.take(self.ctx.device)
         self.ctx.comm.all_reduce(totals, self.ctx.group("world"))
         loss_sum, tokens, correct, counted = totals.tolist()

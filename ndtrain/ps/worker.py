@@ -75,11 +75,12 @@ class PSWorker:
         self.model.train()
         self.model.zero_grad(set_to_none=True)
         loss_mean_t = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # on the device: no read per micro-batch
-        counts = [target_count(batch[1]) for batch in micro_batches]
-        for batch, count in zip(micro_batches, counts):  # weighted by its share of this worker's targets
-            x, y, *positions = (t.to(self.ctx.device, non_blocking=True) for t in batch)
+        inputs = [[t.to(self.ctx.device, non_blocking=True) for t in batch] for batch in micro_batches]
+        counts = torch.stack([target_count(batch[1]) for batch in inputs])
+        weights = counts / counts.sum().clamp(min=1.0)  # each micro-batch's share of this worker's targets
+        for (x, y, *positions), weight in zip(inputs, weights):
             loss = self.model(x, y, *positions) if self.loss_fn is None else self.loss_fn(self.model(x), y)
-            loss = loss * (count / max(1, sum(counts)))
+            loss = loss * weight.to(loss.dtype)
             loss.backward()
             loss_mean_t += loss.detach().double()
         if self.slow > 1.0:  # the straggler knob: stretch this worker's compute FACTOR× (reading the loss
