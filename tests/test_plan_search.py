@@ -75,6 +75,20 @@ def test_structural_problems() -> None:
     assert problem(Layout(**dict(base, cp=8, dp=1)), odd, 8, 64).kind == "cp-seq"
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_1f1b_and_zb_need_as_many_micro_batches_as_stages(schedule: str) -> None:
+    """ndtrain's pipeline refuses 1F1B and ZB-H1 with m < p (parallel/pipeline/schedules.check): the planner
+    neither ranks nor chooses such a layout (`--layout auto` once chose pp4 with one micro-batch of 8)."""
+    gpt = arch.PRESETS["gpt3-125m"]
+    pipe = dict(FULL, tp=1, pp=4, dp=2, cp=1, schedule=schedule, sp=False, vpp=1)
+    issue = problem(Layout(**dict(pipe, mbs=8)), gpt, 8, 16)  # m = 16 / (2·8) = 1 < 4
+    assert issue is not None and issue.kind == "schedule" and "needs m ≥ p" in issue.message
+    assert problem(Layout(**dict(pipe, mbs=2)), gpt, 8, 16) is None  # m = 4
+    assert problem(Layout(**dict(pipe, mbs=8, schedule="gpipe")), gpt, 8, 16) is None  # GPipe runs m < p
+    result = search(gpt, Cluster(gpu("a100-80gb"), 8, 8), 16, Fixed(pp=4))
+    assert all(c.layout.micro_batches(16) >= 4 for c in result.candidates if c.layout.schedule in ("1f1b", "zb"))
+
+
 @pytest.mark.parametrize("fixed, fragment", [
     (Fixed(tp=3), "--tp 3 does not divide --gpus 8"),
     (Fixed(tp=2, pp=2, dp=4), "--tp 2 × --pp 2 × --dp 4 = 16 does not divide --gpus 8"),

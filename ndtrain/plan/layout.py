@@ -99,4 +99,6 @@ def _schedule_problem(layout: Layout, micro_batches: int) -> Problem | None:
             return Problem("schedule", f"interleaved: {micro_batches} micro-batches: not a multiple of pp={layout.pp}")
     elif layout.vpp != 1:
         return Problem("schedule", f"vpp={layout.vpp} needs the interleaved schedule")
+    if layout.schedule in ("1f1b", "zb") and micro_batches < layout.pp:  # as ndtrain's pipeline refuses it
+        return Problem("schedule", f"{layout.schedule}: {micro_batches} micro-batches < pp={layout.pp} (needs m ≥ p)")
     return None
