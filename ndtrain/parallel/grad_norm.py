@@ -23,7 +23,7 @@ import torch
 
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.placement import Placement, placement_or_whole
-from ndtrain.parallel.precision import at_least_fp32
+from ndtrain.parallel.precision import master_dtype
 
 GradPiece = tuple[torch.Tensor, float]  # gradient elements this rank holds, their weight in Σg²
 Span = tuple[int, int, float]  # [start, end) in a flat buffer (or segment), weight
@@ -71,8 +71,13 @@ def local_squares(pieces: Sequence[GradPiece], device: torch.device) -> torch.Te
     """Σ weight·Σg² over `pieces` (fp32, or float64 for float64 gradients); no communication."""
     if not pieces:
         return torch.zeros((), device=device)
-    return torch.stack([weight * at_least_fp32(g).pow(2).sum() if weight != 1.0 else at_least_fp32(g).pow(2).sum()
-                        for g, weight in pieces]).sum()
+    return torch.stack([weight * _squares(g) if weight != 1.0 else _squares(g) for g, weight in pieces]).sum()
+
+
+def _squares(g: torch.Tensor) -> torch.Tensor:
+    """Σg² in one read of `g`: its 2-norm squared, accumulated in fp32 (float64 for float64), with no
+    g² temporary (`g.pow(2).sum()` writes and reads one: a tenth of the speed on one CPU thread)."""
+    return torch.linalg.vector_norm(g, dtype=master_dtype(g.dtype)).square()
 
 
 def global_grad_norm(pieces: Sequence[GradPiece], ctx: ParallelContext, *, sharded: bool) -> torch.Tensor:
