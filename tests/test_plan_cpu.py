@@ -199,3 +199,24 @@ def test_measure_covers_every_tp_and_micro_batch() -> None:
     assert set(result) == {f"tp{t} mbs{b}" for t in tps for b in calibrate_layers.MICRO_BATCHES} | {"adamw"}
     assert PieceTimes(**result["tp4 mbs2"]) == PieceTimes(0.25, 0.75, 0.5, 1.5)  # the stack of 2 blocks ÷ 2
     assert result["adamw"]["s_per_param"] > 0
+
+
+def test_the_optimizer_piece_is_the_engines_step_over_tensors_shaped_as_the_model() -> None:
+    """`adamw` times what Engine.train_step does after the backward: the gradient's norm and clip, AdamW,
+    zeroed gradients, over the model's ends and whole blocks (≥ ADAMW_ELEMENTS elements in all)."""
+    import torch
+
+    from ndtrain.plan import calibrate_layers
+
+    spec = arch.ModelSpec("t", "llama", 2, 32, 4, 2, 64, 256, 16)
+    params = calibrate_layers._step_parameters(spec)
+    block = [(32, 32), (16, 32), (16, 32), (32, 32), (64, 32), (64, 32), (32, 64), (32,), (32,)]
+    shapes = [tuple(p.shape) for p in params]
+    assert shapes[:3] == [(256, 32), (256, 32), (32,)] and shapes[3:12] == block
+    assert (len(shapes) - 3) % len(block) == 0 and shapes[3:] == block * ((len(shapes) - 3) // len(block))
+    assert sum(p.numel() for p in params) >= calibrate_layers.ADAMW_ELEMENTS
+    before = [p.detach().clone() for p in params[:3]]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    calibrate_layers._step_passes(params, optimizer)()
+    assert all(not p.grad.any() for p in params)
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))

@@ -17,7 +17,10 @@ the measurement shares caches and memory bandwidth as the planned processes do):
             residual — the ops of ndtrain's `Block` at the shard's shapes
     head    the embedding lookup of V/t rows, the final RMSNorm, the logits x·W (h × V/t) and the
             cross-entropy over them (the vocabulary-parallel ends of the first and last stage)
-    adamw   torch.optim.AdamW (foreach) step time per parameter element, over 4 M elements
+    adamw   the per-step work over the parameters, seconds per element: what Engine.train_step does after
+            the backward (the gradient's norm, `grad_norm.local_squares`, and its clip, `grad_norm.clip_`),
+            torch.optim.AdamW (foreach) and zeroing the gradients, on tensors shaped as the model's (its
+            ends and whole blocks, ≥ 4 M elements: the per-tensor overhead counts as in a step)
 Only llama models (ndtrain's family) are profiled (`cpu_profile.profiled_tps` refuses others).
 No collective runs here: tp communication is priced by the collectives part of the profile.
 Imported only inside calibration workers (it needs torch; the planner itself does not).
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ndtrain.models.llama import Attention, apply_rotary, rotary_tables
+from ndtrain.parallel.grad_norm import clip_, local_squares
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.cpu_profile import shard_key
 
@@ -51,12 +55,39 @@ def measure(model: ModelSpec, tps: list[int], timed: Callable[[Callable[[], None
             head_f, head_fb = timed(shard.head), timed(lambda: shard.head().backward())
             result[shard_key(tp, mbs)] = {"layer_f": stack_f / n, "layer_b": max(stack_fb - stack_f, 0.0) / n,
                                           "head_f": head_f, "head_b": max(head_fb - head_f, 0.0)}
-    params = [torch.zeros(ADAMW_ELEMENTS // 16, requires_grad=True) for _ in range(16)]
+    params = _step_parameters(model)
+    step = _step_passes(params, torch.optim.AdamW(params, lr=1e-4, foreach=True))
+    result["adamw"] = {"s_per_param": timed(step) / sum(p.numel() for p in params)}
+    return result
+
+
+def _step_passes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """Engine.train_step's work after the backward, over `params`' gradients: their global norm
+    (grad_norm.local_squares), the clip (grad_norm.clip_), the optimizer step, and the zeroing of the
+    gradients before the next step (one write of each; they stay allocated, as in ndtrain's buckets)."""
+    grads = [p.grad for p in params]
+
+    def step() -> None:
+        clip_(grads, local_squares([(g, 1.0) for g in grads], grads[0].device).sqrt(), 1.0)
+        optimizer.step()
+        torch._foreach_zero_(grads)
+
+    return step
+
+
+def _step_parameters(model: ModelSpec) -> list[torch.Tensor]:
+    """Parameters shaped as the model's (its ends, then whole blocks until `ADAMW_ELEMENTS`), each with a
+    gradient: the optimizer's per-tensor overhead counts as in a step, not only its bytes."""
+    h, d, f = model.hidden, model.head_dim, model.ffn
+    block = [(model.heads * d, h), (model.kv_heads * d, h), (model.kv_heads * d, h), (h, model.heads * d),
+             (f, h), (f, h), (h, f), (h,), (h,)]
+    shapes: list[tuple[int, ...]] = [(model.vocab, h), (model.vocab, h), (h,)]
+    while sum(math.prod(shape) for shape in shapes) < ADAMW_ELEMENTS or len(shapes) == 3:
+        shapes += block
+    params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    result["adamw"] = {"s_per_param": timed(optimizer.step) / ADAMW_ELEMENTS}
-    return result
+    return params
 
 
 class Shard:

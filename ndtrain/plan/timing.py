@@ -47,7 +47,8 @@ CPU profile (`cpu_profile.py`): compute is the model's measured block and ends p
           size; ZeRO-1 is ndtrain's all-reduce + all-gather; ZeRO-3's backward re-gathers the
           blocks only (the root unit, the stage's ends, stays gathered from its forward until its
           reduce-scatter: zero3_parameters.py); SP's all-gather + reduce-scatter are priced apart;
-          the optimizer at the measured AdamW rate. With P processes on S < P
+          the optimizer at the measured rate of the engine's step after the backward (the gradient's
+          norm and clip, AdamW, zeroing: calibrate_layers.py). With P processes on S < P
           slots, shared = max(0, sharing · (all processes' compute) / S − critical path).
 """
 
