@@ -56,6 +56,21 @@ def test_the_choice_is_what_search_ranks_first_and_keeps_a_fixed_axis(tmp_path: 
     assert applied.schedule.micro_batch == tp2.layout.mbs and applied.parallel.sequence_parallel == tp2.layout.sp
 
 
+def test_adafactor_is_planned_without_zero_or_tp(tmp_path: Path) -> None:
+    """Adafactor's factored moments need whole matrices (ZeRO and tp are refused for it): the choice keeps
+    zero 0 and tp 1, and the run's config then validates."""
+    profile = write_profile(tmp_path)
+    hardware = load_profile(profile, 2)
+    cfg = resolve_config(None, {**TINY, "parallel.tp": 2})
+    assert auto.choose(cfg, 2, Fixed(tp=2), hardware, "test", profile).layout.tp == 2  # AdamW: tp as given
+    cfg = resolve_config(None, {**TINY, "optim.name": "adafactor"})
+    assert auto.optimizer_limits(cfg, Fixed(pp=2)) == Fixed(pp=2, zero=0, tp=1)
+    choice = auto.choose(cfg, 2, Fixed(), hardware, "test", profile)
+    assert (choice.layout.zero, choice.layout.tp) == (0, 1)
+    applied = auto.apply(cfg, auto.layout_overrides(choice.layout))
+    assert (applied.parallel.zero, applied.parallel.tp) == (0, 1)
+
+
 def test_nothing_fits_is_one_line(tmp_path: Path) -> None:
     profile = write_profile(tmp_path, memory_total_gib=0.5)  # 256 MiB per process, less than the 300 MiB baseline
     cfg = resolve_config(None, TINY)

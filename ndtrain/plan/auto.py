@@ -7,7 +7,7 @@ CPU profile (`cpu_profile.load_profile` for nproc processes) or, on CUDA, the da
 device name names (`hardware.gpu_for_device`): one node of nproc GPUs. `layout_overrides` is the choice
 as dotted config keys, which `apply` writes into the config (and the launcher hands its workers).
 
-Refused in one line: an `hf:` model or a task preset (the planner knows ndtrain's Llama only), a
+An Adafactor run keeps zero 0 and tp 1 (`optimizer_limits`). Refused in one line: an `hf:` model or a task preset (the planner knows ndtrain's Llama only), a
 parameter server or single-process DataParallel (not layouts the planner enumerates), a CPU run without
 a profile, a GPU the planner has no datasheet for, and a run where nothing fits.
 
@@ -18,6 +18,7 @@ divisors of nproc), plus reading the profile.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def choose(cfg: TrainConfig, nproc: int, fixed: Fixed, hardware: Hardware, machi
         raise UserError("--layout auto plans dp × cp × pp × tp layouts with ZeRO: set ps.servers=0 and "
                         "parallel.dp_mode=ddp, or use --layout manual")
     spec = model_spec(cfg)
-    result = search(spec, Cluster(hardware, nproc, nproc), cfg.schedule.global_batch, fixed)
+    result = search(spec, Cluster(hardware, nproc, nproc), cfg.schedule.global_batch, optimizer_limits(cfg, fixed))
     fitting = [c for c in result.candidates if c.fits]
     if not fitting:
         smallest = result.candidates[0]
@@ -128,6 +129,14 @@ def choose(cfg: TrainConfig, nproc: int, fixed: Fixed, hardware: Hardware, machi
                         f"{smallest.memory.total / MIB:,.0f} MiB per rank of {hardware.memory_bytes / MIB:,.0f}): add "
                         "processes, recompute or ZeRO, or use a smaller model or batch")
     return Choice(fitting[0], result.considered, len(fitting), machine_name, profile)
+
+
+def optimizer_limits(cfg: TrainConfig, fixed: Fixed) -> Fixed:
+    """`fixed` with the axes the run's optimizer rules out: Adafactor's factored moments need whole matrices,
+    so ZeRO and tp are refused for it (config/train.py) and not searched (zero 0, tp 1 unless given)."""
+    if cfg.optim.name != "adafactor":
+        return fixed
+    return dataclasses.replace(fixed, zero=0 if fixed.zero is None else fixed.zero, tp=fixed.tp or 1)
 
 
 def layout_overrides(layout: Layout) -> dict[str, Any]:
