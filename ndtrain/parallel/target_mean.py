@@ -28,10 +28,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ndtrain.data.corpus import IGNORE as IGNORE_INDEX  # the data's mark of a target never counted (−100)
 from ndtrain.dist.mesh import ParallelContext
 from ndtrain.parallel.precision import at_least_fp32
-
-IGNORE_INDEX = -100  # a target never counted (F.cross_entropy's default ignore_index)
 
 
 def target_count(targets: torch.Tensor) -> torch.Tensor:
