@@ -13,11 +13,12 @@ step; `generate` fills the window from its cache, then restarts from the last se
 forward of them), so positions never pass the trained length. Within the first window both give the
 same greedy tokens.
 
-Generation stops after `max_new_tokens` or at the end-of-sequence token (the tokenizer's EOS, else the
-HF model's config; the byte tokenizer has none), which is not printed. `chat=True` renders the prompt
+Generation stops after `max_new_tokens` or at the end-of-sequence token (the tokenizer's EOS, byte 0 for
+the byte tokenizer, else the HF model's config), which is not printed. `chat=True` renders the prompt
 with the run tokenizer's chat template as one user message (`add_generation_prompt`) and returns only
 the reply; a tokenizer without a chat template (the byte tokenizer, a tokenizer.json, a transformers
-tokenizer without one) is refused in one line.
+tokenizer without one) gets the ChatML rendering its chat records were trained on (data/sft.py:
+`chatml_prompt_ids`), and the reply ends at its first `<|im_end|>`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 
 from ndtrain.checkpoint.run_model import load_run
 from ndtrain.config.presets import TASK_PRESETS
+from ndtrain.data.sft import CHATML_END, chatml_prompt_ids
 from ndtrain.data.tokenizer import HFTokenizer, load_tokenizer
 from ndtrain.errors import UserError
 from ndtrain.models.hf import is_hf_model
@@ -130,12 +132,10 @@ def generate_text(
         raise UserError(f"{str(run_dir)!r} trained --model {cfg.model.preset}, which does not generate text: "
                         "give the run directory of a language model")
     tokenizer = load_tokenizer(cfg.data.tokenizer)  # the run's, as its config.toml names it
-    if chat:
-        if not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None:
-            raise UserError(f"--chat needs a tokenizer with a chat template, and data.tokenizer="
-                            f"{cfg.data.tokenizer!r} of {str(run_dir)!r} has none: drop --chat")
+    template = chat and isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is not None
+    if template:
         prompt = tokenizer.render_chat([{"role": "user", "content": prompt}])
-    prompt_ids = tokenizer.encode(prompt or "\n")
+    prompt_ids = chatml_prompt_ids(tokenizer, prompt) if chat and not template else tokenizer.encode(prompt or "\n")
     if len(prompt_ids) == 0:
         raise UserError(f"the prompt {prompt!r} encodes to no tokens with data.tokenizer={cfg.data.tokenizer!r}: give "
                         "a --prompt of words the tokenizer knows")
@@ -149,4 +149,7 @@ def generate_text(
                      torch.Generator().manual_seed(seed), eos)
     if len(out) > len(prompt_ids) and int(out[-1]) in eos:
         out = out[:-1]
-    return tokenizer.decode(out[len(prompt_ids):] if chat else out)
+    if not chat:
+        return tokenizer.decode(out)
+    reply = tokenizer.decode(out[len(prompt_ids):])
+    return reply if template else reply.split(CHATML_END)[0]  # ChatML: the reply ends at its end marker

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from ndtrain.config import ModelConfig
-from ndtrain.data.tokenizer import byte_level_tokenizer
+from ndtrain.data.sft import CHATML_END, chatml_prompt_ids
+from ndtrain.data.tokenizer import byte_level_tokenizer, load_tokenizer
 from ndtrain.generate import cached_generate, generate_text, sample
 from ndtrain.models.llama import build_model
-from tests.helpers.runs import corpus_file, ndtrain, one_error_line, tiny_config, train
+from tests.helpers.runs import corpus_file, ndtrain, tiny_config, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -105,6 +106,16 @@ def test_chat_renders_the_template_and_prints_the_reply(runs: dict[str, Path]) -
     assert plain == rendered + reply and "\n" not in reply  # the newline is EOS: generation ends before it
 
 
-def test_chat_without_a_template_is_refused_in_one_line(runs: dict[str, Path]) -> None:
-    line = one_error_line(ndtrain("generate", str(runs["plain"]), "--chat", "--prompt", "hi"))
-    assert "--chat needs a tokenizer with a chat template" in line and "drop --chat" in line
+def test_chat_without_a_template_renders_the_chatml_its_chat_records_were_trained_on(runs: dict[str, Path]) -> None:
+    """No chat template: the prompt is rendered as training renders chat records (data/sft.py's ChatML, each
+    part encoded alone) and the reply ends at its first <|im_end|>."""
+    rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    tokenizer = load_tokenizer(f"hf:{runs['plain'].parent / 'tok-plain'}")
+    assert chatml_prompt_ids(tokenizer, "hi").tolist() == tokenizer.encode(rendered).tolist()  # ids = bytes here
+    plain = generate_text(runs["plain"], rendered, 40, 0.0, 0, 0)
+    reply = generate_text(runs["plain"], "hi", 40, 0.0, 0, 0, chat=True)
+    assert plain.startswith(rendered + reply) and CHATML_END not in reply
+    assert plain == rendered + reply or plain[len(rendered) + len(reply):].startswith(CHATML_END)
+    proc = ndtrain("generate", str(runs["plain"]), "--chat", "--prompt", "hi", "--max-new-tokens", "40",
+                   "--temperature", "0")
+    assert proc.returncode == 0 and proc.stdout.rstrip("\n") == reply

@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K most likely tokens (0: all)")
     gen.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed")
     gen.add_argument("--chat", action="store_true",
-                     help="send the prompt as a user message through the run tokenizer's chat template and "
-                          "print only the reply")
+                     help="send the prompt as a user message through the run tokenizer's chat template (ChatML "
+                          "without one, as training renders chat records) and print only the reply")
 
     export = commands.add_parser("export", help="write a run's model as one safetensors file (config in its metadata) "
                                                 "or, with --format hf, as a Hugging Face save_pretrained folder")

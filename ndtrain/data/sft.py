@@ -38,6 +38,8 @@ from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
+import torch
+
 from ndtrain.data.sources import Source
 from ndtrain.data.tokenizer import ByteTokenizer, HFTokenizer, token_format
 from ndtrain.errors import UserError
@@ -45,6 +47,7 @@ from ndtrain.errors import UserError
 if TYPE_CHECKING:
     from ndtrain.config import DataConfig
 
+CHATML_END = "<|im_end|>"  # ends every message of the ChatML rendering (no chat template)
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 CHAT_KEYS = {"messages": ("role", "content"), "conversations": ("from", "value")}
 FIELDS = {"instruction": ("instruction", "output"), "completion": ("prompt", "completion")}
@@ -180,15 +183,27 @@ def render_template(messages: list[Message], tokenizer: HFTokenizer, loss_on: st
     return ids, [int(any(a <= s < b for a, b in spans)) for s in starts]
 
 
+def chatml_parts(messages: list[Message]) -> list[str]:
+    """`messages` as ChatML text, in the parts that are encoded alone: per message its role header, then its
+    content with the end marker (`CHATML_END`) and a newline."""
+    return [text for m in messages for text in (f"<|im_start|>{m['role']}\n", f"{m['content']}{CHATML_END}\n")]
+
+
+def chatml_prompt_ids(tokenizer: ByteTokenizer | HFTokenizer, prompt: str) -> torch.Tensor:
+    """The ids a model trained on ChatML-rendered chat records (a tokenizer without a chat template) answers:
+    `prompt` as one user message and the assistant's header, each part encoded alone as in training."""
+    texts = chatml_parts([{"role": "user", "content": prompt}]) + ["<|im_start|>assistant\n"]
+    return torch.cat([tokenizer.encode(text).to(torch.int64) for text in texts])
+
+
 def render_plain(messages: list[Message], tokenizer: ByteTokenizer | HFTokenizer, rendering: Rendering,
                  code: str) -> tuple[list[int], list[int]]:
     """The ids and mask without a chat template (module docstring): ChatML text for chat records,
     prompt and completion concatenated for the others; each part encoded alone."""
     chosen = targets(messages, rendering.loss_on)
     if rendering.kind == "chat":
-        parts = [(f"<|im_start|>{m['role']}\n", rendering.loss_on == "all") for m in messages]
-        bodies = [(f"{m['content']}<|im_end|>\n", c) for m, c in zip(messages, chosen)]
-        parts = [part for pair in zip(parts, bodies) for part in pair]
+        flags = [flag for c in chosen for flag in (rendering.loss_on == "all", c)]  # each role header, then its body
+        parts = list(zip(chatml_parts(messages), flags))
     else:
         separator = "\n\n" if rendering.kind == "instruction" else ""
         parts = [(messages[0]["content"] + separator, chosen[0]), (messages[1]["content"], chosen[1])]
