@@ -140,6 +140,16 @@ def test_train_help_defaults_are_what_check_resolves(capsys: pytest.CaptureFixtu
         assert f"[{key}]" in block
 
 
+def test_fine_tuning_data_flags_set_their_keys(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n' * 64)
+    resolved = check_toml(["--out", str(tmp_path / "run"), "--data", str(chat), "--global-batch", "8", "--micro-batch", "4", "--data-kind",
+                           "chat", "--loss-on", "all", "--max-length", "100", "--overlong", "drop", "--packing",
+                           "false"], capsys)
+    assert {key: resolved["data"][key] for key in ("kind", "loss_on", "max_length", "overlong", "packing")} == \
+        {"kind": "chat", "loss_on": "all", "max_length": 100, "overlong": "drop", "packing": False}
+
+
 @pytest.mark.parametrize("flag, allowed", [
     ("--precision", "{fp32,bf16,fp16}"), ("--recompute", "{none,selective,full}"), ("--sp", "{true,false}"),
     ("--schedule", "{naive,gpipe,1f1b,interleaved,zb}"), ("--dp-mode", "{ddp,single-process}"),

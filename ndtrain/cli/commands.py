@@ -71,6 +71,15 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--lora-dropout": ("lora.dropout", float, "dropout on the LoRA adapters' input"),
     "--data": ("data.path", str, "text file, folder of text files, or .jsonl with a 'text' field; none = the "
                "standard library's source"),
+    "--data-kind": ("data.kind", str, "what a record of --data is: auto (the first record's keys decide), text, "
+                    "chat, instruction or completion"),
+    "--loss-on": ("data.loss_on", str, "fine-tuning targets: assistant (every assistant turn; an instruction's "
+                  "output, a completion), completion (the last assistant turn) or all"),
+    "--max-length": ("data.max_length", int, "tokens of the longest fine-tuning example kept whole, its EOS counted; "
+                     "none = seq-len + 1"),
+    "--overlong": ("data.overlong", str, "an example longer than --max-length: truncate or drop"),
+    "--packing": ("data.packing", parse_bool, "pack examples whole into seq-len windows (false: one padded example "
+                  "a sample)"),
 }
 
 
