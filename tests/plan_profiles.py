@@ -16,7 +16,7 @@ def fit(latency_us: float, bandwidth_gbs: float) -> dict[str, float]:
 
 def cpu_profile(cores: int = 2, pieces: dict[ModelSpec, dict[str, dict[str, float]]] | None = None,
                 sharing: float = 1.0) -> dict[str, Any]:
-    """A version-2 profile: 100/60 GFLOP/s at 1/2 processes; per op a distinct α–β per (P, n) so a
+    """A current-version profile: 100/60 GFLOP/s at 1/2 processes; per op a distinct α–β per (P, n) so a
     test can tell which fit was used: α = 100·P + 10·n + op index µs, B = 1/(P·n·(op index + 1)) GB/s;
     a compute chunk of 4 ms at P = 2 and 8·`sharing` ms at P = 4.
     `pieces`: model -> {threads: {shard key or "adamw": times}}."""
@@ -30,7 +30,7 @@ def cpu_profile(cores: int = 2, pieces: dict[ModelSpec, dict[str, dict[str, floa
     return {
         "kind": "ndtrain-cpu-profile", "version": VERSION, "cores": cores,
         "matmul_gflops": {"fp32": {"1": 100.0, "2": 60.0}, "bf16": {"1": 2.0}},
-        "memory_gbs": {"1": 20.0, "2": 12.0}, "memory_total_gib": 16.0, "process_baseline_mib": 300.0,
+        "memory_gbs": {"1": 20.0, "2": 12.0}, "memory_total_gib": 16.0, "process_baseline_mib": {"ndtrain": 300.0, "hf": 450.0},
         "collectives": collectives,
         "models": {model_key(m): by_threads for m, by_threads in (pieces or {}).items()},
     }

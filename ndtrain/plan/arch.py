@@ -19,6 +19,8 @@ Beyond the two families (all optional, so a spec without them counts exactly as 
     learned_positions   an s×h position table (None: the family's practice, gpt has one)
     extra_layer_params   per-layer parameters neither formula has (attention biases of Qwen2, Q/K
                 norms of Qwen3), counted in memory, not in FLOPs
+    hf          transformers' own modules run the layers (`--model hf:DIR`): memory counts what their
+                eager layers and an `hf:` worker process hold (`memory.py`, `cpu_profile.py`)
     moe         a mixture-of-experts MLP (`moe.py`): parameters held (every expert: weights, gradients,
                 optimizer state) differ from those a token uses (k experts + shared: FLOPs); per-layer
                 figures of a model whose layers differ (dense layers first) are means over its layers,
@@ -75,6 +77,7 @@ class ModelSpec:
     extra_layer_params: int = 0  # per-layer parameters the family's formula lacks (biases, Q/K norms)
     moe: Experts | None = None  # a mixture-of-experts MLP (None: dense, width ffn)
     learned_positions: bool | None = None  # an s×h position table: None = the family's practice (gpt)
+    hf: bool = False  # run by transformers' modules in ndtrain's workers (`--model hf:DIR`), not ndtrain's Block
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

@@ -6,6 +6,10 @@ Measured, each in freshly spawned processes that all work at once (so shared cor
     memory      copy bandwidth per process, 2·bytes per copy (read + write)
     elementwise ndtrain's own layer ops (norms, rotary, SwiGLU product, residual adds) in GB/s of the
                 bytes the eager kernel profile counts for them (calibrate_elementwise.py), per process
+    baseline    resident set of each of 2 processes set up as `ndtrain train` workers before their model:
+                ndtrain's worker modules imported (cli, trainer, engine, strategies), intra-op threads
+                set, a gloo process group of 2 initialised; again with transformers' model classes
+                imported as an `hf:` worker does (skipped when transformers is not installed)
     collectives for P = 2 and 4 processes (and --gpus N): each op in groups of n while the
                 processes compute between collectives (calibrate_comm.py)
     layers      with --model/--arch: the model's block and ends, forward and backward, per tp shard
@@ -19,6 +23,7 @@ torch.distributed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -40,6 +45,12 @@ REPEAT_S = 0.6  # time spent on each measurement
 LAYER_ROUNDS, LAYER_BUDGET_S = 3, 0.3  # the layer profile: rounds over every piece, time per piece and round
 SHARING_REPS, SHARING_ROUNDS = 3, 3  # forward + backward of the block stack per process, alternations
 WORKER_TIMEOUT_S = 300.0
+WORKER_MODULES = ("ndtrain.cli.commands", "ndtrain.trainer")  # what `ndtrain train` loads in a worker
+BASELINE_MODULES = {  # by worker kind (cpu_profile.worker_kind): an hf: worker also loads transformers' model classes
+    "ndtrain": WORKER_MODULES,
+    "hf": WORKER_MODULES + ("ndtrain.models.hf", "transformers.modeling_utils", "transformers.generation",
+                            "transformers.models.auto.modeling_auto"),
+}
 
 
 def _timed(fn: Callable[[], None], budget_s: float = REPEAT_S, min_reps: int = 3) -> float:
@@ -60,7 +71,6 @@ def _compute_worker(rank: int, threads: int, barrier: Any, results: Any) -> None
     from ndtrain.plan import calibrate_elementwise
 
     torch.set_num_threads(threads)
-    baseline = _rss_mib()
     rates: dict[str, float] = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a, b = torch.randn(MATMUL_N, MATMUL_N, dtype=dtype), torch.randn(MATMUL_N, MATMUL_N, dtype=dtype)
@@ -72,8 +82,23 @@ def _compute_worker(rank: int, threads: int, barrier: Any, results: Any) -> None
     copy_gbs = 2 * COPY_BYTES / _timed(lambda: dst.copy_(src)) / 1e9
     barrier.wait()
     elementwise_gbs = calibrate_elementwise.measure(_timed)
-    results.put((rank, {"matmul": rates, "copy_gbs": copy_gbs, "elementwise_gbs": elementwise_gbs,
-                        "baseline_mib": baseline}))
+    results.put((rank, {"matmul": rates, "copy_gbs": copy_gbs, "elementwise_gbs": elementwise_gbs}))
+
+
+def _baseline_worker(rank: int, world: int, threads: int, store: str, kind: str, results: Any) -> None:
+    """The resident MiB of a process set up as an `ndtrain train` worker of `kind` before its model."""
+    import torch
+    import torch.distributed as dist
+
+    for module in BASELINE_MODULES[kind]:
+        importlib.import_module(module)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        dist.barrier()
+        results.put((rank, _rss_mib()))
+    finally:
+        dist.destroy_process_group()
 
 
 def _layers_worker(rank: int, threads: int, model: ModelSpec, tps: list[int], barrier: Any, results: Any) -> None:
@@ -137,6 +162,21 @@ def _measure_compute(n: int, cores: int) -> list[dict[str, Any]]:
     return _spawn(ctx, _compute_worker, [(max(1, cores // n), barrier)] * n)
 
 
+def _measure_baselines(cores: int, world: int = 2) -> dict[str, float]:
+    """MiB per worker kind: the largest resident set of `world` workers (kinds whose modules are not
+    installed are left out)."""
+    baselines = {}
+    for kind, modules in BASELINE_MODULES.items():
+        if any(importlib.util.find_spec(m.split(".")[0]) is None for m in modules):
+            continue
+        with tempfile.TemporaryDirectory(prefix="ndtrain-calibrate-") as tmp:
+            store = os.path.join(tmp, "store")
+            rss = _spawn(mp.get_context("spawn"), _baseline_worker,
+                         [(world, cpu_profile.threads_for(cores, world), store, kind)] * world)
+        baselines[kind] = round(max(rss), 1)
+    return baselines
+
+
 def _measure_comm(processes: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ndtrain-calibrate-") as tmp:
         store = os.path.join(tmp, "store")
@@ -185,7 +225,7 @@ def run(out: Path, model: ModelSpec | None = None, processes: tuple[int, ...] = 
             profile["matmul_gflops"][dtype][str(n)] = round(statistics.median(r["matmul"][dtype] for r in per_rank), 3)
         profile["memory_gbs"][str(n)] = round(statistics.median(r["copy_gbs"] for r in per_rank), 3)
         profile["elementwise_gbs"][str(n)] = round(statistics.median(r["elementwise_gbs"] for r in per_rank), 3)
-        profile["process_baseline_mib"] = round(max(r["baseline_mib"] for r in per_rank), 1)
+    profile["process_baseline_mib"] = _measure_baselines(cores)
     for p in sorted(set(processes)):
         if p > 1:
             profile["collectives"][str(p)] = _measure_comm(p)
@@ -212,6 +252,8 @@ def summary(profile: dict[str, Any]) -> str:
     lines = [f"calibrated in {profile['seconds']} s on {profile['cores']} cores"]
     for dtype, rates in profile["matmul_gflops"].items():
         lines.append(f"  matmul {dtype}: " + ", ".join(f"{n} proc {r:.1f} GFLOP/s each" for n, r in rates.items()))
+    lines.append("  worker baseline (resident before the model): " + ", ".join(
+        f"{kind} {mib:.0f} MiB" for kind, mib in profile["process_baseline_mib"].items()))
     lines.append("  copy: " + ", ".join(f"{n} proc {r:.1f} GB/s each" for n, r in profile["memory_gbs"].items()))
     lines.append("  ndtrain's element-wise layer ops: " + ", ".join(
         f"{n} proc {r:.1f} GB/s each" for n, r in profile["elementwise_gbs"].items()))

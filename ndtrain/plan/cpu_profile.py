@@ -17,6 +17,10 @@ S = C // T processes compute at once ("slots"). It holds, all measured on this m
                                   logits, loss) forward and backward on tp rank 0's shard at micro-batch
                                   mbs, and AdamW seconds per element (calibrate_layers.py), measured with
                                   T threads in min(P, S) processes at once
+    process_baseline_mib[kind]    resident set of a process set up as an `ndtrain train` worker before its
+                                  model (its modules imported, a gloo process group of 2 initialised), for
+                                  kind "ndtrain" (built-in models) and "hf" (also transformers' model
+                                  classes): the memory planner's reserved bytes per rank
     models[key][T]["sharing"][P]  for P > S, a fixed run of the model's blocks with all P processes at
                                   once, its slowdown beyond P/S: the model's own `sharing` factor
                                   (preferred to the chunk's)
@@ -37,7 +41,7 @@ from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.efficiency import measured
 from ndtrain.plan.hardware import FP32, GB, GIB, Hardware, Link
 
-VERSION = 2
+VERSION = 3  # 3: process_baseline_mib per worker kind (2: one figure, a bare torch process)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -49,6 +53,11 @@ def model_key(model: ModelSpec) -> str:
     if model.moe is not None:
         key += f" E{model.moe.count} top{model.moe.top_k} fe{model.moe.ffn} fs{model.moe.shared_ffn}"
     return key
+
+
+def worker_kind(model: ModelSpec) -> str:
+    """Which worker process runs the model: "hf" (transformers' modules) or "ndtrain" (its own layers)."""
+    return "hf" if model.hf else "ndtrain"
 
 
 def shard_key(tp: int, mbs: int) -> str:
@@ -99,6 +108,16 @@ class CpuProfile:
     adamw_s_per_param: dict[str, float] = field(default_factory=dict)  # model key -> seconds
     sharing: float = 1.0  # ≥ 1: what P > S processes lose to sharing the cores beyond splitting them
     model_sharing: dict[str, float] = field(default_factory=dict)  # model key -> the same, for its layers
+    baselines: dict[str, float] = field(default_factory=dict)  # worker kind ("ndtrain", "hf") -> resident bytes
+
+    def baseline(self, model: ModelSpec) -> float:
+        """Bytes a worker of this model's kind holds before its model: an `hf:` model's worker also
+        holds transformers."""
+        kind = worker_kind(model)
+        if kind not in self.baselines:
+            raise UserError(f"the CPU profile has no {kind} worker baseline (transformers was not installed when it "
+                            "was calibrated): install transformers and run `ndtrain plan --calibrate` again")
+        return self.baselines[kind]
 
     @property
     def threads(self) -> int:
@@ -157,14 +176,16 @@ def load_profile(path: Path, processes: int) -> Hardware:
         pieces[key] = {_parse_shard_key(shard): PieceTimes(**t) for shard, t in table.items() if shard.startswith("tp")}
         if str(processes) in table.get("sharing", {}):
             model_sharing[key] = max(1.0, table["sharing"][str(processes)])
-    cpu = CpuProfile(cores, processes, links, pieces, adamw, _sharing(comm, nearest, cores, processes), model_sharing)
+    baselines = {kind: mib * 1024**2 for kind, mib in data["process_baseline_mib"].items()}
+    cpu = CpuProfile(cores, processes, links, pieces, adamw, _sharing(comm, nearest, cores, processes), model_sharing,
+                     baselines)
     flops = _per_process(data["matmul_gflops"]["fp32"], processes) * GB
     memory_bw = _per_process(data["memory_gbs"], processes) * GB
     measured_ew = data.get("elementwise_gbs")  # absent from profiles written before it was measured
     elementwise = _per_process(measured_ew, processes) * GB / memory_bw if measured_ew else 1.0
     link = cpu.link("all_reduce", processes)
     ram = data["memory_total_gib"] * GIB / processes
-    reserved = data["process_baseline_mib"] * 1024**2
+    reserved = baselines["ndtrain"]
     return Hardware("cpu", "cpu", flops, measured(elementwise), ram, reserved, memory_bw, link, link, FP32, False, cpu)
 
 

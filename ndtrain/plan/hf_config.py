@@ -85,7 +85,7 @@ def spec(config: dict[str, Any], name: str, seq: int | None) -> ModelSpec:
         head_size=head_size, tied=tied if isinstance(tied, bool) else None,
         extra_layer_params=_extra_layer_params(config, family, gated, hidden, heads, kv_heads, d, ffn),
         moe=_experts(config, where, hidden, ffn) if gated else _no_experts(config, where),
-        learned_positions=family in LEARNED_POSITIONS if not gated else None)
+        learned_positions=family in LEARNED_POSITIONS if not gated else None, hf=True)
 
 
 def describe(model: ModelSpec) -> str:
