@@ -126,7 +126,8 @@ def test_predicted_peak_is_within_10_percent_of_what_the_workers_hold(tmp_path: 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     proc = subprocess.run([sys.executable, "-m", "ndtrain", "train", "--model", f"hf:{tmp_path / 'model'}", "--nproc", "2",
                            *flags, "--seq-len", "256", "--global-batch", "4", "--micro-batch", "2", "--steps", "2",
-                           "--eval-every", "0", "--out", str(tmp_path / "run"), "--set", "log.progress=false"],
+                           "--eval-every", "0", "--out", str(tmp_path / "run"), "--set", "log.progress=false",
+                           "--set", "data.eval_samples=4"],
                           capture_output=True, text=True, timeout=170, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     measured = json.loads((tmp_path / "run" / "summary.json").read_text())["peak_memory_bytes_max_rank"]
