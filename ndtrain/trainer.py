@@ -35,7 +35,7 @@ from ndtrain.data.sampler import DistributedSampler, eval_shard
 from ndtrain.engine import Batch, StepResult
 from ndtrain.run.engine_kinds import TrainingEngine, engine_kind
 from ndtrain.errors import UserError
-from ndtrain.dist.memory import peak_bytes, reset_peak
+from ndtrain.dist.memory import peak_bytes, release_freed_host_memory, reset_peak
 from ndtrain.dist.mesh import ParallelContext, init
 from ndtrain.run.metrics import MetricsLog, format_table, human_bytes, plot_loss_curve
 from ndtrain.checkpoint.run_model import build_run_model, with_lora
@@ -139,6 +139,7 @@ class Trainer:
         self.timeline = TimelineRecorder(cfg, self.ctx, self.run_dir)
         with self.ctx.phases.startup("building the model"):
             self.engine = self.make_engine()
+            release_freed_host_memory()  # what building the whole model left behind on the C heap
         self.trackers = Trackers(cfg.log.report_to if self.ctx.is_main else [], self.run_dir)
 
     def data_ranks(self) -> tuple[int, int]:

@@ -12,6 +12,7 @@ peak can be stated without counting one physical page once per rank.
 
 from __future__ import annotations
 
+import ctypes
 import resource
 import sys
 from pathlib import Path
@@ -59,6 +60,17 @@ def current_bytes(device: torch.device) -> int:
         return torch.cuda.memory_allocated(device)
     kib = _status_kib("VmRSS")
     return (kib or 0) * 1024
+
+
+def release_freed_host_memory() -> None:
+    """Hand the C heap's free pages back to the kernel (glibc's `malloc_trim(0)`; a no-op where the C
+    library has none). glibc keeps freed memory resident: after a rank built the whole model and kept
+    its share (tp, pp, ZeRO-3 shards), the rest would stay in its resident set for the whole run."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def shared_overcount_bytes() -> int:
