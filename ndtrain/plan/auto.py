@@ -7,9 +7,10 @@ CPU profile (`cpu_profile.load_profile` for nproc processes) or, on CUDA, the da
 device name names (`hardware.gpu_for_device`): one node of nproc GPUs. `layout_overrides` is the choice
 as dotted config keys, which `apply` writes into the config (and the launcher hands its workers).
 
-An Adafactor run keeps zero 0 and tp 1 (`optimizer_limits`). Refused in one line: an `hf:` model or a task preset (the planner knows ndtrain's Llama only), a
-parameter server or single-process DataParallel (not layouts the planner enumerates), a CPU run without
-a profile, a GPU the planner has no datasheet for, and a run where nothing fits.
+An Adafactor run keeps zero 0 and tp 1 (`optimizer_limits`). Refused in one line: an `hf:` model or a
+task preset (the planner knows ndtrain's Llama only), a parameter server or single-process DataParallel
+(not layouts the planner enumerates), a CPU run without a profile, a GPU the planner has no datasheet
+for, and a run where nothing fits.
 
 Cost: one `search`, pure arithmetic (milliseconds for a few processes; the layouts grow with the
 divisors of nproc), plus reading the profile.

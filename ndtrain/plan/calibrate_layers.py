@@ -81,8 +81,8 @@ def _step_parameters(model: ModelSpec) -> list[torch.Tensor]:
     h, d, f = model.hidden, model.head_dim, model.ffn
     block = [(model.heads * d, h), (model.kv_heads * d, h), (model.kv_heads * d, h), (h, model.heads * d),
              (f, h), (f, h), (h, f), (h,), (h,)]
-    shapes: list[tuple[int, ...]] = [(model.vocab, h), (model.vocab, h), (h,)]
-    while sum(math.prod(shape) for shape in shapes) < ADAMW_ELEMENTS or len(shapes) == 3:
+    shapes: list[tuple[int, ...]] = [(model.vocab, h), (model.vocab, h), (h,), *block]
+    while sum(math.prod(shape) for shape in shapes) < ADAMW_ELEMENTS:
         shapes += block
     params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
     for p in params:

@@ -38,9 +38,10 @@ workers + 1 server, staleness 1 for ~95% of pushes): sync 1.508; this rule 1.644
 masks (7baf6cf, 2 CPU cores under load) sync improved and async did not: sync 1.5107 at 5d08730,
 1.4923 with EOS but no masks, 1.4786 with masks (deterministic); async 1.644, 1.648, 1.659 (the
 last with the pushes forced into strict round robin, τ = 1 always) with masks, 1.622 and 1.662
-(round robin) without: +11-12% over sync with masks, +9-11% without. Masks change only the ~0.8% of windows that cross a
-document boundary (round-robin losses equal to 1e-4 at step 10, then diverging as any tiny
-perturbation does); a run's order of pushes alone moves async's loss by ~0.02-0.04.
+(round robin) without: +11-12% over sync with masks, +9-11% without. Masks change only the ~0.8%
+of windows that cross a document boundary (round-robin losses equal to 1e-4 at step 10, then
+diverging as any tiny perturbation does); a run's order of pushes alone moves async's loss by
+~0.02-0.04.
 Non-finite guard: a push whose header (the worker's ‖g‖², NaN for a non-finite loss) or, in sync,
 whose averaged gradient's norm is NaN/inf is not applied. With `skip_nonfinite` it is skipped
 (status skipped, counted by the worker); otherwise the server answers "stop" and every rank
