@@ -36,15 +36,19 @@ def cpu_profile(cores: int = 2, pieces: dict[ModelSpec, dict[str, dict[str, floa
     }
 
 
-def pieces(layer_f: float, layer_b: float, head_f: float, head_b: float) -> dict[str, float]:
-    return {"layer_f": layer_f, "layer_b": layer_b, "head_f": head_f, "head_b": head_b}
+def pieces(layer_f: float, layer_b: float, head_f: float, head_b: float, split_overhead: float = 0.0) -> dict[str, float]:
+    """A block's times; its split backward is half input pass, half weight passes, each
+    `split_overhead` longer than half the backward."""
+    half = layer_b / 2 * (1 + split_overhead)
+    return {"layer_f": layer_f, "layer_b": layer_b, "head_f": head_f, "head_b": head_b, "layer_i": half, "layer_w": half}
 
 
-def bench_pieces(tps: tuple[int, ...] = (1, 2)) -> dict[str, dict[str, Any]]:
+def bench_pieces(tps: tuple[int, ...] = (1, 2), split_overhead: float = 0.0) -> dict[str, dict[str, Any]]:
     """Round numbers for the bench model at 1 thread: a block 40+80 ms at tp1 mbs1, half per tp2 plus 10%,
-    the ends 5+10 ms; AdamW 10 ns per element."""
+    the ends 5+10 ms; AdamW 10 ns per element; zb's input and weight passes each half the backward
+    × (1 + `split_overhead`)."""
     table: dict[str, Any] = {"adamw": {"s_per_param": 1e-8}}
     for tp in tps:
         scale = 1.0 if tp == 1 else 1.1 / tp
-        table[shard_key(tp, 1)] = pieces(0.040 * scale, 0.080 * scale, 0.005, 0.010)
+        table[shard_key(tp, 1)] = pieces(0.040 * scale, 0.080 * scale, 0.005, 0.010, split_overhead)
     return {"1": table}

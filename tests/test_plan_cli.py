@@ -117,7 +117,7 @@ def test_an_old_profile_is_refused_with_the_fix(tmp_path, capsys: pytest.Capture
     path = tmp_path / "old.json"
     path.write_text(json.dumps({**cpu_profile(), "version": 1}))
     assert run(["--model", "ndtrain-bench", "--profile", str(path), "--gpus", "4", "--global-batch", "8"]) == 2
-    assert "is a version 1 profile; this planner reads version 3: run `ndtrain plan --calibrate` again" in \
+    assert "is a version 1 profile; this planner reads version 4: run `ndtrain plan --calibrate` again" in \
         one_error_line(capsys)
 
 

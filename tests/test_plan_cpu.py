@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from ndtrain.errors import UserError
+from ndtrain.parallel.pipeline.schedules import Action, compute_actions
 from ndtrain.plan import arch, collectives
+from ndtrain.plan.cpu_pipeline import Slots, Work, makespan
 from ndtrain.plan.cpu_profile import load_profile
 from ndtrain.plan.hardware import Cluster, Hardware
 from ndtrain.plan.layout import Layout
@@ -102,16 +104,37 @@ def test_zero_stages_use_ndtrains_collectives_on_cpu(tmp_path: Path) -> None:
     assert dp[3] == pytest.approx(2 * (cost("all_gather") + cost("all_gather", blocks) + cost("reduce_scatter")))
 
 
-def test_a_pipeline_of_four_on_two_cores_is_bound_by_the_shared_cores(tmp_path: Path) -> None:
-    """pp4 1F1B, m = 8: its critical path (8 + 3 stage-slots) is shorter than the 4 processes' work on 2
-    slots, so the step is that work plus the communication, as for dp4 (the bubble is not idle time
-    when idle stages leave their core to the busy ones)."""
+def test_a_pipeline_of_four_on_two_cores_runs_its_schedule_on_the_shared_slots(tmp_path: Path) -> None:
+    """pp4 1F1B, m = 8, on 2 slots: the step is ndtrain's 1F1B schedule run on 2 shared slots (each stage
+    2 blocks, the ends on the last; its send/recv after each action, holding no slot), then the 4
+    processes' optimizer steps on the 2 slots; longer than the 4 processes' work over 2 slots, since
+    the warm-up and cool-down leave a slot idle."""
     hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces()})
     pp4 = step_time(BENCH, layout(pp=4, dp=1, schedule="1f1b"), Cluster(hw, 4, 4), B)
-    per_mb_whole = BENCH.layers * (0.040 + 0.080) + 0.015
-    optimizer = pp4.optimizer
-    assert pp4.bubble > 0 and pp4.shared_cores > 0
-    assert pp4.step == pytest.approx((4 * 8 * per_mb_whole / 4 + 4 * optimizer) / 2 + pp4.pp_comm)
+    m, send = 8, pp4.pp_comm / 16
+
+    def cost(action: Action, stage: int) -> Work:
+        ends = stage == 3
+        if action.kind == "F":
+            return Work(2 * 0.040 + 0.005 * ends, send)
+        return Work(2 * 0.080 + 0.010 * ends, send)
+
+    schedule = makespan(compute_actions("1f1b", 4, m), 4, 1, cost, Slots(1, 2, 1.0))
+    assert pp4.step == pytest.approx(schedule + 4 * pp4.optimizer / 2)
+    whole_model = BENCH.layers * (0.040 + 0.080) + 0.015
+    assert pp4.step > (m * whole_model + 4 * pp4.optimizer) / 2 + pp4.pp_comm
+
+
+def test_zero_bubble_pays_for_its_split_backward_on_shared_slots(tmp_path: Path) -> None:
+    """ZB-H1's deferred weight passes fill the cool-down, so with a free split (input + weight passes =
+    the backward) it beats 1F1B on 4 processes over 2 slots; when the split costs 20 % more than the
+    backward (ndtrain's weight pass is one autograd call per weight-consuming node) it does not."""
+    def step(schedule: str, overhead: float) -> float:
+        hw = hardware(tmp_path, 4, pieces={BENCH: bench_pieces(split_overhead=overhead)})
+        return step_time(BENCH, layout(pp=4, dp=1, schedule=schedule), Cluster(hw, 4, 4), B).step
+
+    assert step("zb", 0.0) < step("1f1b", 0.0)
+    assert step("zb", 0.2) > step("1f1b", 0.2) == step("1f1b", 0.0)
 
 
 def test_without_a_layer_profile_compute_comes_from_flops(tmp_path: Path) -> None:
@@ -180,25 +203,49 @@ def test_the_profiled_block_is_ndtrains_block() -> None:
 
 
 def test_measure_covers_every_tp_and_micro_batch() -> None:
-    """Every piece runs (forward, forward + backward) for each (tp, mbs); the result has the keys the
-    profile reader expects. `timed` is a stand-in that runs the function once."""
+    """Every piece runs (forward, forward + backward, forward + input pass, forward + input + weight passes)
+    for each (tp, mbs); the result has the keys the profile reader expects. `timed` is a stand-in that
+    runs the function once and returns the next of a cycle of times."""
     from ndtrain.plan import calibrate_layers
     from ndtrain.plan.cpu_profile import PieceTimes, profiled_tps
 
     spec = arch.ModelSpec("t", "llama", 2, 32, 4, 2, 64, 256, 16)
     calls: list[str] = []
+    # stack: f 0.5, f+b 2.0, f+I 1.5, f+I+W 2.5; ends: f 0.5, f+b 2.0
+    times = (0.5, 2.0, 1.5, 2.5, 0.5, 2.0)
 
     def once(fn) -> float:
         fn()
         calls.append("x")
-        return 0.5 if len(calls) % 2 else 2.0  # forward 0.5 s, forward + backward 2 s
+        return times[(len(calls) - 1) % len(times)]
 
     tps = profiled_tps(spec, 4)
     assert tps == [1, 2, 4]
     result = calibrate_layers.measure(spec, tps, once)
     assert set(result) == {f"tp{t} mbs{b}" for t in tps for b in calibrate_layers.MICRO_BATCHES} | {"adamw"}
-    assert PieceTimes(**result["tp4 mbs2"]) == PieceTimes(0.25, 0.75, 0.5, 1.5)  # the stack of 2 blocks ÷ 2
+    assert PieceTimes(**result["tp4 mbs2"]) == PieceTimes(0.25, 0.75, 0.5, 1.5, 0.5, 0.5)  # the stack of 2 blocks ÷ 2
     assert result["adamw"]["s_per_param"] > 0
+
+
+def test_the_split_backward_piece_computes_the_same_gradients_as_the_backward() -> None:
+    """The calibration times zero-bubble's real split (split_backward.WeightPasses): its input pass and
+    weight passes give every weight the gradient one backward gives, and the graph splits cleanly."""
+    import torch
+
+    from ndtrain.parallel.pipeline.split_backward import WeightPasses
+    from ndtrain.plan import calibrate_layers
+
+    spec = arch.ModelSpec("t", "llama", 2, 32, 4, 2, 64, 256, 16)
+    shard = calibrate_layers.Shard(spec, 1, 1, spec.layers)
+    params = [p for w in shard.weights for p in (*(w[n] for n in calibrate_layers._MATRICES), *w["norms"])]
+    shard.stack().backward(shard.grad_out)
+    full = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    assert WeightPasses(shard.stack(), params).complete  # the runner's split, not its fallback
+    shard.split_backward(True)
+    for got, want in zip((p.grad for p in params), full):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_optimizer_piece_is_the_engines_step_over_tensors_shaped_as_the_model() -> None:

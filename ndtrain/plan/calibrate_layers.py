@@ -14,7 +14,11 @@ the measurement shares caches and memory bandwidth as the planned processes do):
     layer   one Llama block on tp rank 0's shard: RMSNorm, q/k/v projections with a/t query heads
             and k/t key/value heads (when t does not divide k, the one kv head its query heads
             share: ndtrain's tp_plan replicates it), rotary, causal SDPA, output projection, residual, RMSNorm, SwiGLU with f/t,
-            residual — the ops of ndtrain's `Block` at the shard's shapes
+            residual — the ops of ndtrain's `Block` at the shard's shapes; its backward also split as
+            zero-bubble's runner splits it (split_backward.py): the input pass I (`autograd.grad` to
+            the input, the weight products skipped) and the weight passes W (one autograd call per
+            weight-consuming node), each timed after the forward (and W after I) as (f + I) − f and
+            (f + I + W) − (f + I)
     head    the embedding lookup of V/t rows, the final RMSNorm, the logits x·W (h × V/t) and the
             cross-entropy over them (the vocabulary-parallel ends of the first and last stage)
     adamw   the per-step work over the parameters, seconds per element: what Engine.train_step does after
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 
 from ndtrain.models.llama import Attention, apply_rotary, rotary_tables
 from ndtrain.parallel.grad_norm import clip_, local_squares
+from ndtrain.parallel.pipeline.split_backward import WeightPasses
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.cpu_profile import shard_key
 
@@ -52,9 +57,12 @@ def measure(model: ModelSpec, tps: list[int], timed: Callable[[Callable[[], None
         for mbs in MICRO_BATCHES:
             shard, n = Shard(model, tp, mbs, model.layers), model.layers
             stack_f, stack_fb = timed(shard.stack), timed(lambda: shard.stack().sum().backward())
+            stack_fi, stack_fiw = timed(lambda: shard.split_backward(False)), timed(lambda: shard.split_backward(True))
             head_f, head_fb = timed(shard.head), timed(lambda: shard.head().backward())
             result[shard_key(tp, mbs)] = {"layer_f": stack_f / n, "layer_b": max(stack_fb - stack_f, 0.0) / n,
-                                          "head_f": head_f, "head_b": max(head_fb - head_f, 0.0)}
+                                          "head_f": head_f, "head_b": max(head_fb - head_f, 0.0),
+                                          "layer_i": max(stack_fi - stack_f, 0.0) / n,
+                                          "layer_w": max(stack_fiw - stack_fi, 0.0) / n}
     params = _step_parameters(model)
     step = _step_passes(params, torch.optim.AdamW(params, lr=1e-4, foreach=True))
     result["adamw"] = {"s_per_param": timed(step) / sum(p.numel() for p in params)}
@@ -112,6 +120,7 @@ class Shard:
         self.targets = torch.randint(0, vocab, (mbs, s))
         self.cos, self.sin = rotary_tables(torch.arange(s), d, 10000.0)
         self.x = torch.randn(*self.shape, requires_grad=True)
+        self.grad_out = torch.randn(*self.shape)
 
     def stack(self) -> torch.Tensor:
         """Every block in turn: each block's weights are read once per pass, as in a training step
@@ -120,6 +129,21 @@ class Shard:
         for i in range(len(self.weights)):
             x = self.layer(i, x)
         return x
+
+    def split_backward(self, weights: bool) -> None:
+        """The stack's forward, then zero-bubble's input pass, then (`weights`) its weight passes, as the
+        pipeline runner runs I and W on a stage that is not the first."""
+        out = self.stack()
+        params = [p for w in self.weights for p in (*(w[name] for name in _MATRICES), *w["norms"])]
+        passes = WeightPasses(out, params)
+        torch.autograd.grad(out, [self.x], self.grad_out, retain_graph=True)
+        passes.input_pass_done()
+        if not weights:
+            return
+        if passes.complete:
+            passes.run()
+        else:  # the runner's fallback: one walk of the whole graph to the weights
+            torch.autograd.backward(out, self.grad_out, inputs=params)
 
     def layer(self, i: int = 0, x: torch.Tensor | None = None) -> torch.Tensor:
         """The ops of ndtrain's `Block.forward` (models/llama.py) at the shard's shapes, block i."""
@@ -138,6 +162,9 @@ class Shard:
         x = F.embedding(self.tokens, self.embedding) + self.x
         logits = F.linear(F.rms_norm(x, (x.shape[-1],), eps=1e-5) * self.final_norm, self.output)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), self.targets.view(-1))
+
+
+_MATRICES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 
 
 def _weight(rows: int, cols: int) -> torch.Tensor:

@@ -15,8 +15,9 @@ S = C // T processes compute at once ("slots"). It holds, all measured on this m
                                   the time at S processes, over the ideal P/S, is the `sharing` factor
     models[key][T][tp mbs]        seconds of one Llama block, of the model's ends (embedding, norm,
                                   logits, loss) forward and backward on tp rank 0's shard at micro-batch
-                                  mbs, and AdamW seconds per element (calibrate_layers.py), measured with
-                                  T threads in min(P, S) processes at once
+                                  mbs, the block's backward split as zero-bubble runs it (input pass I,
+                                  weight passes W: split_backward.py), and AdamW seconds per element
+                                  (calibrate_layers.py), measured with T threads in min(P, S) processes at once
     process_baseline_mib[kind]    resident set of a process set up as an `ndtrain train` worker before its
                                   model (its modules imported, a gloo process group of 2 initialised), for
                                   kind "ndtrain" (built-in models) and "hf" (also transformers' model
@@ -41,7 +42,7 @@ from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.efficiency import measured
 from ndtrain.plan.hardware import FP32, GB, GIB, Hardware, Link
 
-VERSION = 3  # 3: process_baseline_mib per worker kind (2: one figure, a bare torch process)
+VERSION = 4  # 4: the block's split backward (layer_i, layer_w); 3: process_baseline_mib per worker kind
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -91,12 +92,15 @@ def profiled_tps(model: ModelSpec, max_processes: int) -> list[int]:
 
 @dataclass(frozen=True)
 class PieceTimes:
-    """Seconds of one micro-batch through one block, and through the model's two ends, on one process."""
+    """Seconds of one micro-batch through one block, and through the model's two ends, on one process;
+    layer_i + layer_w: the block's backward split into zero-bubble's input pass and weight passes."""
 
     layer_f: float
     layer_b: float
     head_f: float
     head_b: float
+    layer_i: float
+    layer_w: float
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ class CpuProfile:
             return None
         nearest = min(measured, key=lambda b: (abs(b - mbs), -b))
         t, scale = measured[nearest], mbs / nearest
-        return PieceTimes(t.layer_f * scale, t.layer_b * scale, t.head_f * scale, t.head_b * scale)
+        return PieceTimes(*(getattr(t, name) * scale for name in PieceTimes.__dataclass_fields__))
 
 
 def load_profile(path: Path, processes: int) -> Hardware:
@@ -215,7 +219,8 @@ def describe(data: dict[str, Any]) -> list[str]:
     lines = []
     for key, by_threads in data.get("models", {}).items():
         for threads, table in by_threads.items():
-            shards = ", ".join(f"{shard}: block {t['layer_f'] * 1e3:.1f}+{t['layer_b'] * 1e3:.1f} ms, ends "
+            shards = ", ".join(f"{shard}: block {t['layer_f'] * 1e3:.1f}+{t['layer_b'] * 1e3:.1f} ms (split "
+                               f"{t['layer_i'] * 1e3:.1f}+{t['layer_w'] * 1e3:.1f} ms), ends "
                                f"{t['head_f'] * 1e3:.1f}+{t['head_b'] * 1e3:.1f} ms"
                                for shard, t in table.items() if shard.startswith("tp"))
             sharing = "".join(f"; sharing at {p} processes ×{f:.3f}" for p, f in table.get("sharing", {}).items())

@@ -8,8 +8,9 @@ Step time of the pipeline part  m·(t_f + t_b) + bubble:
     gpipe        (p−1)·(t_f + t_b)            Huang 2019 (GPipe); Narayanan 2021 eq. (1)
     1f1b         (p−1)·(t_f + t_b)            Narayanan 2019 (PipeDream-Flush); same bubble as GPipe
     interleaved  (p−1)·(t_f + t_b)/v          Narayanan 2021 §2.2.2
-    zb (ZB-H1)   (p−1)·(t_f + t_B − t_W)      Qi 2023 §3, with the backward split into input
-                 = (p−1)·t_f                  gradient t_B and weight gradient t_W = t_b/2 each
+    zb (ZB-H1)   (p−1)·(t_f + t_B − t_W)      Qi 2023 §3, with the backward t_b = t_B + t_W split into
+                 = (p−1)·t_f                  input gradient t_B and weight gradient t_W; = (p−1)·t_f
+                                              when t_W = t_b/2 (GPUs; a CPU profile measures t_W)
 Bubble fraction (GPipe, 1F1B): (p−1)/(m+p−1) of the step.
 
 Activations held on the first stage, in units of one micro-batch through the whole stage:
@@ -23,8 +24,9 @@ The last stage holds one micro-batch (m for GPipe).
 from __future__ import annotations
 
 
-def bubble_time(schedule: str, p: int, v: int, t_f: float, t_b: float, m: int = 1) -> float:
-    """Idle time of one step; only the naive schedule's depends on the m micro-batches."""
+def bubble_time(schedule: str, p: int, v: int, t_f: float, t_b: float, m: int = 1, t_w: float | None = None) -> float:
+    """Idle time of one step; only the naive schedule's depends on the m micro-batches. `t_w`: zb's weight
+    pass, part of t_b (half of it when not given)."""
     if p == 1:
         return 0.0
     if schedule == "naive":
@@ -34,7 +36,7 @@ def bubble_time(schedule: str, p: int, v: int, t_f: float, t_b: float, m: int = 
     if schedule == "interleaved":
         return (p - 1) * (t_f + t_b) / v
     if schedule == "zb":
-        return (p - 1) * t_f
+        return (p - 1) * (t_f + t_b - 2 * (t_b / 2 if t_w is None else t_w))
     raise ValueError(f"unknown schedule {schedule!r}")
 
 

@@ -48,16 +48,19 @@ CPU profile (`cpu_profile.py`): compute is the model's measured block and ends p
           blocks only (the root unit, the stage's ends, stays gathered from its forward until its
           reduce-scatter: zero3_parameters.py); SP's all-gather + reduce-scatter are priced apart;
           the optimizer at the measured rate of the engine's step after the backward (the gradient's
-          norm and clip, AdamW, zeroing: calibrate_layers.py). With P processes on S < P
-          slots, shared = max(0, sharing · (all processes' compute) / S − critical path).
+          norm and clip, AdamW, zeroing: calibrate_layers.py); zb's backward at the measured
+          input pass + weight passes (t_W measured too). With P processes on S < P slots:
+          without pp, shared = max(0, sharing · (all processes' compute) / S − critical path);
+          with pp, the schedule run on the shared slots (`cpu_pipeline.py`) − the other terms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
-from ndtrain.plan import collectives, gpu_compute, schedules
+from ndtrain.parallel.pipeline import schedules as pipeline_schedules
+from ndtrain.plan import collectives, cpu_pipeline, gpu_compute, schedules
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.cpu_profile import model_key
 from ndtrain.plan.hardware import Cluster
@@ -92,7 +95,8 @@ class _MicroBatch:
     """One micro-batch on the slowest stage, forward (f) and backward (b) parts."""
 
     compute_f: float
-    compute_b: float
+    compute_b: float  # for zb on a CPU profile: the measured input pass + weight passes
+    compute_w: float  # zb's weight passes, part of compute_b (half of it when not measured)
     tp_f: float
     tp_b: float
     cp_f: float
@@ -100,6 +104,7 @@ class _MicroBatch:
     pp_f: float
     pp_b: float
     all_stages: float  # forward + backward through every stage on one tp rank (for the shared-cores bound)
+    pieces: _Compute  # what the stage costs are made of (for the pipeline simulation on shared cores)
 
     @property
     def t_f(self) -> float:
@@ -115,7 +120,8 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
     beta = hw.precision.activation_bytes
     tokens = layout.mbs * model.seq / layout.cp
     layers = model.layers if layout.pp == 1 else layout.stage_layers(model.layers)
-    compute = _compute(model, layout, cluster, layers)
+    compute = _compute(model, layout, cluster)
+    forward, backward = compute.forward(layers), compute.backward(layers)  # the last stage
 
     tp_one = _collective(cluster, "all_reduce", 1, layout.tp, tokens * model.hidden * beta)
     if layout.sp and hw.cpu is not None:  # each all-reduce becomes an all-gather + a reduce-scatter of
@@ -126,7 +132,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
     tp_b = layers * (2 + (2 if layout.recompute == "full" else 0)) * tp_one + tp_one  # + the head's input
     if hw.tp_overlap and hw.overlaps_comm:  # behind the GEMMs; only what outlasts them is exposed
         tp_f, tp_b = (collectives.exposed(tp, window, 0.0)
-                      for tp, window in ((tp_f, compute.forward), (tp_b, compute.backward)))
+                      for tp, window in ((tp_f, forward), (tp_b, backward)))
     if layout.sp and hw.kind == "cpu":  # ndtrain's norm gradients, per micro-batch: 2 per layer and the final norm
         tp_b += (2 * layers + 1) * _collective(cluster, "all_reduce", 1, layout.tp, model.hidden * 4)
 
@@ -143,17 +149,43 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
     if layout.pp > 1:
         boundary = tokens * model.hidden * beta / layout.tp
         pp_f = pp_b = layout.vpp * _collective(cluster, "send_recv", layout.tp, layout.pp, boundary)
-    return _MicroBatch(compute.forward, compute.backward, tp_f, tp_b, cp_f, cp_b, pp_f, pp_b, compute.all_stages)
+    if layout.pp > 1 and layout.schedule == "zb":
+        inputs, weights = compute.split(layers)
+        backward = inputs + weights
+    else:
+        weights = backward / 2
+    all_stages = compute.forward(model.layers) + (sum(compute.split(model.layers)) if layout.schedule == "zb"
+                                                  else compute.backward(model.layers))
+    return _MicroBatch(forward, backward, weights, tp_f, tp_b, cp_f, cp_b, pp_f, pp_b, all_stages, compute)
 
 
 class _Compute(NamedTuple):
-    forward: float  # one micro-batch through the stage's layers and the model's ends, one rank
-    backward: float
-    all_stages: float  # forward + backward through all layers and ends, one tp rank
+    """One micro-batch's compute seconds on one rank: per layer, and for the model's ends (embedding,
+    final norm, logits, loss: all counted on the last stage)."""
+
+    layer_f: float
+    layer_b: float  # with recompute
+    layer_i: float  # zb's input pass, with recompute (half the backward unless a CPU profile measured it)
+    layer_w: float  # zb's weight passes
+    ends_f: float
+    ends_b: float
+    ends_i: float  # the ends' backward split in the block's proportions
+    ends_w: float
     attention_f: float  # one layer's attention core forward (what cp's ring can hide behind)
 
+    def forward(self, layers: int, last: bool = True) -> float:
+        return layers * self.layer_f + (self.ends_f if last else 0.0)
 
-def _compute(model: ModelSpec, layout: Layout, cluster: Cluster, layers: int) -> _Compute:
+    def backward(self, layers: int, last: bool = True) -> float:
+        return layers * self.layer_b + (self.ends_b if last else 0.0)
+
+    def split(self, layers: int, last: bool = True) -> tuple[float, float]:
+        """zb's (input pass, weight passes) of a stage."""
+        return (layers * self.layer_i + (self.ends_i if last else 0.0),
+                layers * self.layer_w + (self.ends_w if last else 0.0))
+
+
+def _compute(model: ModelSpec, layout: Layout, cluster: Cluster) -> _Compute:
     """Seconds of one micro-batch's compute: measured pieces of a CPU profile when it has them, the
     terms of `gpu_compute` otherwise."""
     hw = cluster.hardware
@@ -162,14 +194,17 @@ def _compute(model: ModelSpec, layout: Layout, cluster: Cluster, layers: int) ->
     if pieces is not None:  # measured at the full sequence: a cp rank runs 1/cp of the tokens
         layer_f, ends_f, ends_b = pieces.layer_f / layout.cp, pieces.head_f / layout.cp, pieces.head_b / layout.cp
         layer_b, attention_f = pieces.layer_b / layout.cp, attention_share * pieces.layer_f / layout.cp
+        layer_i, layer_w = pieces.layer_i / layout.cp, pieces.layer_w / layout.cp
         recompute = {"none": 0.0, "selective": attention_f, "full": layer_f}[layout.recompute]
     else:
         gpu = gpu_compute.compute(model, layout, hw)
         layer_f, layer_b, recompute = gpu.layer.total, gpu.layer_b, gpu.recompute
         ends_f, ends_b, attention_f = gpu.ends_f, gpu.ends_b, gpu.attention_f
-    forward, backward = layers * layer_f + ends_f, layers * (layer_b + recompute) + ends_b  # the last stage
-    all_stages = model.layers * (layer_f + layer_b + recompute) + ends_f + ends_b
-    return _Compute(forward, backward, all_stages, attention_f)
+        layer_i = layer_w = layer_b / 2
+    ends_i, ends_w = ((ends_b * layer_i / layer_b, ends_b * layer_w / layer_b) if layer_b > 0
+                      else (ends_b / 2, ends_b / 2))
+    return _Compute(layer_f, layer_b + recompute, layer_i + recompute, layer_w, ends_f, ends_b, ends_i, ends_w,
+                    attention_f)
 
 
 def _collective(cluster: Cluster, op: str, stride: int, n: int, nbytes: float) -> float:
@@ -252,16 +287,51 @@ def _optimizer(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
     return psi * OPTIMIZER_TRAFFIC_BYTES / cluster.hardware.hbm_bandwidth
 
 
-def _shared_cores(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _MicroBatch, m: int, busy: float,
-                  optimizer: float) -> float:
-    """Time added because P processes share S < P compute slots (CPU profiles): the step cannot be
-    shorter than all processes' compute divided over the slots, times what sharing costs (`sharing`). Every tp rank runs its shard of
-    every micro-batch through all pp stages: Σ = dp·cp·tp · m · (whole model on one tp shard)."""
+def _shared_cores(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _MicroBatch, dp: _DataParallel, m: int,
+                  busy: float, optimizer: float) -> float:
+    """Time added because P processes share S < P compute slots (CPU profiles), beyond `busy` (the
+    step's other terms). Without a pipeline, every process always has work: the step cannot be shorter
+    than all processes' compute divided over the slots, times what sharing costs (`sharing`); every tp
+    rank runs its shard of every micro-batch: Σ = dp·cp·tp · m · (whole model on one tp shard), and each
+    process its optimizer step. With one, `cpu_pipeline` runs the schedule on the shared slots (a
+    pipeline leaves slots idle in its warm-up and cool-down), then every process's optimizer step."""
     cpu = cluster.hardware.cpu
     if cpu is None or layout.world <= cpu.slots:
         return 0.0
-    work = layout.dp * layout.cp * layout.tp * m * mb.all_stages + layout.world * optimizer
-    return max(0.0, cpu.sharing_for(model) * work / cpu.slots - busy)
+    sharing = cpu.sharing_for(model)
+    if layout.pp == 1:
+        work = layout.dp * layout.cp * layout.tp * m * mb.all_stages + layout.world * optimizer
+        return max(0.0, sharing * work / cpu.slots - busy)
+    slots = cpu_pipeline.Slots(layout.dp * layout.cp * layout.tp, cpu.slots, sharing)
+    actions = pipeline_schedules.compute_actions(layout.schedule, layout.pp, m, layout.vpp)
+    pipeline = cpu_pipeline.makespan(actions, layout.pp, layout.vpp, _stage_work(model, layout, mb, dp), slots)
+    return max(0.0, pipeline + dp.per_step + optimizer / slots.rate(layout.pp) - busy)
+
+
+def _stage_work(model: ModelSpec, layout: Layout, mb: _MicroBatch,
+                dp: _DataParallel) -> Callable[[pipeline_schedules.Action, int], cpu_pipeline.Work]:
+    """What each action of the schedule costs on stage s: the blocks split evenly over the p·v stages
+    (earlier stages one more when they do not divide), the model's ends on the last; each action
+    carries 1/v of the slowest stage's per-micro-batch communication. zb on the first stage: the input
+    pass has no input to reach (the runner skips it) and the weight pass is a whole backward."""
+    stages = layout.pp * layout.vpp
+    comm_f = (mb.tp_f + mb.cp_f + mb.pp_f + dp.micro_batch_f) / layout.vpp
+    comm_b = (mb.tp_b + mb.cp_b + mb.pp_b) / layout.vpp
+    comm_w = dp.micro_batch_b / layout.vpp
+
+    def work(action: pipeline_schedules.Action, stage: int) -> cpu_pipeline.Work:
+        layers = model.layers // stages + (1 if stage < model.layers % stages else 0)
+        last = stage == stages - 1
+        if action.kind == "F":
+            return cpu_pipeline.Work(mb.pieces.forward(layers, last), comm_f)
+        if action.kind == "B" or (stage == 0 and action.kind == "W"):
+            return cpu_pipeline.Work(mb.pieces.backward(layers, last), comm_b + comm_w)
+        inputs, weights = mb.pieces.split(layers, last)
+        if action.kind == "I":
+            return cpu_pipeline.Work(0.0 if stage == 0 else inputs, comm_b)
+        return cpu_pipeline.Work(weights, comm_w)
+
+    return work
 
 
 def flops_per_step(model: ModelSpec, layout: Layout, global_batch: int) -> tuple[float, float]:
@@ -280,18 +350,23 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
     mb = _micro_batch(model, layout, cluster)
     dp = _data_parallel(model, layout, cluster, mb)
     bubble = schedules.bubble_time(layout.schedule, layout.pp, layout.vpp, mb.t_f + dp.micro_batch_f,
-                                   mb.t_b + dp.micro_batch_b, m)
+                                   mb.t_b + dp.micro_batch_b, m, mb.compute_w)
     model_flops, hardware_flops = flops_per_step(model, layout, global_batch)
     compute, optimizer = m * (mb.compute_f + mb.compute_b), _optimizer(model, layout, cluster)
+    tp_comm, cp_comm, pp_comm = m * (mb.tp_f + mb.tp_b), m * (mb.cp_f + mb.cp_b), m * (mb.pp_f + mb.pp_b)
+    if layout.pp == 1:  # the shared-cores bound counts compute only: what the other terms add stays on top
+        busy = compute + bubble + optimizer
+    else:  # the simulated pipeline includes every term
+        busy = compute + tp_comm + cp_comm + pp_comm + bubble + dp.total(m) + optimizer
     return Timing(
         compute=compute,
-        tp_comm=m * (mb.tp_f + mb.tp_b),
-        cp_comm=m * (mb.cp_f + mb.cp_b),
-        pp_comm=m * (mb.pp_f + mb.pp_b),
+        tp_comm=tp_comm,
+        cp_comm=cp_comm,
+        pp_comm=pp_comm,
         bubble=bubble,
         dp_comm=dp.total(m),
         optimizer=optimizer,
-        shared_cores=_shared_cores(model, layout, cluster, mb, m, compute + bubble + optimizer, optimizer),
+        shared_cores=_shared_cores(model, layout, cluster, mb, dp, m, busy, optimizer),
         model_flops=model_flops,
         hardware_flops=hardware_flops,
     )

@@ -169,6 +169,24 @@ def build(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     return with_communication(compute_actions(schedule, p, m, v), p, v)
 
 
+Product = tuple[str, int, int]  # ("F", mb, stage): that stage's output; ("G", mb, stage): the gradient of its input
+
+
+def inputs_of(a: Action, stage: int, last: int) -> list[Product]:
+    """What compute action `a` on `stage` waits for: a forward for the previous stage's output, a
+    backward (B, I) for its own forward and the next stage's input gradient, W for its own I."""
+    if a.kind == "F":
+        return [("F", a.mb, stage - 1)] if stage > 0 else []
+    if a.kind in ("B", "I"):
+        return [("F", a.mb, stage)] + ([("G", a.mb, stage + 1)] if stage < last else [])
+    return [("G", a.mb, stage)]
+
+
+def output_of(a: Action, stage: int) -> Product | None:
+    """What compute action `a` on `stage` makes for others: F its output, B and I its input gradient."""
+    return None if a.kind == "W" else ("F" if a.kind == "F" else "G", a.mb, stage)
+
+
 def simulate(
     compute: list[list[Action]], p: int, v: int, cost: Callable[[str, int], float],
 ) -> list[list[tuple[float, float]]]:
@@ -176,7 +194,7 @@ def simulate(
     starts once its inputs exist (zero-cost communication); `cost(kind, stage)` is an action's
     duration. Raises RuntimeError on a deadlock."""
     last = p * v - 1
-    finish: dict[tuple[str, int, int], float] = {}  # (F|G, mb, stage) -> time output exists
+    finish: dict[Product, float] = {}  # when each product exists
     clock, pos = [0.0] * p, [0] * p
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     while any(pos[r] < len(compute[r]) for r in range(p)):
@@ -185,19 +203,15 @@ def simulate(
             while pos[r] < len(compute[r]):
                 a = compute[r][pos[r]]
                 s = stage_of(r, a.chunk, p)
-                if a.kind == "F":
-                    deps = [("F", a.mb, s - 1)] if s > 0 else []
-                elif a.kind in ("B", "I"):
-                    deps = [("F", a.mb, s)] + ([("G", a.mb, s + 1)] if s < last else [])
-                else:
-                    deps = [("G", a.mb, s)]
+                deps = inputs_of(a, s, last)
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[r]] + [finish[d] for d in deps])
                 clock[r] = start + cost(a.kind, s)
                 times[r].append((start, clock[r]))
-                if a.kind != "W":
-                    finish[("F" if a.kind == "F" else "G", a.mb, s)] = clock[r]
+                made = output_of(a, s)
+                if made is not None:
+                    finish[made] = clock[r]
                 pos[r] += 1
                 progressed = True
         if not progressed:
