@@ -1,12 +1,17 @@
 """Published runs of Megatron-LM and its descendants (Megatron-DeepSpeed, NeMo, Megatron-Bridge).
 
 Each source's stack, read in its code or documents:
-    Megatron v1.0   megatron/model/transformer.py @ v1.0 (2020-05): apex FusedLayerNorm, GeLU through a
-    (V100)          torch.jit.script function, attention as baddbmm + masked_fill + softmax + dropout,
-                    dropout and the residual add as separate kernels: `eager`, dense attention
+    Megatron v1.0   NVIDIA/Megatron-LM tag v1.0 (2020-04-21; the blog is dated 2020-05-15 and the master
+    (V100)          merges between add no kernel), megatron/model/transformer.py: apex FusedLayerNorm,
+                    F.gelu (language_model.py; the jit-scripted openai_gelu only with --openai-gelu),
+                    attention as torch.matmul of pre-scaled q and k + masked_fill_ + softmax + dropout,
+                    the row-parallel bias, dropout and the residual add as separate kernels: `eager`,
+                    dense attention. The fused scale-mask-softmax, bias-GeLU and bias-dropout-add came
+                    in 51a2e6b "Various speed optimizations" (2020-09-11).
     BigScience      Megatron-DeepSpeed with the fused kernels (`--abort-on-unmet-fused-kernel-constraints`
     BLOOM           in train/tr11-176B-ml/tr11-176B-ml.slurm): fused scale-mask-softmax, bias-GeLU,
-                    bias-dropout-add (default dropout 0.1), dense attention: `fused`
+                    bias-dropout-add (default dropout 0.1), dense attention, and ALiBi (`--position-
+                    embedding-type alibi`) added to the scores through baddbmm's input: `fused (ALiBi)`
     Korthikanti     Megatron-LM 2022 (the same fusions), dense attention: `fused`
     Megatron-LM     Megatron-Core with Transformer Engine, `--tp-comm-overlap`, `--overlap-grad-reduce
     (H100, 2024)    --overlap-param-gather` (README 'Training Speed and Scalability'): `fused`, TP overlapped
@@ -17,6 +22,8 @@ tp > 1 the Megatron-Core runs use sequence parallelism (`--tp-comm-overlap` requ
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ndtrain.plan.arch import PRESETS, ModelSpec
 from ndtrain.plan.kernels import EAGER, FUSED, FUSED_FP8
@@ -34,8 +41,17 @@ BIGSCIENCE = Source(
     "BigScience", "BigScience BLOOM-176B training (tr11) and its 181B layout trials",
     "bigscience-workshop/bigscience train/tr11-176B-ml/README.md@9e64ede ('Important checkpoints', 'Replica "
     "setup') and chronicles-prequel.md@9e64ede ('GBS Variations', 2022-02-25 tables)",
-    "Megatron-DeepSpeed, fused kernels, dense attention, BF16 ZeRO-1 (profile fused)")
+    "Megatron-DeepSpeed, fused kernels, dense attention with ALiBi, ZeRO-1: fp16 in the 2022-02-25 trials, bf16 "
+    "in production (profile fused, plus ALiBi's score-matrix copy)")
 _OPA = 50 / 8
+# ALiBi as bigscience-workshop/Megatron-DeepSpeed runs it (megatron/model/transformer.py @ 99c8fe0, the
+# code of 2022-02-25, lines 283-326 and 591-618): the bias is a (b·np, 1, s) tensor passed as baddbmm's
+# input with beta = 1 (or 1/layer_number) instead of an empty one with beta = 0. PyTorch's baddbmm
+# (aten/src/ATen/native/cuda/Blas.cpp @ 002253c, baddbmm_out_cuda) expands it to (b·np, s, s) and, as
+# beta != 0, copies it into the result before the batched GEMM, which then reads it as C: per score
+# element a 2-byte write and a 2-byte read that the fused profile's chain (QKᵀ's write, the fused
+# softmax, AV's read: 8) does not have. Forward bytes, as every profile counts them.
+_FUSED_ALIBI = replace(FUSED, name="fused (ALiBi)", scores=FUSED.scores + 4)
 _BLOOM = _gpt("bloom-176b", 70, 14336, 112, 250880, 2048, False)
 _BLOOM_181B = _gpt("bloom-181b-trial", 72, 14336, 64, 250880, 2048, False)
 
@@ -43,7 +59,8 @@ _BLOOM_181B = _gpt("bloom-181b-trial", 72, 14336, 64, 250880, 2048, False)
 def _bloom_trial(tp: int, pp: int, dp: int, mbs: int, seconds: float) -> PublishedRun:
     return PublishedRun(BIGSCIENCE, f"181B trial tp{tp} pp{pp} dp{dp} mbs{mbs}", f"{seconds} s/iteration",
                         _BLOOM_181B, "a100-80gb", megatron(tp, pp, dp, mbs, "full", False, 1), 2048,
-                        2048 * 2048 / seconds / 384, FUSED, "vocabulary 250880 (the '250k' of these trials)", _OPA)
+                        2048 * 2048 / seconds / 384, _FUSED_ALIBI, "vocabulary 250880 (the '250k' of these trials)",
+                        _OPA)
 
 
 BLOOM_TRIALS = (
@@ -57,8 +74,8 @@ BLOOM_TRIALS = (
 )
 BIGSCIENCE_RUNS = (
     PublishedRun(BIGSCIENCE, "BLOOM-176B production", "104.70 s/iteration (149.77 TFLOPs) at GBS 2048", _BLOOM,
-                 "a100-80gb", megatron(4, 12, 8, 2, "full", False, 1), 2048, 2048 * 2048 / 104.70 / 384, FUSED,
-                 "", _OPA),
+                 "a100-80gb", megatron(4, 12, 8, 2, "full", False, 1), 2048, 2048 * 2048 / 104.70 / 384,
+                 _FUSED_ALIBI, "", _OPA),
     *BLOOM_TRIALS,
 )
 
@@ -88,6 +105,13 @@ KORTHIKANTI_RUNS = (
 # --- nv-adlr/nv-adlr.github.io _projects/megatron-lm-v1.md @ 1576088 (Megatron v1.0, 2020) -----
 # 1.2B baseline on one V100 of a DGX-2H: 1288 ms per iteration (Table 1), batch 8; its config
 # (h 1536, 16 heads, 40 layers, vocabulary 51,200) from _projects/megatron-lm.md @ 0725124, Table 1.
+# The post (f12a38d, dated 2020-05-15) credits "several software optimizations" in "version 1.0 of
+# Megatron-lm in our github repository": NVIDIA/Megatron-LM tag v1.0 (03d2880, 2020-04-21), whose
+# optimizations over the 2019 code are multi-tensor-apply in the fp16 optimizer (9941026), torch's
+# gelu (3ea5491), gradients reset to None (3a70158) and binary masks with masked_fill_ (8ceed7c), all
+# of 2020-04-14; the master merges up to the post add no kernel. The post's own "62.4 teraFLOPs" is
+# 1.383 s per iteration by the 2019 paper's count (96·B·s·l·h²·(1 + s/6h + V/16lh)), 7 % slower than
+# Table 1's 1288 ms: the row reads Table 1.
 MEGATRON_V1 = Source(
     "Megatron v1.0", "MegatronLM's Supercharged V1.0 (NVIDIA ADLR blog, 2020)",
     "nv-adlr/nv-adlr.github.io _projects/megatron-lm-v1.md@1576088, Table 1; configuration from "
