@@ -11,12 +11,15 @@ add val_ppl (exp of the mean loss per target token) and val_accuracy (next-token
 eval/token_metrics.py).
 The data sets, the model and any evaluation beyond the loss come from the config's `Task`
 (run/tasks.py): the byte-level language model above by default, e.g. digits retrieval by preset.
+Timing: summary.json's step_time_median_s is the median over every step of this invocation after its
+first `STEADY_AFTER` (rank 0's clock, training only); the metrics records time the logged steps.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from functools import cached_property
 from pathlib import Path
@@ -51,6 +54,7 @@ from ndtrain.run.tasks import build_task
 from ndtrain.run.trackers import Trackers, flat_config
 from ndtrain.parallel.data.sync_batchnorm import describe_batchnorm
 
+STEADY_AFTER = 1  # summary's step_time_median_s skips an invocation's first step: it builds buffers, thread pools, caches
 
 def wrap_parts(head: str, parts: list[str], width: int = 160) -> list[str]:
     """`parts` joined by "; " into lines of at most `width` characters where they fit (a part longer than
@@ -269,6 +273,7 @@ class Trainer:
                             unit=self.task.unit)
         started = time.perf_counter()
         tokens_seen, step_peak, result, task_metrics = 0, 0, None, {}
+        step_times: list[float] = []  # this invocation's, every step (the records hold every log.every-th)
         val_fields: dict[str, float] = {"val_loss": float("nan")}  # the last evaluation's (token_metrics.py)
         stop = cfg.schedule.steps
         if cfg.checkpoint.exit_after:
@@ -279,6 +284,7 @@ class Trainer:
             t0 = time.perf_counter()
             result = self.engine.train_step(self.micro_batches(step) if self.kind.reads_data() else [])
             elapsed = time.perf_counter() - t0
+            step_times.append(elapsed)
             self.timeline.after(step + 1, self.engine)
             rank_peak = peak_bytes(ctx.device)
             step_peak = max(step_peak, rank_peak)
@@ -321,6 +327,7 @@ class Trainer:
             "model_state_bytes_rank0": self.engine.model_state_bytes(),
             "skipped_steps": self.engine.skipped_steps, "peak_lr": cfg.optim.scaled_lr(cfg.schedule.global_batch),
             "restarts": restarts, "unit": self.task.unit, "loss_unit": self.task.loss_unit, **task_metrics,
+            "step_time_median_s": statistics.median(step_times[STEADY_AFTER:]) if step_times[STEADY_AFTER:] else None,
         }
         summary.update(self.kind.summary(self.engine))
         if main:

@@ -88,7 +88,7 @@ def test_train_layout_auto_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
     tiny = [*TINY_ARGS[:4], *TINY_ARGS[6:]]  # without schedule.micro_batch: searched
     proc = ndtrain("train", "--layout", "auto", "--profile", str(write_profile(tmp_path)), "--nproc", "2", "--steps",
-                   "3", "--data", corpus_file(tmp_path), "--out", str(out), *tiny)
+                   "3", "--data", corpus_file(tmp_path), "--out", str(out), *tiny, "--set", "log.log_every=100")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     (chosen,) = [line for line in lines if line.startswith("ndtrain: layout auto: tp")]
@@ -99,6 +99,9 @@ def test_train_layout_auto_end_to_end(tmp_path: Path) -> None:
     assert f"predicted step {record['predicted_step_s'] * 1e3:.1f} ms, measured " in versus
     assert "(median of steps after the first 1), error " in versus
     assert record["measured_step_s"] > 0 and record["profile"] == str((tmp_path / "plan-profile.json").resolve())
+    # every step after the first, though only step 3 was logged (log.every 100, given last: it wins)
+    assert record["measured_step_s"] == json.loads((out / "summary.json").read_text())["step_time_median_s"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [3]
     config = tomllib.loads((out / "config.toml").read_text())
     p = config["parallel"]
     assert p["layout"] == "manual" and config["schedule"]["micro_batch"] == layout["mbs"]

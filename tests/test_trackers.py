@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import warnings
@@ -113,6 +114,7 @@ def test_trackers_hold_the_metrics_and_config_of_a_two_process_run(tmp_path: Pat
     assert summary["torch_version"] == torch.__version__ and summary["python_version"].count(".") == 2
     assert summary["started"] < summary["finished"] and summary["elapsed_s"] > 0 and summary["epoch"] > 0
     assert [r["epoch"] for r in records(run)] == pytest.approx([summary["epoch"] * s / 4 for s in (1, 2, 3, 4)])
+    assert summary["step_time_median_s"] == statistics.median(r["step_time_s"] for r in records(run)[1:])
 
 
 def test_trackers_continue_their_runs_on_resume(tmp_path: Path) -> None:

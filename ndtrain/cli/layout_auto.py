@@ -11,19 +11,17 @@ workers the choice, record it in the run directory, and set it against the run a
   run's config.toml holds the chosen layout, a run of its own with `--layout manual`.
 - `write_prediction`, `report_measured`: RUN_DIR/layout-auto.json (the chosen planner layout, predicted
   step seconds and memory bytes, the profile), written after the run directory is claimed; after the run,
-  the median `step_time_s` of rank 0's metrics.jsonl records after the first `WARMUP_STEPS` steps of this
-  invocation (records are written every log.every steps and at the last), printed in one line and added
-  to the file.
+  the trainer's `step_time_median_s` (summary.json: every step of this invocation after its first
+  `trainer.STEADY_AFTER`, whatever log.every), printed in one line and added to the file.
 - `refuse_outside_launcher`: a process started by torchrun, mpirun or srun is one of many, none the
   launcher, so `--layout auto` there is refused in one line rather than planned per rank.
 
-Cost: one `search` (pure arithmetic) before the run, one read of metrics.jsonl after it.
+Cost: one `search` (pure arithmetic) before the run, one read of summary.json after it.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,9 +29,9 @@ from typing import Any
 from ndtrain.config import TrainConfig, raw_config
 from ndtrain.errors import UserError
 from ndtrain.plan import auto
+from ndtrain.trainer import STEADY_AFTER
 
 RECORD = "layout-auto.json"
-WARMUP_STEPS = 1  # the first step builds buffers, thread pools and the allocator's cache: not a step's pace
 
 
 def given_layout_keys(config_path: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -78,12 +76,9 @@ def write_prediction(run_dir: Path, choice: auto.Choice) -> None:
 
 
 def measured_step_s(run_dir: Path) -> float | None:
-    """The median `step_time_s` of this invocation's metrics records after its first WARMUP_STEPS steps."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    first = int(summary.get("resumed_from", 0)) + WARMUP_STEPS
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    times = [r["step_time_s"] for r in records if r.get("step", 0) > first and "step_time_s" in r]
-    return statistics.median(times) if times else None
+    """The median step of this invocation after its first STEADY_AFTER (None when it ran no more)."""
+    median = json.loads((run_dir / "summary.json").read_text()).get("step_time_median_s")
+    return float(median) if median is not None else None
 
 
 def report_measured(run_dir: Path, choice: auto.Choice) -> None:
@@ -93,16 +88,16 @@ def report_measured(run_dir: Path, choice: auto.Choice) -> None:
     except (OSError, ValueError):
         measured = None
     record = choice.record()
-    record.update(measured_step_s=measured, warmup_steps=WARMUP_STEPS)
+    record.update(measured_step_s=measured, warmup_steps=STEADY_AFTER)
     predicted = f"predicted step {choice.step_s * 1e3:.1f} ms"
     if measured is None:
-        print(f"ndtrain: layout auto: {predicted}, measured: no step after the first {WARMUP_STEPS} recorded "
-              "(run more steps, or log.every smaller)", flush=True)
+        print(f"ndtrain: layout auto: {predicted}, measured: no step after the first {STEADY_AFTER} "
+              "(run more steps)", flush=True)
     else:
         error = (choice.step_s - measured) / measured
         record["error"] = error
         print(f"ndtrain: layout auto: {predicted}, measured {measured * 1e3:.1f} ms (median of steps after the first "
-              f"{WARMUP_STEPS}), error {error * 100:+.1f} %", flush=True)
+              f"{STEADY_AFTER}), error {error * 100:+.1f} %", flush=True)
     (run_dir / RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
