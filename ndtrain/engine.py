@@ -254,6 +254,11 @@ class Engine:
                 loss = loss * weights[i].to(loss.dtype)
                 (loss * scale).backward()
             loss_sum += loss.detach().double()
+            # Drop micro-batch i's autograd graph before i + 1's forward: held by `loss` until reassigned, its
+            # nodes (small C-heap blocks that outlive backward) sat between i's freed activations, which glibc
+            # then did not reuse for i + 1's: those came from fresh heap pages, and tp2's peak resident set
+            # was ~60 MiB higher (docs/planner.md, "Measured memory check").
+            del loss
         return loss_sum
 
     def _loss(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
