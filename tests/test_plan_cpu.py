@@ -267,3 +267,17 @@ def test_the_optimizer_piece_is_the_engines_step_over_tensors_shaped_as_the_mode
     calibrate_layers._step_passes(params, optimizer)()
     assert all(not p.grad.any() for p in params)
     assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
+def test_calibration_workers_that_overrun_end_in_one_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that cannot finish in time (here: waiting at a barrier for a second worker that never comes,
+    as a worker starved by a busy machine never reports) ends the calibration in one UserError naming the
+    fix, and the worker is stopped."""
+    import multiprocessing as mp
+
+    from ndtrain.plan import calibrate
+
+    monkeypatch.setattr(calibrate, "WORKER_TIMEOUT_S", 1.0)
+    ctx = mp.get_context("spawn")
+    with pytest.raises(UserError, match="did not finish within 1 s: .* again on a quiet machine"):
+        calibrate._spawn(ctx, calibrate._sharing_worker, [(1, BENCH, ctx.Barrier(2))])

@@ -139,7 +139,10 @@ def _spawn(ctx: Any, target: Callable[..., None], args: list[tuple]) -> list[Any
     try:
         while len(collected) < len(procs):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"calibration workers did not finish within {WORKER_TIMEOUT_S:.0f} s")
+                raise UserError(f"the calibration's workers did not finish within {WORKER_TIMEOUT_S:.0f} s: other "
+                                "processes are most likely using this machine's cores, and a profile measured under "
+                                "their load would misprice every layout; run `ndtrain plan --calibrate` again on a "
+                                "quiet machine")
             try:
                 rank, value = results.get(timeout=0.5)
             except queue.Empty:
@@ -150,6 +153,8 @@ def _spawn(ctx: Any, target: Callable[..., None], args: list[tuple]) -> list[Any
             collected[rank] = value
     finally:
         for p in procs:
+            if len(collected) < len(procs):  # failed or overran: nothing more to wait for
+                p.terminate()
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
