@@ -237,7 +237,7 @@ def test_the_split_backward_piece_computes_the_same_gradients_as_the_backward() 
 
     spec = arch.ModelSpec("t", "llama", 2, 32, 4, 2, 64, 256, 16)
     shard = calibrate_layers.Shard(spec, 1, 1, spec.layers)
-    params = [p for w in shard.weights for p in (*(w[n] for n in calibrate_layers._MATRICES), *w["norms"])]
+    params = shard.block_parameters()
     shard.stack().backward(shard.grad_out)
     full = [p.grad.clone() for p in params]
     for p in params:

@@ -130,11 +130,15 @@ class Shard:
             x = self.layer(i, x)
         return x
 
+    def block_parameters(self) -> list[torch.Tensor]:
+        """The blocks' weights and norm weights (not the ends'), block by block."""
+        return [p for w in self.weights for p in (*(w[name] for name in _MATRICES), *w["norms"])]
+
     def split_backward(self, weights: bool) -> None:
         """The stack's forward, then zero-bubble's input pass, then (`weights`) its weight passes, as the
         pipeline runner runs I and W on a stage that is not the first."""
         out = self.stack()
-        params = [p for w in self.weights for p in (*(w[name] for name in _MATRICES), *w["norms"])]
+        params = self.block_parameters()
         passes = WeightPasses(out, params)
         torch.autograd.grad(out, [self.x], self.grad_out, retain_graph=True)
         passes.input_pass_done()

@@ -52,14 +52,16 @@ def makespan(actions: list[list[Action]], p: int, v: int, cost: Callable[[Action
     pos = [0] * p
     phase: list[str | None] = [None] * p  # "compute", "comm" or None (waiting or done)
     left = [0.0] * p
+    work = [Work(0.0, 0.0)] * p  # of each rank's current action
     now = 0.0
     while True:
         for r in range(p):
             if phase[r] is None and pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
-                if all(d in made for d in inputs_of(a, stage_of(r, a.chunk, p), last)):
-                    work = cost(a, stage_of(r, a.chunk, p))
-                    phase[r], left[r] = "compute", work.compute
+                stage = stage_of(r, a.chunk, p)
+                if all(d in made for d in inputs_of(a, stage, last)):
+                    work[r] = cost(a, stage)
+                    phase[r], left[r] = "compute", work[r].compute
         active = [r for r in range(p) if phase[r] is not None]
         if not active:
             if any(pos[r] < len(actions[r]) for r in range(p)):
@@ -74,8 +76,7 @@ def makespan(actions: list[list[Action]], p: int, v: int, cost: Callable[[Action
             if left[r] > 1e-12 * max(1.0, step):
                 continue
             if phase[r] == "compute":
-                a = actions[r][pos[r]]
-                phase[r], left[r] = "comm", cost(a, stage_of(r, a.chunk, p)).comm
+                phase[r], left[r] = "comm", work[r].comm
                 if left[r] > 0.0:
                     continue
             a = actions[r][pos[r]]

@@ -35,8 +35,9 @@ def bubble_time(schedule: str, p: int, v: int, t_f: float, t_b: float, m: int = 
         return (p - 1) * (t_f + t_b)
     if schedule == "interleaved":
         return (p - 1) * (t_f + t_b) / v
-    if schedule == "zb":
-        return (p - 1) * (t_f + t_b - 2 * (t_b / 2 if t_w is None else t_w))
+    if schedule == "zb":  # (p−1)(t_f + t_B − t_W) with t_B = t_b − t_W
+        weights = t_b / 2 if t_w is None else t_w
+        return (p - 1) * (t_f + t_b - 2 * weights)
     raise ValueError(f"unknown schedule {schedule!r}")
 
 

@@ -103,8 +103,7 @@ class _MicroBatch:
     cp_b: float
     pp_f: float
     pp_b: float
-    all_stages: float  # forward + backward through every stage on one tp rank (for the shared-cores bound)
-    pieces: _Compute  # what the stage costs are made of (for the pipeline simulation on shared cores)
+    pieces: _Compute  # what the stage costs are made of (for the shared-cores term)
 
     @property
     def t_f(self) -> float:
@@ -154,9 +153,7 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
         backward = inputs + weights
     else:
         weights = backward / 2
-    all_stages = compute.forward(model.layers) + (sum(compute.split(model.layers)) if layout.schedule == "zb"
-                                                  else compute.backward(model.layers))
-    return _MicroBatch(forward, backward, weights, tp_f, tp_b, cp_f, cp_b, pp_f, pp_b, all_stages, compute)
+    return _MicroBatch(forward, backward, weights, tp_f, tp_b, cp_f, cp_b, pp_f, pp_b, compute)
 
 
 class _Compute(NamedTuple):
@@ -288,9 +285,10 @@ def _optimizer(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
 
 
 def _shared_cores(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _MicroBatch, dp: _DataParallel, m: int,
-                  busy: float, optimizer: float) -> float:
-    """Time added because P processes share S < P compute slots (CPU profiles), beyond `busy` (the
-    step's other terms). Without a pipeline, every process always has work: the step cannot be shorter
+                  busy: float, comm: float, optimizer: float) -> float:
+    """Time added because P processes share S < P compute slots (CPU profiles), beyond the step's other
+    terms (`busy`: compute, bubble and optimizer; `comm`: exposed communication). Without a pipeline,
+    the communication stays on top and every process always has work: the step cannot be shorter
     than all processes' compute divided over the slots, times what sharing costs (`sharing`); every tp
     rank runs its shard of every micro-batch: Σ = dp·cp·tp · m · (whole model on one tp shard), and each
     process its optimizer step. With one, `cpu_pipeline` runs the schedule on the shared slots (a
@@ -300,12 +298,13 @@ def _shared_cores(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _Micro
         return 0.0
     sharing = cpu.sharing_for(model)
     if layout.pp == 1:
-        work = layout.dp * layout.cp * layout.tp * m * mb.all_stages + layout.world * optimizer
+        whole_model = mb.pieces.forward(model.layers) + mb.pieces.backward(model.layers)
+        work = layout.dp * layout.cp * layout.tp * m * whole_model + layout.world * optimizer
         return max(0.0, sharing * work / cpu.slots - busy)
     slots = cpu_pipeline.Slots(layout.dp * layout.cp * layout.tp, cpu.slots, sharing)
     actions = pipeline_schedules.compute_actions(layout.schedule, layout.pp, m, layout.vpp)
     pipeline = cpu_pipeline.makespan(actions, layout.pp, layout.vpp, _stage_work(model, layout, mb, dp), slots)
-    return max(0.0, pipeline + dp.per_step + optimizer / slots.rate(layout.pp) - busy)
+    return max(0.0, pipeline + dp.per_step + optimizer / slots.rate(layout.pp) - busy - comm)
 
 
 def _stage_work(model: ModelSpec, layout: Layout, mb: _MicroBatch,
@@ -354,10 +353,6 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
     model_flops, hardware_flops = flops_per_step(model, layout, global_batch)
     compute, optimizer = m * (mb.compute_f + mb.compute_b), _optimizer(model, layout, cluster)
     tp_comm, cp_comm, pp_comm = m * (mb.tp_f + mb.tp_b), m * (mb.cp_f + mb.cp_b), m * (mb.pp_f + mb.pp_b)
-    if layout.pp == 1:  # the shared-cores bound counts compute only: what the other terms add stays on top
-        busy = compute + bubble + optimizer
-    else:  # the simulated pipeline includes every term
-        busy = compute + tp_comm + cp_comm + pp_comm + bubble + dp.total(m) + optimizer
     return Timing(
         compute=compute,
         tp_comm=tp_comm,
@@ -366,7 +361,8 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
         bubble=bubble,
         dp_comm=dp.total(m),
         optimizer=optimizer,
-        shared_cores=_shared_cores(model, layout, cluster, mb, dp, m, busy, optimizer),
+        shared_cores=_shared_cores(model, layout, cluster, mb, dp, m, compute + bubble + optimizer,
+                                   tp_comm + cp_comm + pp_comm + dp.total(m), optimizer),
         model_flops=model_flops,
         hardware_flops=hardware_flops,
     )
