@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 
@@ -180,6 +181,9 @@ def test_links_by_group_span() -> None:
     h100 = Cluster(gpu("h100-sxm"), 64, 8)
     assert h100.link(1, 64).bandwidth == h100.hardware.intra.bandwidth  # 8 × 48 capped at 360
     assert cluster.link(2, 32).latency == cluster.hardware.inter.latency
+    # a send between neighbours: NVLink inside a node, else one NIC (all 8 GPUs of a node send at once)
+    assert cluster.pair_link(2, 4) is cluster.hardware.intra
+    assert cluster.pair_link(2, 32) is cluster.pair_link(8, 8) is cluster.hardware.inter
 
 
 def test_step_time_of_a_single_gpu_is_the_sum_of_its_terms() -> None:
@@ -215,6 +219,25 @@ def test_step_time_of_a_single_gpu_is_the_sum_of_its_terms() -> None:
     assert timing.compute == pytest.approx(4 * per_micro_batch)
     assert timing.tp_comm == timing.dp_comm == timing.bubble == 0.0
     assert timing.optimizer == pytest.approx(spec.total_params * 28 / hw.hbm_bandwidth)
+
+
+def test_a_pipeline_boundary_is_the_activation_each_tp_rank_holds() -> None:
+    """ndtrain's runner and DeepSpeed's pipeline engine send each tp rank's whole activation (1/t of it
+    with SP, split by sequence); Megatron-LM's scatter/gather sends 1/t and all-gathers it on arrival."""
+    cluster = Cluster(gpu("a100-80gb"), 16, 8)
+    link = cluster.pair_link(2, 2)  # pp neighbours 2 ranks apart: inside a node
+    boundary = 2048 * GPT.hidden * 2  # mbs 1 · s · h · β
+    m = 2  # global batch 8 over dp 4
+
+    def pp_comm(sp: bool, scatter: bool = False) -> float:
+        on = Cluster(replace(cluster.hardware, pp_scatter_gather=scatter), 16, 8)
+        return step_time(GPT, Layout(2, 2, 4, 1, 1, 1, 1, "full", sp, "1f1b"), on, 8).pp_comm
+
+    assert pp_comm(sp=False) == pytest.approx(m * 2 * collectives.send_recv(boundary, link))
+    assert pp_comm(sp=True) == pytest.approx(m * 2 * collectives.send_recv(boundary / 2, link))
+    gathered = collectives.send_recv(boundary / 2, link) + collectives.all_gather(2, boundary, cluster.link(1, 2))
+    assert pp_comm(sp=False, scatter=True) == pytest.approx(m * 2 * gathered)
+    assert pp_comm(sp=True, scatter=True) == pp_comm(sp=True)  # SP's boundary is split already
 
 
 # --- validation hook, calibration fit, CPU profile --------------------------------------------

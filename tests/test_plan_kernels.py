@@ -38,6 +38,18 @@ def test_element_bytes_of_a_llama_layer_are_the_profiles_counts(kernels, per_tok
     assert layer == pytest.approx(8192 * per_token) and scores == 0.0  # flash attention stores no scores
 
 
+def test_an_fp8_backward_casts_the_products_output_gradients() -> None:
+    """Twice the forward's bytes per op, but FP8 casts over what the backward's products read: the output
+    gradients of QKV ((32+2·8)·128/2), the attention output (h), SwiGLU's input (2f/2) and the MLP (h)."""
+    hw = gpu("h100-sxm", kernels=FUSED_FP8)
+    layer, scores = gpu_compute.element_bytes(LLAMA3_8B, layout(tp=2), hw, backward=True)
+    ops = 2 * 4 * 4096 + 2 * 6 * 4096 + 6 * 14336 / 2 + 4 * 40 * 128 / 2
+    assert layer == pytest.approx(8192 * 2 * (ops + 3 * (48 * 128 / 2 + 2 * 4096 + 2 * 14336 / 2))) and scores == 0.0
+    no_fp8 = gpu("h100-sxm", kernels=FUSED)
+    assert gpu_compute.element_bytes(LLAMA3_8B, layout(tp=2), no_fp8, backward=True) == pytest.approx(
+        tuple(2 * b for b in gpu_compute.element_bytes(LLAMA3_8B, layout(tp=2), no_fp8)))
+
+
 def test_sequence_parallelism_shards_the_hidden_wide_kernels() -> None:
     hw = gpu("h100-sxm", kernels=FUSED)
     with_sp, _ = gpu_compute.element_bytes(LLAMA3_8B, layout(tp=2, sp=True), hw)

@@ -72,8 +72,13 @@ def test_compared_layouts_are_ordered_as_measured() -> None:
     assert misses() == set()
 
 
-def test_without_wave_quantization_the_tp2_over_tp4_pipeline_is_ordered_wrongly() -> None:
+def test_wave_quantization_widens_the_tp2_over_tp4_pipeline_gap_toward_the_measured_one() -> None:
     """tp4 pp24 runs 2048-token GEMMs of 672 tiles: 7 waves on 108 SMs, the last 22 % full; tp2's 1344
-    tiles fill 13 waves to 96 %. Without that term (same constants) the measured order is reversed."""
-    pair = ("181B trial tp2 pp24 dp8 mbs1", "181B trial tp4 pp24 dp4 mbs1")
-    assert pair in misses(replace(GPU_EFFICIENCY, tile=None))
+    tiles fill 13 waves to 96 %. Measured, tp4 is 9.3 % slower (130.60 against 119.53 s). The same
+    constants without the wave term predict 2.8 % (the gap of the pipeline's sends: DeepSpeed sends
+    every tp rank's whole activation, and tp4 sends twice as many micro-batches), with it 4.3 %."""
+    tp2, tp4 = by_name("BigScience", "181B trial tp2 pp24 dp8 mbs1"), by_name("BigScience", "181B trial tp4 pp24 dp4 mbs1")
+    without = replace(GPU_EFFICIENCY, tile=None)
+    assert tp4.reported / tp2.reported == pytest.approx(119.53 / 130.60)  # tokens/s: tp4 is the slower
+    gap, gap_without = (tp4.timing(eff).step / tp2.timing(eff).step - 1 for eff in (GPU_EFFICIENCY, without))
+    assert (round(100 * gap, 1), round(100 * gap_without, 1)) == (4.3, 2.8)

@@ -38,6 +38,10 @@ def _no_tp_overlap(run: PublishedRun) -> PublishedRun:
     return replace(run, tp_overlap=False)
 
 
+def _scatter_everywhere(run: PublishedRun) -> PublishedRun:
+    return replace(run, pp_scatter_gather=True)
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -52,6 +56,8 @@ VARIANTS = (
     Variant("no wave quantization", tile=None),
     Variant("gradients reduced and parameters gathered in bf16 (the runs' settings ignored)", runs=_bf16_reduction),
     Variant("tensor-parallel overlap ignored", runs=_no_tp_overlap),
+    Variant("pipeline boundaries sent 1/t by every stack (DeepSpeed's whole activations ignored)",
+            runs=_scatter_everywhere),
     Variant("no overlap cost (φ = 0)", fixed=(("overlap_cost", 0.0),)),
     Variant("no element-wise work (η_ew = 1000)", fixed=(("elementwise", 1000.0),)),
 )

@@ -19,15 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from ndtrain.models.llama import RMSNorm, apply_rotary, rotary_tables
-from ndtrain.plan.kernels import EAGER
+from ndtrain.plan.kernels import EAGER, LayerWidths
 
 TOKENS, HIDDEN, HEADS, FFN = 8192, 512, 8, 1408  # tensors of 16–46 MB: beyond the caches
 
 
 def counted_bytes() -> float:
     """Bytes the eager profile counts for the measured chain (fp32: twice its 2-byte counts)."""
-    qk = 2 * HIDDEN  # q and k, as many heads as queries
-    return TOKENS * EAGER.layer_bytes_per_token("llama", HIDDEN, FFN, qk, HIDDEN, dropout=False) * 4 / 2
+    widths = LayerWidths(hidden=HIDDEN, ffn=FFN, qk=2 * HIDDEN, attention=HIDDEN, qkv=3 * HIDDEN, mlp_in=2 * FFN)
+    return TOKENS * EAGER.layer_bytes_per_token("llama", widths, dropout=False) * 4 / 2  # q, k: as many heads
 
 
 def measure(timed: Callable[[Callable[[], None]], float]) -> float:

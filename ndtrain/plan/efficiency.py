@@ -37,8 +37,8 @@ class GpuEfficiency:
 
 # 128 × 256: the large bf16 tensor-core tile of CUTLASS/cuBLAS kernels on Ampere and Hopper (stated).
 GPU_TILE = (128, 256)
-GPU_EFFICIENCY = GpuEfficiency(matmul=0.86, matmul_hopper=0.66, attention=0.26, attention_te=0.34, elementwise=1.0,
-                               overlap_cost=0.6, fp8_matmul=0.7, tile=GPU_TILE)
+GPU_EFFICIENCY = GpuEfficiency(matmul=0.88, matmul_hopper=0.68, attention=0.24, attention_te=0.34, elementwise=1.0,
+                               overlap_cost=0.65, fp8_matmul=0.76, tile=GPU_TILE)
 
 
 def measured(elementwise: float = 1.0) -> GpuEfficiency:

@@ -28,15 +28,15 @@ element    memory-bound element-wise work at η_ew of B: the bytes the run's ker
            (`kernels.py`: norms, residual adds, dropout, activation, RoPE, FP8 casts per token, and
            for dense attention the score matrix's chain, counted from each stack's code)
 Backward = 2 × forward, term by term (two products per forward product; the element-wise and
-attention backward read and write twice as much), except the waves: the backward's products have
-other output shapes (the input gradient T×K, the weight gradient K×N, whose tiles do not depend on
-the tokens). Recompute adds: full, one layer forward;
-selective, the attention term (and, for a stored score matrix, its element-wise chain); flash
-attention always recomputes its scores in the backward (Dao 2022), so "none" adds the attention
-term too; "op" (torchtitan's selective op checkpointing, which saves every op's output but every
-second matmul's; published runs only) half the products and the element-wise work. The model's
-ends on the last stage: the logits product T×h times h×V/t (bf16) and the cross-entropy's bytes
-per logit of the profile.
+attention backward read and write twice as much; with FP8, the casts are of the products' output
+gradients), except the waves: the backward's products have other output shapes (the input
+gradient T×K, the weight gradient K×N, whose tiles do not depend on the tokens). Recompute
+adds: full, one layer forward; selective, the attention term (and, for a stored score matrix,
+its element-wise chain); flash attention always recomputes its scores in the backward (Dao
+2022), so "none" adds the attention term too; "op" (torchtitan's selective op checkpointing,
+which saves every op's output but every second matmul's; published runs only) half the products
+and the element-wise work. The model's ends on the last stage: the logits product T×h times
+h×V/t (bf16) and the cross-entropy's bytes per logit of the profile.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import NamedTuple
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.efficiency import GpuEfficiency
 from ndtrain.plan.hardware import Hardware
+from ndtrain.plan.kernels import LayerWidths
 from ndtrain.plan.layout import Layout
 
 
@@ -65,7 +66,7 @@ class LayerTerms(NamedTuple):
 
 class GpuCompute(NamedTuple):
     layer: LayerTerms  # forward of one layer
-    layer_b: float  # backward of one layer (2 × forward but for its own waves)
+    layer_b: float  # backward of one layer (2 × forward but for its own waves and FP8 casts)
     recompute: float  # added to one layer's backward
     ends_f: float  # logits and loss forward (last stage)
     ends_b: float
@@ -111,15 +112,18 @@ def backward_waves(rows: float, inner: float, cols: float, hw: Hardware, eff: Gp
     return sum(arithmetic * (1 / wave_fill(r, c, hw, eff) - 1) for r, c in ((rows, inner), (inner, cols)))
 
 
-def element_bytes(model: ModelSpec, layout: Layout, hw: Hardware) -> tuple[float, float]:
+def element_bytes(model: ModelSpec, layout: Layout, hw: Hardware, backward: bool = False) -> tuple[float, float]:
     """(bytes of one layer's element-wise kernels, bytes of its score matrix's chain) for one
-    micro-batch forward on one rank, as the hardware's kernel profile counts them."""
+    micro-batch forward (or backward) on one rank, as the hardware's kernel profile counts them."""
     k, t = hw.kernels, layout.tp
-    hidden = model.hidden / (t if layout.sp else 1)
-    d = model.head_dim
-    per_token = k.layer_bytes_per_token(model.arch, hidden, model.token_ffn / t, (model.heads + model.kv_heads) * d / t,
-                                        model.heads * d / t, model.has_dropout)
-    scores = 0.0 if model.flash_attention else k.score_bytes(model.has_dropout) * model.heads * model.seq / t
+    d, ffn = model.head_dim, model.token_ffn / t
+    widths = LayerWidths(hidden=model.hidden / (t if layout.sp else 1), ffn=ffn,
+                         qk=(model.heads + model.kv_heads) * d / t, attention=model.heads * d / t,
+                         qkv=(model.heads + 2 * model.kv_heads) * d / t,
+                         mlp_in=(2 if model.arch == "llama" else 1) * ffn)
+    per_token = k.layer_bytes_per_token(model.arch, widths, model.has_dropout, backward)
+    scores = (0.0 if model.flash_attention
+              else k.score_bytes(model.has_dropout) * (2 if backward else 1) * model.heads * model.seq / t)
     tokens, scale = layout.mbs * model.seq / layout.cp, hw.precision.activation_bytes / 2
     return tokens * per_token * scale, tokens * scores * scale
 
@@ -156,7 +160,8 @@ def compute(model: ModelSpec, layout: Layout, hw: Hardware) -> GpuCompute:
     flash = layer.attention if model.flash_attention else 0.0
     recompute = {"none": flash, "selective": selective, "full": layer.total,
                  "op": flash + (layer.gemm + layer.waves) / 2 + layer.element}[layout.recompute]
-    layer_b = 2 * (layer.gemm + layer.attention + layer.element) + sum(
+    element_b = sum(element_bytes(model, layout, hw, backward=True)) / bandwidth
+    layer_b = 2 * (layer.gemm + layer.attention) + element_b + sum(
         backward_waves(tokens, inner, cols, hw, eff, hw.kernels.fp8)
         for inner, cols in layer_gemm_shapes(model, layout.tp))
     logits = gemm_terms(tokens, model.hidden, model.vocab / layout.tp, hw, eff)

@@ -82,6 +82,7 @@ class Hardware:
     tensor_cores: str = ""  # volta, ampere, hopper, blackwell: which η_mm applies (`efficiency.py`)
     kernels: KernelProfile = DEFAULT  # the software stack its layers run (`kernels.py`)
     tp_overlap: bool = False  # tensor-parallel collectives run behind the GEMMs (Megatron's --tp-comm-overlap)
+    pp_scatter_gather: bool = False  # each tp rank sends 1/t of a pipeline boundary, gathered over tp on arrival
 
 
 
@@ -129,6 +130,12 @@ class Cluster:
             raise UserError(
                 f"--gpus {self.gpus} is not a multiple of --gpus-per-node {self.gpus_per_node}: use whole nodes"
             )
+
+    def pair_link(self, stride: int, size: int) -> Link:
+        """The link of a point-to-point send between neighbours of such a group: NVLink when the group
+        stays in a node, else one NIC's share per GPU (every GPU in the node sends at the same time,
+        each over its own NIC; a pair cannot spread over the node's others as a ring does)."""
+        return self.hardware.intra if stride * size <= self.gpus_per_node else self.hardware.inter
 
     def link(self, stride: int, size: int) -> Link:
         """The link a group of `size` ranks spaced `stride` apart runs its rings over (ranks fill nodes

@@ -20,18 +20,25 @@ intermediate counting 4 bytes; a read and a write of one bf16 value = 4):
     scores       13  dense attention only: QKᵀ    8  fused scale-mask-softmax 4  8
                      writes 2, masked_fill 5,       (+ QKᵀ's write, AV's read)
                      softmax 4, AV reads 2
-    loss         14  per logit: .float() 6,      30  vocab-parallel cross-entropy 14  (not compiled)
-                     log_softmax 8                  on fp32: .float() 6, max 4, −max 8, exp 8, sum 4
+    loss         14  per logit: .float() 6,      38  vocab-parallel cross-entropy 14  (not compiled)
+                     log_softmax 8                  on fp32: .float() 6, max 4, −max 8, exp 8, sum 4,
+                                                    the softmax kept for the backward (÷ sum) 8
     FP8 cast      -  -                            3  fused-fp8 / compiled-fp8: each GEMM input read
-                                                     in bf16, written in FP8 (read 2, write 1)
+                                                     in bf16, written in FP8 (read 2, write 1); in
+                                                     the backward each GEMM's output gradient
 
 Per token and layer on one tp rank (h' = h/t, or h without sequence parallelism; f' = f/t):
-    element bytes = 2·norm·h' + 2·(residual + dropout)·h' + activation·f' + rope·(a+k)·d/t
-                    + cast·(2h' + a·d/t + f')                                    (cast: FP8 only)
+    element bytes = 2·norm·h' + 2·(residual + dropout)·h' + activation·f' + rope·(a+k)·d/t + cast·C
+                    C (FP8 only): the values cast, forward the GEMM inputs 2h' + a·d/t + f',
+                    backward the output gradients (a+2k)·d/t + 2h' + (2 for SwiGLU, else 1)·f'
     score bytes   = (scores + dropout)·a·s/t per token                          (dense attention only)
     loss bytes    = loss·V/t per token                                           (the last stage)
 at η_ew of the HBM bandwidth (`efficiency.py`, one fitted constant for every stack); the backward
 moves twice the forward's bytes. Values above are for 2-byte activations, scaled by β/2 otherwise.
+Counting each op's own backward instead (1× its forward for a dropout mask or RoPE, 1.5× for GeLU,
+2.5× for a two-pass norm backward, 2.6× for the eager RMSNorm's autograd chain, from the same
+code) was tried on 2026-11-28 and raised the leave-one-source-out error (worst 27.8 → 33.0 %,
+median 8.1 → 9.1 %; held out worst 18.5 → 20.2 %): the planner keeps the uniform 2×.
 The fused attention kernel is the stack's too: PyTorch's (SDPA, FlashAttention, Triton: eager and
 compiled) at η_attn, Transformer Engine's (cuDNN: fused) at η_attn,TE, each fitted.
 A model has dropout when its spec says so (`ModelSpec.dropout`: gpt's Megatron practice of 0.1,
@@ -47,8 +54,20 @@ the element-wise rate `ndtrain plan --calibrate` measured (`cpu_profile.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ndtrain.errors import UserError
+
+
+class LayerWidths(NamedTuple):
+    """Values per token, on one tp rank, of the tensors a layer's element-wise kernels work on."""
+
+    hidden: float  # h, or h/t with sequence parallelism
+    ffn: float  # f/t: the MLP's activation
+    qk: float  # (a + k)·d/t: the queries and keys the rotary embedding turns
+    attention: float  # a·d/t: the attention output (the output projection's input)
+    qkv: float  # (a + 2k)·d/t: the QKV product's output
+    mlp_in: float  # f/t, or 2f/t for SwiGLU's gate and up: the MLP input product's output
 
 
 @dataclass(frozen=True)
@@ -67,21 +86,21 @@ class KernelProfile:
     loss: float  # per logit element
     attention: str  # the fused attention kernel: "torch" (SDPA, FlashAttention, Triton) or "te" (TE / cuDNN)
     fp8: bool = False
-    fp8_cast: float = 0.0  # per element of each linear layer's input
+    fp8_cast: float = 0.0  # per element cast: a linear layer's input, or in the backward its output gradient
 
-    def layer_bytes_per_token(self, arch: str, hidden_share: float, ffn_share: float, qk_share: float,
-                              attn_share: float, dropout: bool) -> float:
-        """Forward element-wise bytes of one layer per token: `hidden_share` h-wide values (h or h/t),
-        `ffn_share` f/t, `qk_share` (a+k)·d/t, `attn_share` a·d/t (2-byte activations)."""
+    def layer_bytes_per_token(self, arch: str, widths: LayerWidths, dropout: bool, backward: bool = False) -> float:
+        """Element-wise bytes of one layer per token (2-byte activations): the forward's, or the
+        backward's (twice as many, the FP8 casts counted over the output gradients)."""
         norm = self.layer_norm if arch == "gpt" else self.rms_norm
         activation = self.gelu if arch == "gpt" else self.swiglu
         residual = self.residual + (self.dropout_hidden if dropout else 0.0)
-        total = 2 * norm * hidden_share + 2 * residual * hidden_share + activation * ffn_share
+        total = 2 * norm * widths.hidden + 2 * residual * widths.hidden + activation * widths.ffn
         if arch == "llama":
-            total += self.rope * qk_share
+            total += self.rope * widths.qk
         if self.fp8:
-            total += self.fp8_cast * (2 * hidden_share + attn_share + ffn_share)
-        return total
+            total += self.fp8_cast * (widths.qkv + 2 * widths.hidden + widths.mlp_in if backward
+                                      else 2 * widths.hidden + widths.attention + widths.ffn)
+        return 2 * total if backward else total
 
     def score_bytes(self, dropout: bool) -> float:
         return self.scores + (self.dropout_scores if dropout else 0.0)
@@ -96,11 +115,11 @@ FUSED = KernelProfile(
     "fused", "Megatron-LM's fusions (2020-09 on: fused LayerNorm, scale-mask-softmax, bias-GeLU, bias-dropout-add; "
     "Megatron-Core with Transformer Engine adds fused RMSNorm, RoPE, bias-SwiGLU and fused attention)",
     layer_norm=4, rms_norm=4, residual=6, dropout_hidden=1, gelu=4, swiglu=6, rope=4, scores=8,
-    dropout_scores=5, loss=30, attention="te")
+    dropout_scores=5, loss=38, attention="te")
 FUSED_FP8 = KernelProfile(
     "fused-fp8", "as fused, with Transformer Engine's FP8 GEMMs in the linear layers",
     layer_norm=4, rms_norm=4, residual=6, dropout_hidden=1, gelu=4, swiglu=6, rope=4, scores=8,
-    dropout_scores=5, loss=30, attention="te", fp8=True, fp8_cast=3)
+    dropout_scores=5, loss=38, attention="te", fp8=True, fp8_cast=3)
 COMPILED = KernelProfile(
     "compiled", "torch.compile (inductor) of each layer: element-wise chains fused into single kernels, "
     "SDPA attention; the loss outside the compiled region",

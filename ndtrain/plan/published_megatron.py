@@ -11,7 +11,9 @@ Each source's stack, read in its code or documents:
     BigScience      Megatron-DeepSpeed with the fused kernels (`--abort-on-unmet-fused-kernel-constraints`
     BLOOM           in train/tr11-176B-ml/tr11-176B-ml.slurm): fused scale-mask-softmax, bias-GeLU,
                     bias-dropout-add (default dropout 0.1), dense attention, and ALiBi (`--position-
-                    embedding-type alibi`) added to the scores through baddbmm's input: `fused (ALiBi)`
+                    embedding-type alibi`) added to the scores through baddbmm's input: `fused (ALiBi)`;
+                    DeepSpeed's pipeline engine sends each tp rank's whole activation (`_exec_send_
+                    activations`: p2p.send of the stage's outputs), no scatter/gather
     Korthikanti     Megatron-LM 2022 (the same fusions), dense attention: `fused`
     Megatron-LM     Megatron-Core with Transformer Engine, `--tp-comm-overlap`, `--overlap-grad-reduce
     (H100, 2024)    --overlap-param-gather` (README 'Training Speed and Scalability'): `fused`, TP overlapped
@@ -88,13 +90,14 @@ KORTHIKANTI = Source(
     "(profile fused)")
 _GPT_530B = _gpt("gpt-530b", 105, 20480, 128, 51200, 2048, False)
 _KORTHIKANTI_ASSUMED = ("tp8 pp35 dp8 (2240 = 8·35·8, the 530B model's tp·pp), global batch 1920, mbs 1, 1F1B, "
-                        "distributed optimizer (ZeRO-1), DGX A100 links")
+                        "distributed optimizer (ZeRO-1), DGX A100 links, pipeline boundaries scattered over tp "
+                        "(Megatron-LM's default --scatter-gather-tensors-in-pipeline)")
 
 
 def _korthikanti(name: str, mfu: float, recompute: str, sp: bool) -> PublishedRun:
     return PublishedRun(KORTHIKANTI, name, f"MFU {100 * mfu:.1f} % of 312 TFLOP/s", _GPT_530B, "a100-80gb",
                         megatron(8, 35, 8, 1, recompute, sp, 1), 1920, megatron_tokens(_GPT_530B, mfu * 312),
-                        FUSED, _KORTHIKANTI_ASSUMED)
+                        FUSED, _KORTHIKANTI_ASSUMED, pp_scatter_gather=True)
 
 
 KORTHIKANTI_RUNS = (

@@ -58,6 +58,7 @@ class PublishedRun:
     grad_reduce_bytes: int = 2  # bytes per gradient value the data-parallel reduction moves, as the run set it
     gather_bytes: int = 2  # bytes per parameter value ZeRO/FSDP gathers (1: FP8 all-gather)
     tp_overlap: bool = False  # tensor-parallel communication overlapped with the GEMMs
+    pp_scatter_gather: bool = False  # pipeline boundaries sent 1/t per tp rank (Megatron-LM's scatter/gather)
 
     @property
     def generation(self) -> str:
@@ -65,7 +66,7 @@ class PublishedRun:
 
     def timing(self, efficiency: GpuEfficiency | None = None, kernels: KernelProfile | None = None) -> Timing:
         hardware = replace(gpu(self.gpu, inter_bw_gbs=self.inter_bw_gbs), kernels=kernels or self.kernels,
-                           tp_overlap=self.tp_overlap)
+                           tp_overlap=self.tp_overlap, pp_scatter_gather=self.pp_scatter_gather)
         if efficiency is not None:
             hardware = replace(hardware, efficiency=efficiency)
         precision = replace(hardware.precision, grad_bytes=self.grad_reduce_bytes, param_bytes=self.gather_bytes)

@@ -23,9 +23,12 @@ tp        2 all-reduces per layer forward and 2 backward of b·s'·h·β bytes (
 cp        ring attention (Liu 2023; Megatron context parallel): c−1 steps per layer, each sending
           the K and V chunk b·s'·2·k_t·d·β (k_t kv heads per tp rank), overlapped with that
           step's attention block; the backward sends K, V and their gradients (2×).
-pp        one send/recv of b·s'·h·β/t per chunk boundary, forward and backward (the
-          scatter/gather optimisation of Narayanan 2021 §4.1), v per micro-batch when interleaved;
-          synchronous, so on the critical path.
+pp        one send/recv per chunk boundary, forward and backward, v per micro-batch when
+          interleaved; synchronous, so on the critical path. Each tp rank sends the activation it
+          holds: b·s'·h·β, or 1/t of it with SP, whose activations are split by sequence (ndtrain's
+          runner, DeepSpeed's pipeline engine). With the scatter/gather optimisation (Narayanan
+          2021 §4.1; `Hardware.pp_scatter_gather`, a published Megatron-LM run's) each sends 1/t
+          and the receiver all-gathers the whole over tp.
 step      m·(t_f + t_b) + bubble (`schedules.py`) + exposed dp/ZeRO communication + optimizer
 dp/ZeRO   over N = dp·c ranks, Ψ the stage's parameters per rank, the link of the group (`Cluster.link`);
           communication hidden behind compute still costs φ of its time (efficiency.overlap_cost):
@@ -146,8 +149,12 @@ def _micro_batch(model: ModelSpec, layout: Layout, cluster: Cluster) -> _MicroBa
 
     pp_f = pp_b = 0.0
     if layout.pp > 1:
-        boundary = tokens * model.hidden * beta / layout.tp
-        pp_f = pp_b = layout.vpp * _collective(cluster, "send_recv", layout.tp, layout.pp, boundary)
+        boundary = tokens * model.hidden * beta
+        split = layout.sp or hw.pp_scatter_gather
+        gather = (_collective(cluster, "all_gather", 1, layout.tp, boundary)
+                  if hw.pp_scatter_gather and not layout.sp else 0.0)
+        send = _collective(cluster, "send_recv", layout.tp, layout.pp, boundary / (layout.tp if split else 1))
+        pp_f = pp_b = layout.vpp * (send + gather)
     if layout.pp > 1 and layout.schedule == "zb":
         inputs, weights = compute.split(layers)
         backward = inputs + weights
@@ -206,12 +213,11 @@ def _compute(model: ModelSpec, layout: Layout, cluster: Cluster) -> _Compute:
 
 def _collective(cluster: Cluster, op: str, stride: int, n: int, nbytes: float) -> float:
     """Seconds of `op` over n ranks spaced `stride` apart: the profile's fit for that op and group size
-    on a CPU, the slowest link the group spans on a GPU cluster."""
+    on a CPU, the slowest link the group spans on a GPU cluster (for a send/recv, one pair's link)."""
     cpu = cluster.hardware.cpu
-    link = cpu.link(op, n) if cpu is not None else cluster.link(stride, n)
     if op == "send_recv":
-        return collectives.send_recv(nbytes, link)
-    return getattr(collectives, op)(n, nbytes, link)
+        return collectives.send_recv(nbytes, cpu.link(op, n) if cpu is not None else cluster.pair_link(stride, n))
+    return getattr(collectives, op)(n, nbytes, cpu.link(op, n) if cpu is not None else cluster.link(stride, n))
 
 
 def _vocab_forward(cluster: Cluster, layout: Layout, tokens: float, tp_one: float) -> float:
