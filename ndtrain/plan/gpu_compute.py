@@ -122,8 +122,7 @@ def element_bytes(model: ModelSpec, layout: Layout, hw: Hardware, backward: bool
                          qkv=(model.heads + 2 * model.kv_heads) * d / t,
                          mlp_in=(2 if model.arch == "llama" else 1) * ffn)
     per_token = k.layer_bytes_per_token(model.arch, widths, model.has_dropout, backward)
-    scores = (0.0 if model.flash_attention
-              else k.score_bytes(model.has_dropout) * (2 if backward else 1) * model.heads * model.seq / t)
+    scores = 0.0 if model.flash_attention else k.score_bytes(model.has_dropout, backward) * model.heads * model.seq / t
     tokens, scale = layout.mbs * model.seq / layout.cp, hw.precision.activation_bytes / 2
     return tokens * per_token * scale, tokens * scores * scale
 

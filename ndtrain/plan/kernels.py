@@ -102,8 +102,10 @@ class KernelProfile:
                                       else 2 * widths.hidden + widths.attention + widths.ffn)
         return 2 * total if backward else total
 
-    def score_bytes(self, dropout: bool) -> float:
-        return self.scores + (self.dropout_scores if dropout else 0.0)
+    def score_bytes(self, dropout: bool, backward: bool = False) -> float:
+        """Bytes per score element of a dense attention's chain, forward (or backward: twice as many)."""
+        forward = self.scores + (self.dropout_scores if dropout else 0.0)
+        return 2 * forward if backward else forward
 
 
 EAGER = KernelProfile(

@@ -215,9 +215,13 @@ def _collective(cluster: Cluster, op: str, stride: int, n: int, nbytes: float) -
     """Seconds of `op` over n ranks spaced `stride` apart: the profile's fit for that op and group size
     on a CPU, the slowest link the group spans on a GPU cluster (for a send/recv, one pair's link)."""
     cpu = cluster.hardware.cpu
+    if cpu is not None:
+        link = cpu.link(op, n)
+    else:
+        link = cluster.pair_link(stride, n) if op == "send_recv" else cluster.link(stride, n)
     if op == "send_recv":
-        return collectives.send_recv(nbytes, cpu.link(op, n) if cpu is not None else cluster.pair_link(stride, n))
-    return getattr(collectives, op)(n, nbytes, cpu.link(op, n) if cpu is not None else cluster.link(stride, n))
+        return collectives.send_recv(nbytes, link)
+    return getattr(collectives, op)(n, nbytes, link)
 
 
 def _vocab_forward(cluster: Cluster, layout: Layout, tokens: float, tp_one: float) -> float:
