@@ -6,7 +6,9 @@ They are forked from a forkserver that imported torch and ndtrain once (`multipr
 "forkserver" start method with those modules preloaded), not spawned: a spawned worker imports
 torch again (~2.5 s of CPU), which over the suite's spawns of 2-8 workers on 2 cores was minutes.
 The forkserver holds no threads and no CUDA context, and a worker takes the parent's environment
-of the moment (as a spawned one would), not the forkserver's.
+of the moment (as a spawned one would), not the forkserver's. Its file descriptors are the
+forkserver's, though: a test that reads what the workers print (pytest's `capfd`) asks for
+`start_method="spawn"`, whose workers inherit the parent's descriptors of the moment.
 
 A matrix of cases (layouts, strategies) runs in one spawn: the worker runs every case with
 `run_each`, which keeps a failing case's traceback as its result and goes on to the next case; in the
@@ -36,9 +38,10 @@ Case = TypeVar("Case", bound=Hashable)
 PRELOAD = ["torch", "torch.distributed", "ndtrain"]
 
 
-def _context() -> Any:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+def _context(start_method: str) -> Any:
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -62,12 +65,13 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, resu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                    start_method: str = "forkserver") -> list[Any]:
     """Call `fn(*args)` on `world_size` fresh processes; return the results ordered by rank.
 
     `fn` must be a module-level function. Inside it, `init_method()` gives the rendezvous.
     """
-    ctx = _context()
+    ctx = _context(start_method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
