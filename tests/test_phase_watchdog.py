@@ -28,6 +28,7 @@ from tests.helpers.processes import (
     References, Run, alive, assert_bit_identical, final_weights, poll, restarts_reported, train_args,
 )
 
+pytestmark = pytest.mark.serial  # recovery is bounded in wall-clock seconds: `make test` runs it alone
 GRACE_S = 15  # the bound: the phase's deadline + this
 VICTIM = 1
 # per phase: the deadline settings and what makes the phase occur often enough to be hit

@@ -189,6 +189,7 @@ def test_a_checkpoint_that_is_a_symlink_is_refused_on_resume(tmp_path: Path) -> 
     assert link.is_symlink() and verify(elsewhere / link.name) is None  # neither replaced nor deleted through
 
 
+@pytest.mark.serial  # the refusal is bounded in wall-clock seconds: `make test` runs it alone
 def test_a_symlink_planted_during_a_run_is_refused_by_rotation(tmp_path: Path) -> None:
     run = Run(tmp_path / "run", ["--nproc", "2", "--max-restarts", "3", "--data", corpus_file(tmp_path), *RUN_ARGS,
                                  "--steps", "200", "--set", "checkpoint.keep=1000"])

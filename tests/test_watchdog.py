@@ -145,6 +145,7 @@ def find_worker(launcher_pid: int, rank: int) -> int:
 
 
 # 4 processes run as `slow` (make test-slow): the same rule as 2, 22 s of CI time
+@pytest.mark.serial  # the end is bounded in wall-clock seconds: `make test` runs it alone
 @pytest.mark.parametrize("nproc, victim", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_sigstopped_worker_ends_the_run_within_watchdog_plus_15_s(tmp_path: Path, nproc: int, victim: int) -> None:
     out = tmp_path / "run"
