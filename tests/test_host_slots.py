@@ -173,7 +173,7 @@ def _stops_before_arriving(watchdog_s: float) -> None:
 
 def test_a_rank_stopped_before_a_shared_memory_collective_is_named(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(AssertionError, match="exited with status 1"):
-        run_distributed(_stops_before_arriving, 2, 2.0, timeout=60, start_method="spawn")
+        run_distributed(_stops_before_arriving, 2, 2.0, timeout=60)
     errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:")]
     assert len(errors) == 1, errors
     assert re.fullmatch(
@@ -206,7 +206,7 @@ def _ends_before_arriving(how: str) -> None:
 def test_a_rank_that_ends_before_a_shared_memory_collective_fails_the_wait(
         how: str, capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(AssertionError) as failed:  # rank 0's error, or rank 1's death, whichever the runner sees first
-        run_distributed(_ends_before_arriving, 2, how, timeout=60, start_method="spawn")
+        run_distributed(_ends_before_arriving, 2, how, timeout=60)
     assert "did not finish" not in str(failed.value), failed.value  # nobody hung
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("survivor:")]
     assert len(lines) == 1, lines

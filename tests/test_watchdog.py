@@ -41,7 +41,7 @@ def _one_rank_stops(watchdog_s: float) -> None:
 
 def test_rank_that_stops_is_named_by_every_live_rank(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(AssertionError, match="exited with status 1"):
-        run_distributed(_one_rank_stops, 3, 2.0, timeout=60, start_method="spawn")
+        run_distributed(_one_rank_stops, 3, 2.0, timeout=60)
     errors = sorted(line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:"))
     assert len(errors) == 2, errors
     for rank, line in zip((0, 1), errors):
@@ -67,7 +67,7 @@ def _crossed_collectives(watchdog_s: float) -> None:
 
 def test_ranks_waiting_elsewhere_are_behind_not_missing(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(AssertionError, match="exited with status 1"):
-        run_distributed(_crossed_collectives, 3, 2.0, timeout=60, start_method="spawn")
+        run_distributed(_crossed_collectives, 3, 2.0, timeout=60)
     errors = sorted(line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:"))
     assert [re.sub(r"waited \d+ s", "waited N s", line) for line in errors] == [
         "ndtrain: error: rank 0 waited N s in collective #1 all_reduce on axis 'dp' (ranks [0, 1, 2]); "
@@ -91,7 +91,7 @@ def _different_collectives(watchdog_s: float) -> None:
 
 def test_ranks_in_different_collectives_are_named_as_a_program_error(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(AssertionError, match="exited with status 1"):
-        run_distributed(_different_collectives, 2, 2.0, timeout=60, start_method="spawn")
+        run_distributed(_different_collectives, 2, 2.0, timeout=60)
     errors = sorted(line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:"))
     assert [re.sub(r"waited \d+ s", "waited N s", line) for line in errors] == [
         "ndtrain: error: rank 0 waited N s in collective #1 all_reduce on axis 'dp' (ranks [0, 1]); ranks [1] issued "
@@ -113,7 +113,7 @@ def _reduce_scatter_stall(watchdog_s: float) -> None:
 
 def test_reduce_scatter_stall_is_caught(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(AssertionError, match="rank 0 exited with status 1"):
-        run_distributed(_reduce_scatter_stall, 2, 2.0, timeout=60, start_method="spawn")
+        run_distributed(_reduce_scatter_stall, 2, 2.0, timeout=60)
     errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:")]
     assert len(errors) == 1 and "collective #1 reduce_scatter on axis 'dp'" in errors[0], errors
     assert "ranks [1] did not arrive" in errors[0]

@@ -6,9 +6,8 @@ They are forked from a forkserver that imported torch and ndtrain once (`multipr
 "forkserver" start method with those modules preloaded), not spawned: a spawned worker imports
 torch again (~2.5 s of CPU), which over the suite's spawns of 2-8 workers on 2 cores was minutes.
 The forkserver holds no threads and no CUDA context, and a worker takes the parent's environment
-of the moment (as a spawned one would), not the forkserver's. Its file descriptors are the
-forkserver's, though: a test that reads what the workers print (pytest's `capfd`) asks for
-`start_method="spawn"`, whose workers inherit the parent's descriptors of the moment.
+and standard output and error of the moment (as a spawned one would), not the forkserver's: a
+test reading what workers print (pytest's `capfd`) sees it.
 
 A matrix of cases (layouts, strategies) runs in one spawn: the worker runs every case with
 `run_each`, which keeps a failing case's traceback as its result and goes on to the next case; in the
@@ -26,6 +25,7 @@ import queue
 import tempfile
 import time
 import traceback
+from multiprocessing import reduction
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, TypeVar
 
@@ -38,15 +38,31 @@ Case = TypeVar("Case", bound=Hashable)
 PRELOAD = ["torch", "torch.distributed", "ndtrain"]
 
 
-def _context(start_method: str) -> Any:
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
+class _ParentFd:
+    """A descriptor of the parent, duplicated into the worker when the worker's arguments are sent."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, results: Any, args: tuple,
-            environ: dict[str, str]) -> None:
+            environ: dict[str, str], output: tuple[int, int]) -> None:
+    for fd, target in zip(output, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -65,18 +81,18 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, resu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
-                    start_method: str = "forkserver") -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """Call `fn(*args)` on `world_size` fresh processes; return the results ordered by rank.
 
     `fn` must be a module-level function. Inside it, `init_method()` gives the rendezvous.
     """
-    ctx = _context(start_method)
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         environ = dict(os.environ)
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store, results, args, environ))
+        output = (_ParentFd(1), _ParentFd(2))
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store, results, args, environ, output))
                  for r in range(world_size)]
         for p in procs:
             p.start()
