@@ -25,6 +25,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -197,9 +198,18 @@ def test_backend_mpi_without_mpi_is_one_line_before_any_worker(tmp_path: Path) -
 
 # ---- Slurm by its variables, two real processes ---------------------------------------------------
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: the port-0 binds and outgoing connections of
+    tests running beside this one (pytest-xdist) never take it before our processes bind it."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 49152
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port below {low}")
 
 
 def base_env() -> dict[str, str]:

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from ndtrain.dist.comm import Group
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import init
+from ndtrain.dist.watchdog import Watchdog
 from tests.helpers.processes import no_restarts, wait_for
 from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.runs import corpus_file
@@ -117,6 +119,41 @@ def test_reduce_scatter_stall_is_caught(capfd: pytest.CaptureFixture[str]) -> No
     errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ndtrain: error:")]
     assert len(errors) == 1 and "collective #1 reduce_scatter on axis 'dp'" in errors[0], errors
     assert "ranks [1] did not arrive" in errors[0]
+
+
+class _HeldStore:
+    """A store whose calls from the heartbeat thread are held until `release` (a store slow to answer)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def clone(self) -> "_HeldStore":
+        return self
+
+    def set_timeout(self, timeout: object) -> None:
+        pass
+
+    def set(self, key: str, value: str) -> None:
+        if threading.current_thread().name == "ndtrain-watchdog-beat":
+            self.entered.set()
+            self.release.wait()
+
+
+def test_stop_waits_for_the_store_call_the_heartbeat_is_in() -> None:
+    """A heartbeat still inside a store call when its process exits aborted that process after its work
+    was done (a daemon thread returning into a finalizing interpreter from C++: "terminate called without
+    an active exception", exit -6; seen twice in 195 two-rank runs under load). stop() now waits for it."""
+    before = set(threading.enumerate())
+    store = _HeldStore()
+    watchdog = Watchdog(0, store, 0.4, {}, tick_s=0.05, grace_s=60).start()  # a heartbeat every 0.1 s
+    assert store.entered.wait(60)
+    stopper = threading.Thread(target=watchdog.stop)
+    stopper.start()
+    stopper.join(1.0)
+    assert stopper.is_alive()  # still waiting for the heartbeat (up to 2 * grace_s)
+    store.release.set()
+    stopper.join(60)
+    assert set(threading.enumerate()) - before == set()  # the stopper and both watchdog threads have ended
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, 121.0, float("nan")])

@@ -167,8 +167,14 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """End both threads. The beat thread is waited for, at most 2 · grace_s: a store call it is
+        in when the process exits returns into a finalizing interpreter, which ends the thread from
+        inside the store's C++ code and aborts the process ("terminate called without an active
+        exception", exit -6, of a rank that had finished). Only a store that does not answer at all
+        (a cut link) outlasts the wait; that thread is then left behind."""
         self._stop.set()
-        self._threads[0].join()  # the beat thread may be blocked on an unreachable store: not joined
+        self._threads[0].join()
+        self._threads[1].join(2 * self._grace_s)
 
     def arm(self, wait: Wait) -> None:
         self._armed = (wait, time.monotonic())
