@@ -50,14 +50,12 @@ class MetricsLog:
 def plot_loss_curve(records: list[dict[str, Any]], png: Path, title: str, loss_unit: str, outputs: int = 0) -> None:
     """Train and validation loss (in `loss_unit`, e.g. nats/token) against step, written as a PNG; with
     `outputs` > 0, a dotted line at ln(outputs), the loss of a uniform guess among that many values."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: no global backend, no figure manager, 0.3 s less to import
 
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig = Figure(figsize=(7, 4), dpi=110)
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1)
     if val:
@@ -71,7 +69,6 @@ def plot_loss_curve(records: list[dict[str, Any]], png: Path, title: str, loss_u
     ax.legend()
     fig.tight_layout()
     fig.savefig(png)
-    plt.close(fig)
 
 
 def uniform_label(loss_unit: str, outputs: int) -> str:

@@ -101,12 +101,10 @@ def write_chrome_trace(ranks: list[list[Event]], path: Path) -> None:
 
 def write_png(ranks: list[list[Event]], path: Path, title: str = "") -> None:
     """One row per rank, one box per action labelled micro-batch[.chunk] (matplotlib, Agg); grey: waiting."""
-    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: no global backend, no figure manager
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.2))
+    fig = Figure(figsize=(12, 0.6 * len(ranks) + 1.2))
+    ax = fig.subplots()
     for r, events in enumerate(ranks):
         for e in events:
             if e.kind not in _COLORS:
@@ -121,4 +119,3 @@ def write_png(ranks: list[list[Event]], path: Path, title: str = "") -> None:
     ax.set_title(f"{title}  bubble {bubble_fraction(ranks):.1%}".strip())
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
