@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from ndtrain.dist.comm import Group
 from ndtrain.config import ParallelConfig
 from ndtrain.errors import UserError
 from ndtrain.dist.mesh import init
-from ndtrain.dist.watchdog import Watchdog
+from ndtrain.dist.watchdog import Phase, Watchdog
 from tests.helpers.processes import no_restarts, wait_for
 from tests.helpers.runner import init_method, run_distributed
 from tests.helpers.runs import corpus_file
@@ -122,9 +123,10 @@ def test_reduce_scatter_stall_is_caught(capfd: pytest.CaptureFixture[str]) -> No
 
 
 class _HeldStore:
-    """A store whose calls from the heartbeat thread are held until `release` (a store slow to answer)."""
+    """A store whose `set` calls that `held(key)` picks are held until `release` (a store slow to answer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[str], bool]) -> None:
+        self.held = held
         self.entered, self.release = threading.Event(), threading.Event()
 
     def clone(self) -> "_HeldStore":
@@ -134,26 +136,43 @@ class _HeldStore:
         pass
 
     def set(self, key: str, value: str) -> None:
-        if threading.current_thread().name == "ndtrain-watchdog-beat":
+        if self.held(key):
             self.entered.set()
             self.release.wait()
 
 
-def test_stop_waits_for_the_store_call_the_heartbeat_is_in() -> None:
-    """A heartbeat still inside a store call when its process exits aborted that process after its work
-    was done (a daemon thread returning into a finalizing interpreter from C++: "terminate called without
-    an active exception", exit -6; seen twice in 195 two-rank runs under load). stop() now waits for it."""
+HELD_CALLS = {
+    "heartbeat": lambda key: threading.current_thread().name == "ndtrain-watchdog-beat",
+    "phase publish": lambda key: "/phase/" in key,
+}
+
+
+@pytest.mark.parametrize("held", HELD_CALLS)
+def test_stop_waits_for_the_store_calls_of_its_threads(held: str) -> None:
+    """A watchdog thread still inside a store call when its process exits aborted that process after its
+    work was done (a daemon thread returning into a finalizing interpreter from C++: "terminate called
+    without an active exception", exit -6; seen twice in 195 two-rank runs under load). stop() now waits
+    for the heartbeat's call and for a phase publish's."""
     before = set(threading.enumerate())
-    store = _HeldStore()
+    store = _HeldStore(HELD_CALLS[held])
     watchdog = Watchdog(0, store, 0.4, {}, tick_s=0.05, grace_s=60).start()  # a heartbeat every 0.1 s
+    phase = Phase("evaluation", "a test phase", 600.0, "a test", time.monotonic())
+
+    def enter_and_leave() -> None:
+        with watchdog.phase(phase):  # publishes the phase on entry (the held case) and on exit
+            pass
+
+    in_phase = threading.Thread(target=enter_and_leave)
+    in_phase.start()
     assert store.entered.wait(60)
     stopper = threading.Thread(target=watchdog.stop)
     stopper.start()
     stopper.join(1.0)
-    assert stopper.is_alive()  # still waiting for the heartbeat (up to 2 * grace_s)
+    assert stopper.is_alive()  # still waiting for the held call (up to 2 * grace_s)
     store.release.set()
-    stopper.join(60)
-    assert set(threading.enumerate()) - before == set()  # the stopper and both watchdog threads have ended
+    for thread in (stopper, in_phase):
+        thread.join(60)
+    assert set(threading.enumerate()) - before == set()  # every thread of the test and the watchdog ended
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, 121.0, float("nan")])

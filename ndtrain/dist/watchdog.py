@@ -113,9 +113,9 @@ class Phase:
         return f"deadline {self.deadline_s:.0f} s: {self.rule}"
 
 
-def _bounded(fn: Callable[[], None], seconds: float) -> None:
-    """Run `fn` on a daemon thread for at most `seconds` (a store call may block past its timeout);
-    its errors count as not having finished."""
+def _started(fn: Callable[[], None]) -> threading.Thread:
+    """`fn` running on a daemon thread (a store call may block past its timeout); its errors count
+    as not having finished."""
 
     def guarded() -> None:
         try:
@@ -125,7 +125,12 @@ def _bounded(fn: Callable[[], None], seconds: float) -> None:
 
     thread = threading.Thread(target=guarded, daemon=True)
     thread.start()
-    thread.join(seconds)
+    return thread
+
+
+def _bounded(fn: Callable[[], None], seconds: float) -> None:
+    """Run `fn` on a daemon thread for at most `seconds`."""
+    _started(fn).join(seconds)
 
 
 class Watchdog:
@@ -152,6 +157,7 @@ class Watchdog:
         self._stalled = threading.Event()
         self._alarm = threading.Event()
         self._stop = threading.Event()
+        self._publishes: list[threading.Thread] = []  # the phase publishes (main thread's), for stop()
         self._threads = [
             threading.Thread(target=self._monitor, name="ndtrain-watchdog", daemon=True),
             threading.Thread(target=self._beat, name="ndtrain-watchdog-beat", daemon=True),
@@ -167,14 +173,17 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
-        """End both threads. The beat thread is waited for, at most 2 · grace_s: a store call it is
-        in when the process exits returns into a finalizing interpreter, which ends the thread from
-        inside the store's C++ code and aborts the process ("terminate called without an active
-        exception", exit -6, of a rank that had finished). Only a store that does not answer at all
-        (a cut link) outlasts the wait; that thread is then left behind."""
+        """End both threads. The beat thread and any phase publish still running are waited for, at
+        most 2 · grace_s in all: a store call still running when the process exits returns into a
+        finalizing interpreter, which ends its thread from inside the store's C++ code and aborts
+        the process ("terminate called without an active exception", exit -6, of a rank that had
+        finished). Only a store that does not answer at all (a cut link) outlasts the wait; such a
+        thread is then left behind."""
         self._stop.set()
         self._threads[0].join()
-        self._threads[1].join(2 * self._grace_s)
+        deadline = time.monotonic() + 2 * self._grace_s
+        for thread in (self._threads[1], *self._publishes):  # a phase publish may outlast its grace_s
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def arm(self, wait: Wait) -> None:
         self._armed = (wait, time.monotonic())
@@ -199,7 +208,9 @@ class Watchdog:
 
     def _publish_phase(self, phase: Phase | None) -> None:
         record = {"phase": phase.describe() if phase else None}
-        _bounded(lambda: self._phase_store.set(f"{_PREFIX}/phase/{self.rank}", json.dumps(record)), self._grace_s)
+        publish = _started(lambda: self._phase_store.set(f"{_PREFIX}/phase/{self.rank}", json.dumps(record)))
+        self._publishes = [t for t in self._publishes if t.is_alive()] + [publish]
+        publish.join(self._grace_s)
 
     def hold_if_stalled(self) -> None:
         """Called by a wait that failed: while a diagnosis is under way, the failure is its
