@@ -12,8 +12,8 @@ Each source's stack, read in its code or documents:
     BLOOM           in train/tr11-176B-ml/tr11-176B-ml.slurm): fused scale-mask-softmax, bias-GeLU,
                     bias-dropout-add (default dropout 0.1), dense attention, and ALiBi (`--position-
                     embedding-type alibi`) added to the scores through baddbmm's input: `fused (ALiBi)`;
-                    DeepSpeed's pipeline engine sends each tp rank's whole activation (`_exec_send_
-                    activations`: p2p.send of the stage's outputs), no scatter/gather
+                    DeepSpeed's pipeline engine partitions each boundary over the tp group and
+                    all-gathers it on arrival (`is_pipe_partitioned`), as Megatron's scatter/gather
     Korthikanti     Megatron-LM 2022 (the same fusions), dense attention: `fused`
     Megatron-LM     Megatron-Core with Transformer Engine, `--tp-comm-overlap`, `--overlap-grad-reduce
     (H100, 2024)    --overlap-param-gather` (README 'Training Speed and Scalability'): `fused`, TP overlapped
@@ -37,15 +37,27 @@ def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int, 
 
 
 # --- bigscience-workshop/bigscience train/tr11-176B-ml @ 9e64ede -------------------------------
-# 48 nodes of 8 A100 80GB, 4 × 100 Gb/s Omni-Path per node (6.25 GB/s per GPU), Megatron-DeepSpeed
-# with ZeRO-1, full activation checkpointing, no SP, sequence 2048, vocabulary 250880 (padded).
+# 48 nodes of 8 A100 80GB, 4 Omni-Path NICs of 100 Gb/s per node, Megatron-DeepSpeed with ZeRO-1, full
+# activation checkpointing, no SP, sequence 2048, vocabulary 250880 (padded).
 BIGSCIENCE = Source(
     "BigScience", "BigScience BLOOM-176B training (tr11) and its 181B layout trials",
     "bigscience-workshop/bigscience train/tr11-176B-ml/README.md@9e64ede ('Important checkpoints', 'Replica "
     "setup') and chronicles-prequel.md@9e64ede ('GBS Variations', 2022-02-25 tables)",
     "Megatron-DeepSpeed, fused kernels, dense attention with ALiBi, ZeRO-1: fp16 in the 2022-02-25 trials, bf16 "
     "in production (profile fused, plus ALiBi's score-matrix copy)")
-_OPA = 50 / 8
+# The inter-node link as the source measured it, not the NICs' nominal 12.5 GB/s: NCCL 2.10.3 over
+# Omni-Path on 4 of these nodes (experiments/bandwidth/all_reduce_bench-a100-n4.txt @ 9e64ede, 2022-01-27,
+# 32 A100, a 4 GB fp32 all-reduce in the training's conda environment) reached busbw 40.5 Gb/s (the
+# median of its 160 readings; trial 0, the warm-up, reads 15). Its log shows where that ran: 2 channels,
+# both leaving every node through one NIC (NET/IB/3) and entering through another (NET/IB/1), so 40.5 Gb/s
+# is what NCCL gets from one NIC in one direction. A node's 4 NICs serve its 8 GPUs: 5.07 · 4 / 8 per GPU.
+_NICS_PER_GPU = 4 / 8
+OPA_NOMINAL = 100 / 8 * _NICS_PER_GPU  # GB/s per GPU at the NICs' 100 Gb/s (the ablation's alternative)
+_OPA = 40.5 / 8 * _NICS_PER_GPU
+# DeepSpeed's pipeline engine (microsoft/DeepSpeed deepspeed/runtime/pipe/engine.py @ v0.5.10, the
+# release of the trials' month, lines 130-132, 634-652 and 613-624; the same in every later release, as
+# the `pipe_partitioned` default) partitions a stage's output over the tp group (PartitionedTensor: each
+# tp rank sends 1/t) and the next stage all-gathers it (`.full()`); gradients likewise: scatter/gather.
 # ALiBi as bigscience-workshop/Megatron-DeepSpeed runs it (megatron/model/transformer.py @ 99c8fe0, the
 # code of 2022-02-25, lines 283-326 and 591-618): the bias is a (b·np, 1, s) tensor passed as baddbmm's
 # input with beta = 1 (or 1/layer_number) instead of an empty one with beta = 0. PyTorch's baddbmm
@@ -62,7 +74,7 @@ def _bloom_trial(tp: int, pp: int, dp: int, mbs: int, seconds: float) -> Publish
     return PublishedRun(BIGSCIENCE, f"181B trial tp{tp} pp{pp} dp{dp} mbs{mbs}", f"{seconds} s/iteration",
                         _BLOOM_181B, "a100-80gb", megatron(tp, pp, dp, mbs, "full", False, 1), 2048,
                         2048 * 2048 / seconds / 384, _FUSED_ALIBI, "vocabulary 250880 (the '250k' of these trials)",
-                        _OPA)
+                        _OPA, pp_scatter_gather=True)
 
 
 BLOOM_TRIALS = (
@@ -77,7 +89,7 @@ BLOOM_TRIALS = (
 BIGSCIENCE_RUNS = (
     PublishedRun(BIGSCIENCE, "BLOOM-176B production", "104.70 s/iteration (149.77 TFLOPs) at GBS 2048", _BLOOM,
                  "a100-80gb", megatron(4, 12, 8, 2, "full", False, 1), 2048, 2048 * 2048 / 104.70 / 384,
-                 _FUSED_ALIBI, "", _OPA),
+                 _FUSED_ALIBI, "", _OPA, pp_scatter_gather=True),
     *BLOOM_TRIALS,
 )
 

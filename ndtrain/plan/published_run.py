@@ -58,7 +58,7 @@ class PublishedRun:
     grad_reduce_bytes: int = 2  # bytes per gradient value the data-parallel reduction moves, as the run set it
     gather_bytes: int = 2  # bytes per parameter value ZeRO/FSDP gathers (1: FP8 all-gather)
     tp_overlap: bool = False  # tensor-parallel communication overlapped with the GEMMs
-    pp_scatter_gather: bool = False  # pipeline boundaries sent 1/t per tp rank (Megatron-LM's scatter/gather)
+    pp_scatter_gather: bool = False  # boundaries sent 1/t per tp rank (Megatron scatter/gather, DeepSpeed partition)
 
     @property
     def generation(self) -> str:

@@ -26,9 +26,9 @@ cp        ring attention (Liu 2023; Megatron context parallel): c−1 steps per 
 pp        one send/recv per chunk boundary, forward and backward, v per micro-batch when
           interleaved; synchronous, so on the critical path. Each tp rank sends the activation it
           holds: b·s'·h·β, or 1/t of it with SP, whose activations are split by sequence (ndtrain's
-          runner, DeepSpeed's pipeline engine). With the scatter/gather optimisation (Narayanan
-          2021 §4.1; `Hardware.pp_scatter_gather`, a published Megatron-LM run's) each sends 1/t
-          and the receiver all-gathers the whole over tp.
+          runner). With scatter/gather (Narayanan 2021 §4.1; `Hardware.pp_scatter_gather`: the
+          published Megatron-LM and DeepSpeed runs') each sends 1/t and the receiver all-gathers
+          the whole over tp.
 step      m·(t_f + t_b) + bubble (`schedules.py`) + exposed dp/ZeRO communication + optimizer
 dp/ZeRO   over N = dp·c ranks, Ψ the stage's parameters per rank, the link of the group (`Cluster.link`);
           communication hidden behind compute still costs φ of its time (efficiency.overlap_cost):
