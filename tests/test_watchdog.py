@@ -152,7 +152,8 @@ def test_stop_waits_for_the_store_calls_of_its_threads(held: str) -> None:
     """A watchdog thread still inside a store call when its process exits aborted that process after its
     work was done (a daemon thread returning into a finalizing interpreter from C++: "terminate called
     without an active exception", exit -6; seen twice in 195 two-rank runs under load). stop() now waits
-    for the heartbeat's call and for a phase publish's."""
+    for the heartbeat's call and for a phase publish's, including one started on another thread just
+    before stop() (listed under a lock as it starts: without it, 32 of 60 runs under load missed it)."""
     before = set(threading.enumerate())
     store = _HeldStore(HELD_CALLS[held])
     watchdog = Watchdog(0, store, 0.4, {}, tick_s=0.05, grace_s=60).start()  # a heartbeat every 0.1 s

@@ -157,7 +157,8 @@ class Watchdog:
         self._stalled = threading.Event()
         self._alarm = threading.Event()
         self._stop = threading.Event()
-        self._publishes: list[threading.Thread] = []  # the phase publishes (main thread's), for stop()
+        self._publishes: list[threading.Thread] = []  # the phase publishes, for stop()
+        self._publishes_lock = threading.Lock()  # a publish is listed before its store call can begin
         self._threads = [
             threading.Thread(target=self._monitor, name="ndtrain-watchdog", daemon=True),
             threading.Thread(target=self._beat, name="ndtrain-watchdog-beat", daemon=True),
@@ -182,7 +183,9 @@ class Watchdog:
         self._stop.set()
         self._threads[0].join()
         deadline = time.monotonic() + 2 * self._grace_s
-        for thread in (self._threads[1], *self._publishes):  # a phase publish may outlast its grace_s
+        with self._publishes_lock:
+            publishes = tuple(self._publishes)  # a phase publish may outlast its grace_s
+        for thread in (self._threads[1], *publishes):
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def arm(self, wait: Wait) -> None:
@@ -208,8 +211,9 @@ class Watchdog:
 
     def _publish_phase(self, phase: Phase | None) -> None:
         record = {"phase": phase.describe() if phase else None}
-        publish = _started(lambda: self._phase_store.set(f"{_PREFIX}/phase/{self.rank}", json.dumps(record)))
-        self._publishes = [t for t in self._publishes if t.is_alive()] + [publish]
+        with self._publishes_lock:  # started and listed at once, so a stop() on another thread sees it
+            publish = _started(lambda: self._phase_store.set(f"{_PREFIX}/phase/{self.rank}", json.dumps(record)))
+            self._publishes = [t for t in self._publishes if t.is_alive()] + [publish]
         publish.join(self._grace_s)
 
     def hold_if_stalled(self) -> None:
