@@ -55,7 +55,7 @@ _NICS_PER_GPU = 4 / 8
 OPA_NOMINAL = 100 / 8 * _NICS_PER_GPU  # GB/s per GPU at the NICs' 100 Gb/s (the ablation's alternative)
 _OPA = 40.5 / 8 * _NICS_PER_GPU
 # DeepSpeed's pipeline engine (microsoft/DeepSpeed deepspeed/runtime/pipe/engine.py @ v0.5.10, the
-# release of the trials' month, lines 130-132, 634-652 and 613-624; the same in every later release, as
+# last release before the trials, lines 130-132, 634-652 and 613-624; the same in every later release, as
 # the `pipe_partitioned` default) partitions a stage's output over the tp group (PartitionedTensor: each
 # tp rank sends 1/t) and the next stage all-gathers it (`.full()`); gradients likewise: scatter/gather.
 # ALiBi as bigscience-workshop/Megatron-DeepSpeed runs it (megatron/model/transformer.py @ 99c8fe0, the
@@ -70,11 +70,16 @@ _BLOOM = _gpt("bloom-176b", 70, 14336, 112, 250880, 2048, False)
 _BLOOM_181B = _gpt("bloom-181b-trial", 72, 14336, 64, 250880, 2048, False)
 
 
+def _bloom(name: str, where: str, model: ModelSpec, tp: int, pp: int, dp: int, mbs: int, seconds: float,
+           assumed: str = "") -> PublishedRun:
+    """A run on BigScience's 384 A100 at GBS 2048, with its stack and its measured network."""
+    return PublishedRun(BIGSCIENCE, name, where, model, "a100-80gb", megatron(tp, pp, dp, mbs, "full", False, 1), 2048,
+                        2048 * 2048 / seconds / 384, _FUSED_ALIBI, assumed, _OPA, pp_scatter_gather=True)
+
+
 def _bloom_trial(tp: int, pp: int, dp: int, mbs: int, seconds: float) -> PublishedRun:
-    return PublishedRun(BIGSCIENCE, f"181B trial tp{tp} pp{pp} dp{dp} mbs{mbs}", f"{seconds} s/iteration",
-                        _BLOOM_181B, "a100-80gb", megatron(tp, pp, dp, mbs, "full", False, 1), 2048,
-                        2048 * 2048 / seconds / 384, _FUSED_ALIBI, "vocabulary 250880 (the '250k' of these trials)",
-                        _OPA, pp_scatter_gather=True)
+    return _bloom(f"181B trial tp{tp} pp{pp} dp{dp} mbs{mbs}", f"{seconds} s/iteration", _BLOOM_181B, tp, pp, dp,
+                  mbs, seconds, "vocabulary 250880 (the '250k' of these trials)")
 
 
 BLOOM_TRIALS = (
@@ -87,9 +92,7 @@ BLOOM_TRIALS = (
     _bloom_trial(4, 24, 4, 1, 130.60),
 )
 BIGSCIENCE_RUNS = (
-    PublishedRun(BIGSCIENCE, "BLOOM-176B production", "104.70 s/iteration (149.77 TFLOPs) at GBS 2048", _BLOOM,
-                 "a100-80gb", megatron(4, 12, 8, 2, "full", False, 1), 2048, 2048 * 2048 / 104.70 / 384,
-                 _FUSED_ALIBI, "", _OPA, pp_scatter_gather=True),
+    _bloom("BLOOM-176B production", "104.70 s/iteration (149.77 TFLOPs) at GBS 2048", _BLOOM, 4, 12, 8, 2, 104.70),
     *BLOOM_TRIALS,
 )
 
