@@ -9,6 +9,7 @@ import pytest
 from ndtrain.config import MODEL_PRESETS, ModelConfig
 from ndtrain.plan import arch, collectives, schedules
 from ndtrain.plan.calibrate_comm import fit_alpha_beta
+from ndtrain.plan.efficiency import GPU_TILE
 from ndtrain.plan.hardware import FP32, MIXED_BF16, Cluster, Link, gpu
 from ndtrain.plan.layout import Layout
 from ndtrain.plan.memory import layer_activation_bytes, model_states, stage_activations, stage_params
@@ -187,7 +188,10 @@ def test_links_by_group_span() -> None:
 
 
 def test_step_time_of_a_single_gpu_is_the_sum_of_its_terms() -> None:
+    """With wave quantization stated (128 × 256 tiles: the ablation's variant; the planner's constants
+    state no tile), so each term's formula is checked."""
     hw = gpu("a100-80gb")
+    hw = replace(hw, efficiency=replace(hw.efficiency, tile=GPU_TILE))
     eff, beta = hw.efficiency, 2
     spec = arch.ModelSpec("g", "gpt", 2, 1024, 16, 16, 4096, 1000, 512)
     timing = step_time(spec, layout(), Cluster(hw, 1, 8), 4)

@@ -5,8 +5,9 @@ the sources (each source weighs the same however many rows it has: a source is o
 validation leaves out sources), then the worst row; minimised by coordinate search over a fixed
 grid per constant (fractions 0.20 … 1.00 by 0.02, φ 0 … 1 by 0.05: no constant beyond its physical
 bound), until no single change improves it (first on every `COARSE`-th value, then on all), from
-each of `STARTS` (the search is local), keeping the best. The GEMM tile is stated, not searched
-(`efficiency.GPU_TILE`); a grid of one value fixes that constant (`ablation.py`). A constant no row
+each of `STARTS` (the search is local), keeping the best. A GEMM tile, when given (the ablation's
+wave-quantization variant, `efficiency.GPU_TILE`), is stated, not searched; a grid of one value fixes
+a constant (`ablation.py`). A constant no row
 depends on (FP8 GEMMs when no row runs them) keeps its start value. Pure arithmetic and
 deterministic, ≈ 20 s of CPU on the fit sources' rows. `ndtrain plan --fit-published` prints the
 fit on every fit source; `loso.py` refits without each source in turn. It is not applied at run
@@ -21,7 +22,7 @@ import statistics
 from dataclasses import replace
 from typing import Sequence
 
-from ndtrain.plan.efficiency import GPU_TILE, GpuEfficiency
+from ndtrain.plan.efficiency import GpuEfficiency
 from ndtrain.plan.published import fit_runs
 from ndtrain.plan.published_run import PublishedRun
 
@@ -58,7 +59,7 @@ def objective(eff: GpuEfficiency, rows: Sequence[PublishedRun]) -> tuple[float, 
 
 
 def fit(rows: Sequence[PublishedRun] | None = None, grid: dict[str, tuple[float, ...]] | None = None,
-        tile: tuple[int, int] | None = GPU_TILE) -> GpuEfficiency:
+        tile: tuple[int, int] | None = None) -> GpuEfficiency:
     rows = fit_runs() if rows is None else list(rows)
     grid = dict(GRID if grid is None else grid)
     unused = {"fp8_matmul": not any(run.kernels.fp8 for run in rows),

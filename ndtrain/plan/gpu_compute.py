@@ -15,7 +15,9 @@ gemm       the layer's four matrix products (QKV, attention output, MLP in, MLP 
            generation enters: P/B is 153 FLOP/byte on A100-80GB, 295 on H100 SXM). With an FP8
            kernel profile the four products run at η_fp8 of the FP8 peak with 1-byte operands
            (β_in = 1); otherwise β_in = β
-waves      wave quantization: a GEMM runs as ⌈T/128⌉·⌈N/256⌉ output tiles (`efficiency.GPU_TILE`),
+waves      wave quantization, only when the constants state a tile (the ablation's variant; the planner's
+           constants state none: leave-one-source-out it raised the error, docs/planner.md):
+           a GEMM runs as ⌈T/128⌉·⌈N/256⌉ output tiles (`efficiency.GPU_TILE`),
            one per SM at a time, in ⌈tiles/SMs⌉ waves; the last wave's idle SMs cost
                arithmetic · (waves·SMs/tiles − 1)
            (a GEMM of 336 tiles takes 4 waves on an A100's 108 SMs, 78 % of them busy; 3 on an

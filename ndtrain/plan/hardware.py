@@ -83,6 +83,9 @@ class Hardware:
     kernels: KernelProfile = DEFAULT  # the software stack its layers run (`kernels.py`)
     tp_overlap: bool = False  # tensor-parallel collectives run behind the GEMMs (Megatron's --tp-comm-overlap)
     pp_scatter_gather: bool = False  # each tp rank sends 1/t of a pipeline boundary, gathered over tp on arrival
+    dp_overlap: bool = True  # data-parallel reduction runs behind the backward (DDP buckets, FSDP, Megatron-Core's
+    # --overlap-grad-reduce); False: after the last micro-batch's backward, as Megatron-LM's local DDP of 2021-22
+    # and DeepSpeed's pipeline engine (ReduceGrads) run it
 
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ndtrain.plan import fit
-from ndtrain.plan.efficiency import GPU_TILE, GpuEfficiency
+from ndtrain.plan.efficiency import GpuEfficiency
 from ndtrain.plan.published import SOURCES, fit_runs, held_out_runs
 from ndtrain.plan.published_run import PublishedRun, Source
 
@@ -44,7 +44,7 @@ def _result(source: Source, rows: Sequence[PublishedRun], constants: GpuEfficien
 
 
 def leave_one_source_out(runs: Sequence[PublishedRun] | None = None, grid: dict[str, tuple[float, ...]] | None = None,
-                         tile: tuple[int, int] | None = GPU_TILE) -> list[SourceResult]:
+                         tile: tuple[int, int] | None = None) -> list[SourceResult]:
     runs = fit_runs() if runs is None else list(runs)
     results = []
     for source in dict.fromkeys(run.source for run in runs):

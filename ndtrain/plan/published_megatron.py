@@ -14,6 +14,8 @@ Each source's stack, read in its code or documents:
                     embedding-type alibi`) added to the scores through baddbmm's input: `fused (ALiBi)`;
                     DeepSpeed's pipeline engine partitions each boundary over the tp group and
                     all-gathers it on arrival (`is_pipe_partitioned`), as Megatron's scatter/gather
+    Narayanan       Megatron-LM 2021 (arXiv 2104.04473 §4.2: bias-GeLU and bias-dropout-add fused by the
+    (2021)          PyTorch JIT, the fused scale-mask-softmax), fp16, dense attention: `fused`
     Korthikanti     Megatron-LM 2022 (the same fusions), dense attention: `fused`
     Megatron-LM     Megatron-Core with Transformer Engine, `--tp-comm-overlap`, `--overlap-grad-reduce
     (H100, 2024)    --overlap-param-gather` (README 'Training Speed and Scalability'): `fused`, TP overlapped
@@ -58,6 +60,8 @@ _OPA = 40.5 / 8 * _NICS_PER_GPU
 # last release before the trials, lines 130-132, 634-652 and 613-624; the same in every later release, as
 # the `pipe_partitioned` default) partitions a stage's output over the tp group (PartitionedTensor: each
 # tp rank sends 1/t) and the next stage all-gathers it (`.full()`); gradients likewise: scatter/gather.
+# Its TrainSchedule (deepspeed/runtime/pipe/schedule.py @ v0.5.10) reduces the gradients at the end of the
+# batch, after the last backward (ReduceTiedGrads, ReduceGrads, OptimizerStep): dp_overlap=False.
 # ALiBi as bigscience-workshop/Megatron-DeepSpeed runs it (megatron/model/transformer.py @ 99c8fe0, the
 # code of 2022-02-25, lines 283-326 and 591-618): the bias is a (b·np, 1, s) tensor passed as baddbmm's
 # input with beta = 1 (or 1/layer_number) instead of an empty one with beta = 0. PyTorch's baddbmm
@@ -74,7 +78,8 @@ def _bloom(name: str, where: str, model: ModelSpec, tp: int, pp: int, dp: int, m
            assumed: str = "") -> PublishedRun:
     """A run on BigScience's 384 A100 at GBS 2048, with its stack and its measured network."""
     return PublishedRun(BIGSCIENCE, name, where, model, "a100-80gb", megatron(tp, pp, dp, mbs, "full", False, 1), 2048,
-                        2048 * 2048 / seconds / 384, _FUSED_ALIBI, assumed, _OPA, pp_scatter_gather=True)
+                        2048 * 2048 / seconds / 384, _FUSED_ALIBI, assumed, _OPA, pp_scatter_gather=True,
+                        dp_overlap=False)
 
 
 def _bloom_trial(tp: int, pp: int, dp: int, mbs: int, seconds: float) -> PublishedRun:
@@ -106,18 +111,53 @@ KORTHIKANTI = Source(
 _GPT_530B = _gpt("gpt-530b", 105, 20480, 128, 51200, 2048, False)
 _KORTHIKANTI_ASSUMED = ("tp8 pp35 dp8 (2240 = 8·35·8, the 530B model's tp·pp), global batch 1920, mbs 1, 1F1B, "
                         "distributed optimizer (ZeRO-1), DGX A100 links, pipeline boundaries scattered over tp "
-                        "(Megatron-LM's default --scatter-gather-tensors-in-pipeline)")
+                        "(Megatron-LM's default --scatter-gather-tensors-in-pipeline), gradients reduced after the "
+                        "backward (Megatron-LM's train_step of 2022)")
 
 
 def _korthikanti(name: str, mfu: float, recompute: str, sp: bool) -> PublishedRun:
     return PublishedRun(KORTHIKANTI, name, f"MFU {100 * mfu:.1f} % of 312 TFLOP/s", _GPT_530B, "a100-80gb",
                         megatron(8, 35, 8, 1, recompute, sp, 1), 1920, megatron_tokens(_GPT_530B, mfu * 312),
-                        FUSED, _KORTHIKANTI_ASSUMED, pp_scatter_gather=True)
+                        FUSED, _KORTHIKANTI_ASSUMED, pp_scatter_gather=True, dp_overlap=False)
 
 
 KORTHIKANTI_RUNS = (
     _korthikanti("530B, selective + SP", 0.542, "selective", True),
     _korthikanti("530B, full recompute", 0.421, "full", False),
+)
+
+# --- Narayanan et al. 2021 (arXiv 2104.04473, SC21), §5 and Table 1 ------------------------------
+# Selene: DGX A100 nodes of 8 A100 80GB on NVLink/NVSwitch, 8 HDR InfiniBand HCAs of 200 Gb/s per node
+# for the application (§5); mixed precision (fp16). Table 1 ("Weak-scaling throughput for GPT models"):
+# vocabulary 51,200, sequence 2048, activation recomputation (eq. 3, the count of its TFLOP/s per GPU,
+# includes the recomputed forward). Rows with pp = 1 only: the pp > 1 rows run the interleaved schedule
+# (§5.1) with neither its chunks nor the micro-batch size stated, which set a pipeline's bubble (the rule
+# of the Megatron-LM 2024 rows). At pp = 1 the data-parallel group is tp-major as in every layout here.
+NARAYANAN = Source(
+    "Narayanan 2021", "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters "
+    "Using Megatron-LM", "arXiv 2104.04473 (SC21), §5 and Table 1", "Megatron-LM 2021, fused kernels (§4.2), "
+    "dense attention, fp16, full recompute (profile fused)")
+_NARAYANAN_ASSUMED = ("micro-batch 1 (not stated; the paper's own choice in its §5.4 experiments), dropout 0.1 "
+                      "(Megatron's default), gradients all-reduced in fp16 without a distributed optimizer "
+                      "(ZeRO-0), DGX A100 links")
+# Megatron-LM of 2021-22 (megatron/training.py train_step @ aed2f75, 2021-04-11, and @ 35a3fa8, 2022-05-13)
+# all-reduces the gradients after forward_backward_func returns (`allreduce_gradients`, --DDP-impl local,
+# the default): nothing overlaps them (dp_overlap=False; Megatron-Core's --overlap-grad-reduce came later).
+
+
+def _narayanan(size: str, heads: int, hidden: int, layers: int, tp: int, gpus: int, batch: int,
+               tflops: float) -> PublishedRun:
+    spec = _gpt(f"gpt-{size.lower()}-narayanan", layers, hidden, heads, 51200, 2048, False)
+    return PublishedRun(NARAYANAN, f"{size} tp{tp} on {gpus} GPUs", f"{tflops} TFLOP/s per GPU (eq. 3)", spec,
+                        "a100-80gb", megatron(tp, 1, gpus // tp, 1, "full", False, 0), batch,
+                        megatron_tokens(spec, tflops, recompute=True), FUSED, _NARAYANAN_ASSUMED, dp_overlap=False)
+
+
+NARAYANAN_RUNS = (
+    _narayanan("1.7B", 24, 2304, 24, 1, 32, 512, 137),
+    _narayanan("3.6B", 32, 3072, 30, 2, 64, 512, 138),
+    _narayanan("7.5B", 32, 4096, 36, 4, 128, 512, 142),
+    _narayanan("18.4B", 48, 6144, 40, 8, 256, 1024, 135),
 )
 
 # --- nv-adlr/nv-adlr.github.io _projects/megatron-lm-v1.md @ 1576088 (Megatron v1.0, 2020) -----
@@ -174,7 +214,9 @@ NEMO = Source(
     "NeMo 24.07", "NeMo performance summary, pre-training at FP8 (container 24.07, DGX-H100)",
     "NVIDIA/NeMo docs/source/performance/performance_summary.md@8e3d65d, table 'Pretraining'",
     "Megatron-Core + Transformer Engine FP8 (profile fused-fp8)")
-_NEMO_ASSUMED = "no recompute, distributed optimizer, SP when tp > 1, TP communication not overlapped"
+_NEMO_ASSUMED = ("no recompute, distributed optimizer with its reduction and gather behind the compute "
+                 "(Megatron-Core's overlap_grad_reduce/overlap_param_gather), SP when tp > 1, TP communication "
+                 "not overlapped")
 
 
 def _nemo(model: str, gpus: int, batch: int, mbs: int, tp: int, pp: int, cp: int, vpp: int, tps: float,
@@ -224,5 +266,5 @@ BRIDGE_RUNS = (
     _bridge("b200", "llama3-405b", 128, 64, 1, 1, 4, 8, 2, 8, 661),
 )
 
-RUNS: tuple[PublishedRun, ...] = (BIGSCIENCE_RUNS + KORTHIKANTI_RUNS + V100_RUNS + MEGATRON_LM_RUNS + NEMO_RUNS
+RUNS: tuple[PublishedRun, ...] = (BIGSCIENCE_RUNS + NARAYANAN_RUNS + KORTHIKANTI_RUNS + V100_RUNS + MEGATRON_LM_RUNS + NEMO_RUNS
                                   + BRIDGE_RUNS)

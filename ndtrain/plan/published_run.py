@@ -11,7 +11,8 @@ their sources in `published_pytorch.py` (PyTorch-native stacks) and `published_m
 Throughput is compared as tokens per second per GPU: measured directly (llm-foundry's T/s/GPU,
 torchtitan's WPS/TPS, NeMo's tokens/sec/GPU), or global batch × sequence / seconds per iteration /
 GPUs, or a reported TFLOP/s per GPU divided by the FLOPs per token of the source's own formula
-(`megatron_tokens`: Megatron's count, dense attention, 3 × forward, no recompute).
+(`megatron_tokens`: Megatron's count, dense attention, 3 × forward, and the recomputed forward
+where the source counts it).
 
 Which rows the constants see: a source is either a fit source (the constants of `efficiency.py` are
 fitted on all of them, and `loso.py` validates leave-one-source-out) or held out (`Source.held_out`:
@@ -59,6 +60,7 @@ class PublishedRun:
     gather_bytes: int = 2  # bytes per parameter value ZeRO/FSDP gathers (1: FP8 all-gather)
     tp_overlap: bool = False  # tensor-parallel communication overlapped with the GEMMs
     pp_scatter_gather: bool = False  # boundaries sent 1/t per tp rank (Megatron scatter/gather, DeepSpeed partition)
+    dp_overlap: bool = True  # data-parallel reduction behind the backward; False: after it, exposed
 
     @property
     def generation(self) -> str:
@@ -66,7 +68,8 @@ class PublishedRun:
 
     def timing(self, efficiency: GpuEfficiency | None = None, kernels: KernelProfile | None = None) -> Timing:
         hardware = replace(gpu(self.gpu, inter_bw_gbs=self.inter_bw_gbs), kernels=kernels or self.kernels,
-                           tp_overlap=self.tp_overlap, pp_scatter_gather=self.pp_scatter_gather)
+                           tp_overlap=self.tp_overlap, pp_scatter_gather=self.pp_scatter_gather,
+                           dp_overlap=self.dp_overlap)
         if efficiency is not None:
             hardware = replace(hardware, efficiency=efficiency)
         precision = replace(hardware.precision, grad_bytes=self.grad_reduce_bytes, param_bytes=self.gather_bytes)
@@ -81,11 +84,14 @@ class PublishedRun:
         return self.predicted(efficiency) / self.reported - 1
 
 
-def megatron_tokens(model: ModelSpec, tflops_per_gpu: float) -> float:
+def megatron_tokens(model: ModelSpec, tflops_per_gpu: float, recompute: bool = False) -> float:
     """Tokens/s per GPU of a reported model TFLOP/s per GPU counted as Megatron counts (Narayanan 2021
     §5.1; megatron/training/training.py `num_floating_point_operations`): QKᵀ and AV over the full
-    s×s matrix, whatever the kernel, so the dense count of `arch.py`."""
-    return tflops_per_gpu * 1e12 / replace(model, flash=False).model_flops_per_token
+    s×s matrix, whatever the kernel, so the dense count of `arch.py`. With `recompute`, the count of
+    Narayanan 2021's eq. (3), which adds every layer's recomputed forward (not the logits')."""
+    dense = replace(model, flash=False)
+    recomputed = dense.layers * dense.layer_forward_flops_per_token if recompute else 0
+    return tflops_per_gpu * 1e12 / (dense.model_flops_per_token + recomputed)
 
 
 def fsdp(gpus: int, mbs: int, recompute: str) -> Layout:

@@ -138,7 +138,7 @@ def terms(candidate: Candidate, model: ModelSpec, cluster: Cluster) -> str:
                      f"{hw.kernels.attention} flash kernels, η_mm for dense), "
                      f"element-wise {_ms(layer.element)} ({(per_layer + scores) / 1e6:.1f} MB the profile's kernels "
                      f"move at η_ew = {eff.elementwise} of HBM)")
-        lines.append(f"  one layer backward {_ms(gpu.layer_b)} (2 × forward, its products' own waves); recompute adds "
+        lines.append(f"  one layer backward {_ms(gpu.layer_b)} (2 × forward, term by term); recompute adds "
                      f"{_ms(gpu.recompute)} per layer backward ({lay.recompute})")
         lines.append(f"  data-parallel gradients reduced at {hw.precision.grad_bytes} bytes per value; overlapped "
                      f"communication costs φ = {eff.overlap_cost} of its time in the compute it runs beside")

@@ -31,7 +31,9 @@ pp        one send/recv per chunk boundary, forward and backward, v per micro-ba
           the whole over tp.
 step      m·(t_f + t_b) + bubble (`schedules.py`) + exposed dp/ZeRO communication + optimizer
 dp/ZeRO   over N = dp·c ranks, Ψ the stage's parameters per rank, the link of the group (`Cluster.link`);
-          communication hidden behind compute still costs φ of its time (efficiency.overlap_cost):
+          communication hidden behind compute still costs φ of its time (efficiency.overlap_cost);
+          where the stack reduces after the last backward (`Hardware.dp_overlap` False: Megatron-LM's
+          local DDP of 2021-22, DeepSpeed's pipeline engine) nothing hides it:
           stage 0   all-reduce 2Ψ behind the last micro-batch's backward (DDP buckets), except
                     the last bucket (Li 2020, PyTorch DDP)
           stage 1   reduce-scatter 2Ψ (as above) + all-gather 2Ψ of updated weights behind the
@@ -255,7 +257,7 @@ def _data_parallel(model: ModelSpec, layout: Layout, cluster: Cluster, mb: _Micr
     psi = stage_params(model, layout, "last" if layout.pp > 1 else "only")
     grads, weights = psi * precision.grad_bytes, psi * precision.param_bytes
     bucket = min(BUCKET_BYTES, grads)
-    overlap = 1.0 if cluster.hardware.overlaps_comm else 0.0
+    overlap = 1.0 if cluster.hardware.overlaps_comm and cluster.hardware.dp_overlap else 0.0
     window_f, window_b = overlap * mb.compute_f, overlap * mb.compute_b
     phi = cluster.hardware.efficiency.overlap_cost
 
