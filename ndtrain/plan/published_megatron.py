@@ -266,5 +266,5 @@ BRIDGE_RUNS = (
     _bridge("b200", "llama3-405b", 128, 64, 1, 1, 4, 8, 2, 8, 661),
 )
 
-RUNS: tuple[PublishedRun, ...] = (BIGSCIENCE_RUNS + NARAYANAN_RUNS + KORTHIKANTI_RUNS + V100_RUNS + MEGATRON_LM_RUNS + NEMO_RUNS
-                                  + BRIDGE_RUNS)
+RUNS: tuple[PublishedRun, ...] = (BIGSCIENCE_RUNS + NARAYANAN_RUNS + KORTHIKANTI_RUNS + V100_RUNS + MEGATRON_LM_RUNS
+                                  + NEMO_RUNS + BRIDGE_RUNS)
