@@ -10,7 +10,7 @@ import pytest
 
 from ndtrain.plan.arch import ModelSpec
 from ndtrain.plan.efficiency import GPU_EFFICIENCY, GPU_TILE, GpuEfficiency
-from ndtrain.plan.kernels import PROFILES
+from ndtrain.plan.kernels import FUSED_FP8, PROFILES
 from ndtrain.plan.published import ORDERINGS, RUNS, SOURCES, by_name, fit_runs, held_out_runs
 from ndtrain.plan.published_megatron import NARAYANAN_RUNS
 from ndtrain.plan.published_run import megatron_tokens
@@ -36,12 +36,16 @@ def test_every_row_cites_its_source_and_states_its_stack() -> None:
 
 def test_reductions_and_gathers_are_what_the_runs_set() -> None:
     """Composer's MP Mode DEFAULT (reduce_dtype fp32) and torchtitan reduce fp32; llm-foundry's two PURE
-    rows bf16; torchtitan's H200 run gathers FP8 parameters. Each changes only data-parallel time."""
+    rows bf16; torchtitan's H200 run and Megatron-Bridge's FP8-CS recipe (fp8_param_gather) gather FP8
+    parameters. Each changes only data-parallel time."""
     pure = {"A100 MPT-70b 64 GPUs", "A100 MPT-70b 32 GPUs"}
     for run in RUNS:
         fp32 = run.source.key.startswith("torchtitan") or (run.source.key == "llm-foundry" and run.name not in pure)
         assert run.grad_reduce_bytes == (4 if fp32 else 2), run.name
-        assert run.gather_bytes == (1 if run.source.key == "torchtitan H200" else 2), run.name
+        assert run.gather_bytes == (1 if run.source.key in ("torchtitan H200", "Megatron-Bridge 25.11") else 2), run.name
+        if run.gather_bytes == 1:
+            bf16 = replace(run, gather_bytes=2)
+            assert run.timing().dp_comm < bf16.timing().dp_comm and run.timing().compute == bf16.timing().compute
         if fp32:
             bf16 = replace(run, grad_reduce_bytes=2)
             assert run.timing().dp_comm > bf16.timing().dp_comm and run.timing().compute == bf16.timing().compute
@@ -78,6 +82,30 @@ def test_data_parallel_reduction_overlaps_the_backward_only_where_the_runs_code_
             overlapped = replace(run, dp_overlap=True)
             assert run.timing().dp_comm > overlapped.timing().dp_comm
             assert run.timing().compute == overlapped.timing().compute
+
+
+def test_tensor_parallel_communication_overlaps_the_gemms_only_where_the_runs_state_it() -> None:
+    """Megatron-LM's README states --tp-comm-overlap; Megatron-Bridge's Llama 3 70B and 3.1 405B recipes
+    set CommOverlapConfig(tp_comm_overlap=True) (userbuffers). NeMo 24.07 states nothing, so it is costed
+    exposed; Bridge's 8B recipe sets it only when tp > 1. Only tensor-parallel time changes."""
+    for run in RUNS:
+        bridge = run.source.key == "Megatron-Bridge 25.11" and run.layout.tp > 1
+        assert run.tp_overlap == (run.source.key == "Megatron-LM 2024" or bridge), run.name
+        if run.tp_overlap and run.layout.tp > 1:
+            exposed = replace(run, tp_overlap=False)
+            assert run.timing().tp_comm < exposed.timing().tp_comm
+            assert run.timing().compute == exposed.timing().compute
+
+
+def test_megatron_bridge_runs_transformer_engines_fused_cross_entropy() -> None:
+    """Bridge's recipes set cross_entropy_fusion_impl = "te": the fused-fp8 profile with 6 bytes per logit
+    (TE's Triton kernel) instead of Megatron's 38: the last stage's compute is shorter."""
+    for run in RUNS:
+        if run.source.key != "Megatron-Bridge 25.11":
+            assert run.kernels.loss != 6, run.name
+            continue
+        assert replace(run.kernels, name=FUSED_FP8.name, loss=FUSED_FP8.loss) == FUSED_FP8 and run.kernels.loss == 6
+        assert run.timing().compute < replace(run, kernels=FUSED_FP8).timing().compute
 
 
 def test_torchtitans_selective_op_checkpointing_recomputes_half_the_matmuls() -> None:

@@ -23,6 +23,8 @@ intermediate counting 4 bytes; a read and a write of one bf16 value = 4):
     loss         14  per logit: .float() 6,      38  vocab-parallel cross-entropy 14  (not compiled)
                      log_softmax 8                  on fp32: .float() 6, max 4, −max 8, exp 8, sum 4,
                                                     the softmax kept for the backward (÷ sum) 8
+                                                    (Transformer Engine's Triton cross-entropy, which
+                                                    Megatron-Bridge runs: 6, see published_megatron.py)
     FP8 cast      -  -                            3  fused-fp8 / compiled-fp8: each GEMM input read
                                                      in bf16, written in FP8 (read 2, write 1); in
                                                      the backward each GEMM's output gradient

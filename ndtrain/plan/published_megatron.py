@@ -20,7 +20,9 @@ Each source's stack, read in its code or documents:
     Megatron-LM     Megatron-Core with Transformer Engine, `--tp-comm-overlap`, `--overlap-grad-reduce
     (H100, 2024)    --overlap-param-gather` (README 'Training Speed and Scalability'): `fused`, TP overlapped
     NeMo 24.07      Megatron-Core with Transformer Engine in FP8 (the table's precision): `fused-fp8`
-    Megatron-Bridge NeMo 25.11 container, FP8 current scaling: `fused-fp8` (held out)
+    Megatron-Bridge NeMo 25.11 container, FP8 current scaling with FP8 parameter gathers, TP
+                    communication overlapped (userbuffers) where tp > 1, Transformer Engine's fused
+                    cross-entropy: `fused-fp8 (TE cross-entropy)` (held out)
 Megatron's distributed optimizer is ZeRO-1 (gradients reduce-scattered, parameters all-gathered); with
 tp > 1 the Megatron-Core runs use sequence parallelism (`--tp-comm-overlap` requires it).
 """
@@ -242,12 +244,32 @@ NEMO_RUNS = (
 
 # --- NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ 00b7660 (NeMo 25.11) ----------
 # Held out: never used in any fit. Dense Llama rows of the DGX-H100 and DGX-B200 tables, FP8-CS
-# (current scaling); FSDP = 1 is Megatron FSDP (ZeRO-3 over the data-parallel ranks).
+# (current scaling); FSDP = 1 is Megatron FSDP (ZeRO-3 over the data-parallel ranks). The stack as the
+# performance scripts at the same commit set it ("results obtained using performance recipes"):
+# - scripts/performance/utils/precision.py, fp8_cs: bf16_with_fp8_current_scaling_mixed() with
+#   first_last_layers_bf16 = False (src/megatron/bridge/training/mixed_precision.py: fp8_param_gather
+#   = True), so every ZeRO/FSDP parameter gather moves FP8 values;
+# - src/megatron/bridge/recipes/llama/llama3.py, llama3_70b_pretrain_config and
+#   llama31_405b_pretrain_config: CommOverlapConfig(tp_comm_overlap=True) with userbuffers, kept by
+#   the H100 and B200 fp8_cs scripts (scripts/performance/configs/llama/llama3*_llm_pretrain.py);
+# - the same recipes and scripts/performance/utils/overrides.py: cross_entropy_fusion_impl = "te",
+#   Transformer Engine's Triton cross-entropy (transformer_engine/pytorch/triton/cross_entropy.py @ v2.9
+#   and v2.10, the releases of the container's months): its forward reads each bf16 logit twice (the
+#   online softmax, then the loss) and writes the gradient in its place: 6 bytes per logit, not 38
+#   (its backward, an in-place multiply, moves 4, which the planner's uniform 2 × forward counts as 12);
+# - the H100 8B row: the table's FSDP 1, cp 1 and no recompute are the 25.09 recipe's
+#   (configs/llama3/llama3_8b_llm_pretrain.yaml@fa0315ae2, fp8_cs: use_megatron_fsdp, nccl_ub, whose
+#   table row has the same layout); 00b7660's own llama3_workload_base_configs.py (after the 2025-12-03
+#   launcher refactor) sets cp 1 and full recompute of 5 of 32 layers but not FSDP, contrary to its table.
 MEGATRON_BRIDGE = Source(
     "Megatron-Bridge 25.11", "Megatron-Bridge performance summary, NeMo 25.11 container",
     "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md@00b7660, '25.11 NeMo Container', tables "
     "'System: DGX-H100' and 'System: DGX-B200'", "Megatron-Core + Transformer Engine FP8 current scaling "
-    "(profile fused-fp8)", held_out=True)
+    "with FP8 parameter gathers, TP communication overlapped where tp > 1, TE's fused cross-entropy (profile "
+    "fused-fp8, loss 6 bytes per logit)", held_out=True)
+_FUSED_FP8_TE_LOSS = replace(FUSED_FP8, name="fused-fp8 (TE cross-entropy)", loss=6)
+_BRIDGE_ASSUMED = ("no recompute, distributed optimizer or Megatron FSDP with its reduction and gather behind the "
+                   "compute (Megatron-Core's overlap_grad_reduce/overlap_param_gather), SP when tp > 1")
 
 
 def _bridge(gpu: str, model: str, gpus: int, batch: int, mbs: int, zero: int, tp: int, pp: int, cp: int, vpp: int,
@@ -255,7 +277,7 @@ def _bridge(gpu: str, model: str, gpus: int, batch: int, mbs: int, zero: int, tp
     dp = gpus // (tp * pp * cp)
     return PublishedRun(MEGATRON_BRIDGE, f"{gpu.upper()} {model} {gpus} GPUs", f"{tps} tokens/sec/GPU", PRESETS[model],
                         "h100-sxm" if gpu == "h100" else gpu, megatron(tp, pp, dp, mbs, "none", tp > 1, zero, cp, vpp),
-                        batch, tps, FUSED_FP8, _NEMO_ASSUMED)
+                        batch, tps, _FUSED_FP8_TE_LOSS, _BRIDGE_ASSUMED, gather_bytes=1, tp_overlap=tp > 1)
 
 
 BRIDGE_RUNS = (
