@@ -22,26 +22,27 @@ the gradient's step minus the clock the worker pulled (≤ s by construction), w
 next to τ. Each server records every application. LR schedule: the multiplier of schedule step k,
 with k = the step in sync and k = (updates applied) // W in async/ssp, so the schedule spans the
 same number of samples.
-Async rule (async and ssp; `async_lr_scale`, `async_beta1`): a push carries 1/W of the global
-batch and is applied with lr/(W·(1+τ)) — W fresh pushes move the parameters about as far as one
-sync step (exactly, for SGD) and stale gradients count less (staleness-aware async SGD, Zhang et
-al. 2016) — and the server's Adam runs with β1' = max(0, β1 − (1 − 1/W)). Why: asynchrony itself
-acts as momentum 1 − 1/W ("Asynchrony begets momentum", Mitliagkas et al. 2016); on top of Adam's
-β1 = 0.9 the total is too much. Linearised, a gradient one update late caps the stable step at
-lr·curvature < 1 whatever β1, where a fresh one allows 2(1+β1)/(1−β1) = 38: under delay β1's
-stability gain is gone and only its lag is left. One worker keeps β1 and the full lr (exactly
-single-process training). Cost: none (no state, no bytes). Measured on the default run (2
-workers + 1 server, staleness 1 for ~95% of pushes): sync 1.508; this rule 1.644 and 1.633
-(+9%, two runs). A one-process simulation of delay-1 round robin: full lr and β1 2.30; lr/4 and
-β1 1.83; lr/4 and β1 0.5 or 0: 1.64 and 1.63; delay compensation (DC-ASGD, Zheng et al. 2017,
-λ0 = 2) on top of lr/4 gained nothing (1.82). Since the data's per-document EOS and document
-masks (7baf6cf, 2 CPU cores under load) sync improved and async did not: sync 1.5107 at 5d08730,
-1.4923 with EOS but no masks, 1.4786 with masks (deterministic); async 1.644, 1.648, 1.659 (the
-last with the pushes forced into strict round robin, τ = 1 always) with masks, 1.622 and 1.662
-(round robin) without: +11-12% over sync with masks, +9-11% without. Masks change only the ~0.8%
-of windows that cross a document boundary (round-robin losses equal to 1e-4 at step 10, then
-diverging as any tiny perturbation does); a run's order of pushes alone moves async's loss by
-~0.02-0.04.
+Async rule (async and ssp; `async_lr_scale`, `_reply`): a push carries 1/W of the global batch
+and is applied with lr/(W·(1+τ)) — W fresh pushes move the parameters about as far as one sync step
+(exactly, for SGD) and stale gradients count less (staleness-aware async SGD, Zhang et al. 2016) —
+and the parameters a worker pulls are looked ahead: the server answers with x + τ_w·Δ, where Δ is
+the update it applied last and τ_w the staleness of that worker's last gradient, the updates it
+will likely apply before the worker's next gradient lands (W − 1 for W balanced workers). The
+gradient is so computed about where it is applied: a parameter look-ahead as in DANA (Hakimi et al.
+2019) and SpecTrain's weight prediction (Chen et al. 2018), with the last update in place of the
+momentum. The server steps its own x; the final answers carry x itself. Adam keeps its β1. Why: a
+gradient one update late caps the stable step at lr·curvature < 1 whatever β1 (linearised), where
+a fresh one allows 2(1+β1)/(1−β1) = 38, and asynchrony acts as momentum 1 − 1/W on top of Adam's
+("Asynchrony begets momentum", Mitliagkas et al. 2016); evaluated at the looked-ahead point the
+gradient is fresh to first order. One worker (τ = 0) keeps the full lr and no look-ahead: exactly
+single-process training. Measured on the default run (2 workers + 1 server, τ = 1 for ~95% of the
+pushes; validation loss after the same samples; a run's push order alone moves async by
+~0.02-0.04): sync 1.478; this rule 1.521, 1.487 and 1.511 (+0.6 to +2.9%), and 1.494 and 1.470
+with the look-ahead fixed at W − 1; with that fixed look-ahead and β1 lowered to 0.4, 1.641, or
+lr/W (no τ factor), 1.545; β1 0.9 without look-ahead, 1.771. The rule before it (2026-11-22 to
+-29) lowered β1 to max(0, β1 − (1 − 1/W)) instead: 1.644-1.659, +11-12% over sync once the data's
+per-document EOS and masks had improved sync (1.511 → 1.479) and not async. Cost: Δ, 4Ψ_j bytes per server, and two
+passes over the shard per update; no bytes on the wire.
 Non-finite guard: a push whose header (the worker's ‖g‖², NaN for a non-finite loss) or, in sync,
 whose averaged gradient's norm is NaN/inf is not applied. With `skip_nonfinite` it is skipped
 (status skipped, counted by the worker); otherwise the server answers "stop" and every rank
@@ -52,7 +53,7 @@ header-NaN push to each server that had answered normally, worker.py), then rais
 
 Cost per round: server j receives W·(4Ψ_j + 4) bytes and sends W·(4Ψ_j + 16). Memory: 4Ψ (the
 model it builds; its shard is the master) + 4Ψ_j gradient + an inbox of 4Ψ_j (async, ssp) or
-W·4Ψ_j (sync) + 8Ψ_j AdamW state.
+W·4Ψ_j (sync) + 8Ψ_j AdamW state + 4Ψ_j last update (async/ssp with W > 1).
 """
 
 from __future__ import annotations
@@ -74,12 +75,6 @@ from ndtrain.ps.messages import APPLIED, SKIPPED, STOP, OptimizerFn, Outcome, PS
 def async_lr_scale(workers: int, staleness: int) -> float:
     """The lr factor of one async/ssp push: 1/W (it carries 1/W of the batch) × 1/(1 + τ)."""
     return 1.0 / (workers * (1 + staleness))
-
-
-def async_beta1(beta1: float, workers: int) -> float:
-    """The server's Adam β1 under asynchrony: W asynchronous workers add momentum 1 − 1/W
-    (Mitliagkas et al. 2016), taken out of the explicit one so the total stays β1 (floor 0)."""
-    return max(0.0, beta1 - (1.0 - 1.0 / workers))
 
 
 @dataclass
@@ -117,10 +112,6 @@ class ParameterServer:
             opts = dict(group_fn(name, p))
             groups.setdefault(tuple(sorted(opts.items())), {"params": [], **opts})["params"].append(p)
         self.optimizer = optimizer_fn(list(groups.values()))
-        if setup.mode != "sync":
-            for group in self.optimizer.param_groups:
-                if "betas" in group:
-                    group["betas"] = (async_beta1(group["betas"][0], setup.roles.workers), *group["betas"][1:])
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.lr_lambda, self.grad_clip, self.skip_nonfinite = lr_lambda, grad_clip, skip_nonfinite
         n = sum(p.numel() for p in self.params)
@@ -129,6 +120,9 @@ class ParameterServer:
         self.grad = torch.zeros(n, device=device)
         for p, g in zip(self.params, flat_views(self.grad, self.params)):
             p.grad = g
+        # async/ssp with W > 1: the last update applied, Δ (module docstring: the look-ahead)
+        self.update = torch.zeros(n, device=device) if setup.mode != "sync" and setup.roles.workers > 1 else None
+        self.staleness = [0] * setup.roles.workers     # of each worker's last applied gradient
         self.pushes = [0] * setup.roles.workers        # gradients applied, per worker
         self.pulled = [(0, 0)] * setup.roles.workers   # (version, clock) each worker last pulled
         self.outcomes = [Outcome()] * setup.roles.workers  # what the server did with each worker's last push
@@ -162,7 +156,7 @@ class ParameterServer:
         self.steps_served += 1
         if self.steps_served == self.setup.steps:
             for w in range(self.setup.roles.workers):
-                self._reply(w)
+                self._reply(w, ahead=False)  # the final parameters themselves
             self.ctx.comm.barrier(self.world)  # the run's end (module docstring)
         return outcome
 
@@ -214,20 +208,21 @@ class ParameterServer:
         self.outcomes = [outcome] * workers
         done = set(told) | set(self.waiting) | {w for w in range(workers) if self.pushes[w] >= self.setup.steps}
         for w in sorted(done):
-            self._reply(w)
+            self._reply(w, ahead=False)
         while len(done) < workers:
             w = self.ctx.comm.recv_any(self.inbox[0], self.world)
             if w not in done:
                 done.add(w)
-                self._reply(w)
+                self._reply(w, ahead=False)
         self.ctx.comm.barrier(self.world)  # the run's end (module docstring)
         raise NonFiniteError(step + 1, float("nan"), outcome.grad_norm)
 
     def _record(self, workers: list[int]) -> None:
         for w in workers:
             version, clock = self.pulled[w]
+            self.staleness[w] = self.version - version
             self.report.applications.append(
-                Application(w, self.pushes[w], self.version - version, self.pushes[w] - clock)
+                Application(w, self.pushes[w], self.staleness[w], self.pushes[w] - clock)
             )
 
     def _global_sqnorm(self) -> float:
@@ -259,13 +254,25 @@ class ParameterServer:
             clip_([self.grad], torch.tensor(norm, dtype=self.grad.dtype, device=self.grad.device), self.grad_clip)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * multiplier
-        self.optimizer.step()
+        if self.update is None:
+            self.optimizer.step()
+        else:  # Δ = x after − x before
+            for u, p in zip(flat_views(self.update, self.params), self.params):
+                u.copy_(p)
+            self.optimizer.step()
+            for u, p in zip(flat_views(self.update, self.params), self.params):
+                u.sub_(p).neg_()
         self.report.updates += 1
         return Outcome(norm, lr, APPLIED)
 
-    def _reply(self, worker: int) -> None:
+    def _reply(self, worker: int, ahead: bool = True) -> None:
+        """Answer `worker` with the header and shard j's parameters: in async/ssp mid-run, moved ahead
+        by the worker's last staleness times the last update (module docstring: the look-ahead)."""
         o = self.outcomes[worker]
         header = torch.tensor([float(self.version), o.grad_norm, o.lr, float(o.status)], device=self.ctx.device)
         message = torch.cat([header, *(p.detach().reshape(-1) for p in self.params)])
+        steps = self.staleness[worker] if ahead and self.update is not None else 0
+        if steps:
+            message[len(header):].add_(self.update, alpha=float(steps))
         self.pulled[worker] = (self.version, self.clock)
         self.ctx.comm.send(message, self.world, worker).wait()

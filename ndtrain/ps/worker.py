@@ -5,9 +5,10 @@ One step (`PSWorker.train_step`): forward/backward over the worker's micro-batch
 local gradient (`grad_norm.local_squares`, accumulated in float64: the push header that async/ssp
 servers clip by), push [Σg², its gradient restricted to shard j] to every server j, pull
 [version, norm, lr, status, shard j's parameters] from each and copy the parameters into the
-model. A loss that is not finite sends a NaN header (the servers' guard, server.py); a worker told
-"stop" by one server sends one more header-NaN push to each server that had answered normally,
-so none waits for it, then every rank raises `NonFiniteError` after the run's end barrier.
+model (in async/ssp, mid-run, the parameters looked ahead by the server: server.py). A loss that
+is not finite sends a NaN header (the servers' guard, server.py); a worker told "stop" by one
+server sends one more header-NaN push to each server that had answered normally, so none waits
+for it, then every rank raises `NonFiniteError` after the run's end barrier.
 
 Straggler: `slow_worker=(rank, F)` makes that worker wait (F−1)× its measured compute time after
 each backward (an experiment knob: the wait is the feature, not synchronisation).
