@@ -41,8 +41,9 @@ pushes; validation loss after the same samples; a run's push order alone moves a
 with the look-ahead fixed at W − 1; with that fixed look-ahead and β1 lowered to 0.4, 1.641, or
 lr/W (no τ factor), 1.545; β1 0.9 without look-ahead, 1.771. The rule before it (2026-11-22 to
 -29) lowered β1 to max(0, β1 − (1 − 1/W)) instead: 1.644-1.659, +11-12% over sync once the data's
-per-document EOS and masks had improved sync (1.511 → 1.479) and not async. Cost: Δ, 4Ψ_j bytes per server, and two
-passes over the shard per update; no bytes on the wire.
+per-document EOS and masks had improved sync (1.511 → 1.479) and not async; delay compensation
+(DC-ASGD, Zheng et al. 2017) on top of lr/4 had gained nothing in a one-process simulation then.
+Cost: Δ, 4Ψ_j bytes per server, and two passes over the shard per update; no bytes on the wire.
 Non-finite guard: a push whose header (the worker's ‖g‖², NaN for a non-finite loss) or, in sync,
 whose averaged gradient's norm is NaN/inf is not applied. With `skip_nonfinite` it is skipped
 (status skipped, counted by the worker); otherwise the server answers "stop" and every rank
