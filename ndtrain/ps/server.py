@@ -35,7 +35,7 @@ gradient one update late caps the stable step at lr·curvature < 1 whatever β1 
 a fresh one allows 2(1+β1)/(1−β1) = 38, and asynchrony acts as momentum 1 − 1/W on top of Adam's
 ("Asynchrony begets momentum", Mitliagkas et al. 2016); evaluated at the looked-ahead point the
 gradient is fresh to first order. One worker (τ = 0) keeps the full lr and no look-ahead: exactly
-single-process training. Measured on the default run (2 workers + 1 server, τ = 1 for ~95% of the
+single-process training. Measured on the default run (2 workers + 1 server, τ = 1 for 86-92% of the
 pushes; validation loss after the same samples; a run's push order alone moves async by
 ~0.02-0.04): sync 1.478; this rule 1.521, 1.487 and 1.511 (+0.6 to +2.9%), and 1.494 and 1.470
 with the look-ahead fixed at W − 1; with that fixed look-ahead and β1 lowered to 0.4, 1.641, or
