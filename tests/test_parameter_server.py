@@ -63,20 +63,22 @@ def reference(workers: int, norms: list[float] | None = None) -> list[torch.Tens
     return list(result.params.values())
 
 
+def flat(params) -> torch.Tensor:
+    """A copy of `params` end to end (a shard's layout in a message)."""
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
 class RecordingServer(ParameterServer):
     """A server that keeps its parameters x_v after every update v (v = 0: the start)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.history = [self.flat()]
-
-    def flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params]).clone()
+        self.history = [flat(self.params)]
 
     def _apply(self, *args):
         outcome = super()._apply(*args)
         if outcome.status == APPLIED:
-            self.history.append(self.flat())
+            self.history.append(flat(self.params))
         return outcome
 
 
@@ -93,7 +95,7 @@ def run_ps(ctx, ps: PSConfig, steps: int = STEPS, batches=micro_batches) -> dict
     pulled = []  # what the worker holds after each pull (one server: the whole shard, in model order)
     for step in range(steps):
         worker.train_step(batches(ctx.rank, step, model.cfg.vocab_size))
-        pulled.append(torch.cat([p.detach().reshape(-1) for p in trainable_parameters(model)]))
+        pulled.append(flat(trainable_parameters(model)))
     return {"role": "worker", "params": [p.detach().clone() for p in model.parameters()],
             "versions": worker.report.versions, "pushes": worker.report.steps, "pulled": pulled}
 

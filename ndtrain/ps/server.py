@@ -123,6 +123,7 @@ class ParameterServer:
             p.grad = g
         # async/ssp with W > 1: the last update applied, Δ (module docstring: the look-ahead)
         self.update = torch.zeros(n, device=device) if setup.mode != "sync" and setup.roles.workers > 1 else None
+        self.update_views = flat_views(self.update, self.params) if self.update is not None else []
         self.staleness = [0] * setup.roles.workers     # of each worker's last applied gradient
         self.pushes = [0] * setup.roles.workers        # gradients applied, per worker
         self.pulled = [(0, 0)] * setup.roles.workers   # (version, clock) each worker last pulled
@@ -258,10 +259,10 @@ class ParameterServer:
         if self.update is None:
             self.optimizer.step()
         else:  # Δ = x after − x before
-            for u, p in zip(flat_views(self.update, self.params), self.params):
+            for u, p in zip(self.update_views, self.params):
                 u.copy_(p)
             self.optimizer.step()
-            for u, p in zip(flat_views(self.update, self.params), self.params):
+            for u, p in zip(self.update_views, self.params):
                 u.sub_(p).neg_()
         self.report.updates += 1
         return Outcome(norm, lr, APPLIED)
